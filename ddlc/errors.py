@@ -1,0 +1,42 @@
+"""The one exception hierarchy of ddlc.
+
+Every error names its cause; where a graph node is involved it also names the
+node, the operator and the user's source line (``where``).
+"""
+from __future__ import annotations
+
+
+class DDLCError(Exception):
+    """Base class of every error ddlc raises on purpose."""
+
+    def __init__(self, message: str, *, where: str | None = None):
+        self.where = where
+        super().__init__(f"{message}\n  at {where}" if where else message)
+
+
+class MeshError(DDLCError, ValueError):
+    """A mesh shape, axis name, profile or world size that cannot be used."""
+
+
+class SBPError(DDLCError, ValueError):
+    """An SBP or placement that is malformed or does not fit a tensor."""
+
+
+class TraceError(DDLCError):
+    """The model or training step cannot be traced into one graph."""
+
+
+class UnsupportedInputError(TraceError, TypeError):
+    """An example input, loss function or optimizer that ddlc does not accept."""
+
+
+class ShardingError(DDLCError):
+    """No valid or affordable sharding exists (e.g. memory budget infeasible)."""
+
+
+class LoweringError(DDLCError):
+    """A plan cannot be turned into a per-rank program."""
+
+
+class RuntimeMismatchError(DDLCError, RuntimeError):
+    """Ranks disagree (world size, collective order) or a worker failed."""

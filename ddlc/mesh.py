@@ -1,0 +1,217 @@
+"""The device mesh and the hardware profiles that price it.
+
+A :class:`Mesh` is a shape ``(p1, ..., pk)``, one name per axis and one
+:class:`LinkModel` (α latency, β = 1/bandwidth) per axis. Links come from a
+:class:`HardwareProfile` stored as JSON under ``ddlc/profiles``: an axis is
+intra-node when the devices it connects (it and every axis inside it) fit in
+one node, else inter-node. Axis 0 is the outermost (slowest-varying) axis,
+as in ``torch.distributed.device_mesh.DeviceMesh``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Sequence
+
+from .errors import MeshError
+
+__all__ = ["LinkModel", "HardwareProfile", "Mesh", "load_profile", "available_profiles"]
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """α-β model of one link: ``latency`` seconds per message, ``bandwidth`` bytes/s."""
+
+    latency: float
+    bandwidth: float
+
+    def __post_init__(self):
+        if not (self.latency >= 0 and self.bandwidth > 0):
+            raise MeshError(f"link needs latency >= 0 and bandwidth > 0, got {self}")
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte."""
+        return 1.0 / self.bandwidth
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Per-device compute and per-tier link numbers of one kind of machine."""
+
+    name: str
+    devices_per_node: int
+    flops: tuple[tuple[str, float], ...]      # achievable FLOP/s per dtype name
+    memory_bandwidth: float                   # bytes/s
+    memory_capacity: float                    # bytes per device
+    intra_node: LinkModel
+    inter_node: LinkModel
+    description: str = ""
+    source: str = field(default="", compare=False)
+
+    def flops_for(self, dtype: str) -> float:
+        table = dict(self.flops)
+        return table.get(dtype.removeprefix("torch."), table["float32"])
+
+    @staticmethod
+    def from_dict(d: dict) -> "HardwareProfile":
+        try:
+            return HardwareProfile(
+                name=d["name"], devices_per_node=int(d["devices_per_node"]),
+                flops=tuple(sorted((k, float(v)) for k, v in d["flops"].items())),
+                memory_bandwidth=float(d["memory_bandwidth"]),
+                memory_capacity=float(d["memory_capacity"]),
+                intra_node=LinkModel(**d["links"]["intra_node"]),
+                inter_node=LinkModel(**d["links"]["inter_node"]),
+                description=d.get("description", ""), source=d.get("source", ""))
+        except (KeyError, TypeError) as e:
+            raise MeshError(f"hardware profile is missing or mistypes field {e}") from None
+
+
+def available_profiles() -> list[str]:
+    files = resources.files("ddlc").joinpath("profiles").iterdir()
+    return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str | HardwareProfile) -> HardwareProfile:
+    """A profile by name (``cpu-gloo``, ``dgx-h100-ib``) or by JSON file path."""
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    if name_or_path.endswith(".json"):
+        with open(name_or_path) as f:
+            return HardwareProfile.from_dict(json.load(f))
+    if name_or_path not in available_profiles():
+        raise MeshError(f"unknown hardware profile {name_or_path!r}; "
+                        f"known: {', '.join(available_profiles())} (or pass a .json path)")
+    text = resources.files("ddlc").joinpath("profiles").joinpath(name_or_path + ".json").read_text()
+    return HardwareProfile.from_dict(json.loads(text))
+
+
+_DEFAULT_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp", "tp", "pp")}
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Devices arranged as ``shape`` with ``axis_names`` and a link model per axis."""
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    links: tuple[LinkModel, ...]
+    profile: HardwareProfile
+
+    def __init__(self, shape: Sequence[int] | str, axis_names: Sequence[str] | None = None,
+                 profile: str | HardwareProfile = "cpu-gloo",
+                 links: Sequence[LinkModel] | None = None):
+        shape = _parse_shape(shape)
+        names = tuple(axis_names) if axis_names is not None else _default_names(len(shape))
+        if len(names) != len(shape):
+            raise MeshError(f"mesh {shape} has {len(shape)} axes but {len(names)} names {names}")
+        if len(set(names)) != len(names) or not all(
+                isinstance(n, str) and n.isidentifier() for n in names):
+            raise MeshError(f"mesh axis names must be distinct identifiers, got {names}")
+        prof = load_profile(profile)
+        if links is None:
+            links = tuple(prof.intra_node if math.prod(shape[i:]) <= prof.devices_per_node
+                          else prof.inter_node for i in range(len(shape)))
+        elif len(links) != len(shape):
+            raise MeshError(f"mesh {shape} needs {len(shape)} link models, got {len(links)}")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "axis_names", names)
+        object.__setattr__(self, "links", tuple(links))
+        object.__setattr__(self, "profile", prof)
+
+    # -- construction ------------------------------------------------------
+    @staticmethod
+    def of(spec, **kwargs) -> "Mesh":
+        """A Mesh from a Mesh, a shape tuple, a string ``"2x4"`` or a DeviceMesh."""
+        if isinstance(spec, Mesh):
+            return spec if not kwargs else spec.with_(**kwargs)
+        if type(spec).__name__ == "DeviceMesh":
+            return Mesh.from_device_mesh(spec, **kwargs)
+        return Mesh(spec, **kwargs)
+
+    @staticmethod
+    def from_device_mesh(device_mesh, profile: str | HardwareProfile | None = None) -> "Mesh":
+        names = device_mesh.mesh_dim_names or _default_names(device_mesh.ndim)
+        if profile is None:
+            profile = "cpu-gloo" if device_mesh.device_type == "cpu" else "dgx-h100-ib"
+        return Mesh(tuple(device_mesh.mesh.shape), names, profile)
+
+    def with_(self, **kwargs) -> "Mesh":
+        args = dict(shape=self.shape, axis_names=self.axis_names, profile=self.profile)
+        args.update(kwargs)
+        return Mesh(**args)
+
+    # -- queries -----------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def axis(self, name_or_index: str | int) -> int:
+        if isinstance(name_or_index, int):
+            if not -self.ndim <= name_or_index < self.ndim:
+                raise MeshError(f"mesh {self} has no axis {name_or_index}")
+            return name_or_index % self.ndim
+        if name_or_index not in self.axis_names:
+            raise MeshError(f"mesh {self} has no axis named {name_or_index!r}")
+        return self.axis_names.index(name_or_index)
+
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        """Mesh coordinate of a global rank (row-major, axis 0 outermost)."""
+        if not 0 <= rank < self.size:
+            raise MeshError(f"rank {rank} is outside mesh {self} of {self.size} devices")
+        coord = []
+        for p in reversed(self.shape):
+            coord.append(rank % p)
+            rank //= p
+        return tuple(reversed(coord))
+
+    def rank_of(self, coord: Sequence[int]) -> int:
+        r = 0
+        for c, p in zip(coord, self.shape):
+            r = r * p + c
+        return r
+
+    def axis_groups(self, axis: int) -> list[list[int]]:
+        """The rank groups that communicate along ``axis``, in deterministic order."""
+        groups: dict[tuple, list[int]] = {}
+        for r in range(self.size):
+            c = self.coordinate(r)
+            groups.setdefault(c[:axis] + c[axis + 1:], []).append(r)
+        return [groups[k] for k in sorted(groups)]
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.size:
+            raise MeshError(f"mesh {self} needs {self.size} processes but the world size is "
+                            f"{world_size}; launch with --nproc-per-node={self.size} or change the mesh")
+
+    def __str__(self) -> str:
+        return "x".join(map(str, self.shape)) + "(" + ",".join(self.axis_names) + ")"
+
+
+def _default_names(ndim: int) -> tuple[str, ...]:
+    return _DEFAULT_NAMES.get(ndim, tuple(f"a{i}" for i in range(ndim)))
+
+
+def _parse_shape(shape) -> tuple[int, ...]:
+    if isinstance(shape, str):
+        text = shape.strip().strip("()")
+        parts = re.split(r"\s*[x×,*]\s*", text) if text else []
+        if not parts or not all(p.isdigit() for p in parts):
+            raise MeshError(f"cannot parse mesh shape {shape!r}: write it like '2x4' or '(2, 4)'")
+        shape = tuple(int(p) for p in parts)
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        shape = (shape,)
+    if not shape or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in shape):
+        raise MeshError(f"mesh shape must be a non-empty tuple of positive ints, got {shape!r}")
+    return shape
+
