@@ -7,7 +7,7 @@ from . import errors
 from .errors import DDLCError
 from .mesh import HardwareProfile, LinkModel, Mesh, load_profile
 from .sbp import B, NdSBP, P, S, SBP
-# from .trace import trace  (added with ddlc/trace.py)
+from .trace import trace
 
 __all__ = ["B", "DDLCError", "HardwareProfile", "LinkModel", "Mesh", "NdSBP", "P", "S", "SBP",
            "errors", "load_profile", "trace"]

@@ -1,0 +1,47 @@
+"""Readable text forms of traced and transformed graphs.
+
+One line per node: name, operator, global shape, the node's SBP and collective
+details once passes have annotated them (``node.meta["ddlc"]``), and where it
+came from (phase and module path).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["format_graph", "op_name", "op_summary"]
+
+
+def op_name(node: fx.Node) -> str:
+    """``aten.mm`` style name of a call_function target (overload dropped)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    return getattr(target, "__name__", str(target))
+
+
+def _shape(node: fx.Node) -> str:
+    vals = [v for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    return " ".join(f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for v in vals)
+
+
+def op_summary(gm: fx.GraphModule) -> Counter:
+    return Counter(op_name(n) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def format_graph(gm: fx.GraphModule, limit: int | None = None) -> str:
+    """The graph as aligned text; ``limit`` keeps the first N lines."""
+    rows = []
+    for node in gm.graph.nodes:
+        origin = node.meta.get("ddlc_origin")
+        where = f"{origin.phase}:{origin.module}" if origin else ""
+        what = node.meta.get("ddlc")
+        rows.append((node.name, op_name(node) if node.op == "call_function" else node.op,
+                     _shape(node), str(what) if what is not None else "", where))
+    if limit is not None and len(rows) > limit:
+        rows = rows[:limit] + [(f"... {len(rows) - limit} more nodes", "", "", "", "")]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -1,0 +1,335 @@
+"""Trace a model's whole training step into one functional aten graph.
+
+Recipe (see TORCH_NOTES.md): ``make_fx(functionalize(step), tracing_mode="fake")``
+where ``step`` runs ``torch.func.grad_and_value`` over ``functional_call`` of the
+model and then the functional optimizer update of :mod:`ddlc.optim`. Parameters,
+buffers, optimizer state and batch inputs are flat graph inputs with their role
+recorded in a :class:`StepSignature` (``gm.meta["ddlc_step"]``); every node keeps
+``meta["val"]`` and an :class:`Origin` (phase, module path, user source line).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import fx, nn
+from torch.func import functional_call, functionalize, grad_and_value
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .errors import TraceError, UnsupportedInputError
+from .optim import OptimizerSpec, optimizer_spec
+
+__all__ = ["trace", "StepSignature", "InputSpec", "OutputSpec", "Origin", "origin_of"]
+
+ROLES = ("param", "buffer", "opt_state", "input")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One flat graph input: ``role`` in ROLES; ``key`` is the parameter/buffer name,
+    ``"<param>:<state>"`` for optimizer state, or ``"input<i>"`` for batch tensors."""
+
+    name: str
+    role: str
+    key: str
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One flat graph output: role ``loss``, ``param`` (updated), ``opt_state``,
+    ``grad`` (loss without optimizer) or ``output`` (forward only)."""
+
+    role: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a node came from: ``phase`` in forward/backward/optimizer/input,
+    the module path (``""`` for the root) and the user's source line."""
+
+    phase: str
+    module: str
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[OutputSpec, ...]
+    optimizer: tuple[tuple[str, OptimizerSpec], ...] = ()
+    num_targets: int = 0
+
+    def keys(self, role: str) -> list[str]:
+        return [i.key for i in self.inputs if i.role == role]
+
+    def flatten(self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+                opt_state: Mapping[str, torch.Tensor], batch: Sequence[torch.Tensor]) -> list:
+        """Arrange named state and the batch as the graph's flat input list."""
+        tables = {"param": params, "buffer": buffers, "opt_state": opt_state,
+                  "input": {f"input{i}": t for i, t in enumerate(batch)}}
+        return [tables[i.role][i.key] for i in self.inputs]
+
+    def init_opt_state(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Fresh optimizer state for ``params``, keyed ``"<param>:<state>"``."""
+        return {f"{k}:{s}": t for k, spec in self.optimizer
+                for s, t in spec.init_state(params[k].detach()).items()}
+
+    def unflatten(self, outputs: Sequence[Any]) -> dict[str, dict[str, Any]]:
+        """Split the flat outputs by role: ``{"loss": {"loss": t}, "param": {...}, ...}``."""
+        result: dict[str, dict[str, Any]] = {}
+        for spec, value in zip(self.outputs, outputs):
+            result.setdefault(spec.role, {})[spec.key] = value
+        return result
+
+
+def origin_of(node: fx.Node) -> Origin | None:
+    return node.meta.get("ddlc_origin")
+
+
+def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
+          optimizer: torch.optim.Optimizer | None = None, *, num_targets: int = 1) -> fx.GraphModule:
+    """Trace one training step of ``model`` into a flat functional aten GraphModule.
+
+    With ``loss_fn`` the step computes ``loss_fn(model(*inputs), *targets)`` where the
+    last ``num_targets`` example inputs are the targets, then the gradients, then (with
+    ``optimizer``: ``torch.optim.SGD`` or ``AdamW``) the updated parameters and state.
+    Outputs: ``(loss, *new_params, *new_state)``, or ``(loss, *grads)`` without an
+    optimizer. Without ``loss_fn`` the graph is the forward pass alone.
+    """
+    if not isinstance(model, nn.Module):
+        raise UnsupportedInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    batch = _check_batch(example_inputs)
+    if optimizer is not None and loss_fn is None:
+        raise UnsupportedInputError("an optimizer needs a loss_fn to produce gradients")
+    n_targets = num_targets if loss_fn is not None else 0
+    if n_targets >= len(batch) + (loss_fn is None):
+        raise UnsupportedInputError(f"{len(batch)} example input(s) cannot hold {n_targets} "
+                                    "target(s) and at least one model input")
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    specs = optimizer_spec(optimizer, params) if optimizer is not None else {}
+    trainable = [k for k, p in params.items() if p.requires_grad]
+    opt_state = {f"{k}:{s}": t for k in trainable if k in specs
+                 for s, t in specs[k].init_state(params[k].detach()).items()}
+
+    inputs = ([InputSpec("", "param", k) for k in params]
+              + [InputSpec("", "buffer", k) for k in buffers]
+              + [InputSpec("", "opt_state", k) for k in opt_state]
+              + [InputSpec("", "input", f"input{i}") for i in range(len(batch))])
+    if loss_fn is None:
+        outputs = None  # known after tracing
+    elif optimizer is None:
+        outputs = [OutputSpec("loss", "loss")] + [OutputSpec("grad", k) for k in trainable]
+    else:
+        outputs = ([OutputSpec("loss", "loss")] + [OutputSpec("param", k) for k in specs]
+                   + [OutputSpec("opt_state", k) for k in opt_state])
+
+    n_model_inputs = len(batch) - n_targets
+    annotator = _ModuleAnnotator(model)
+
+    def unpack(flat):
+        it = iter(flat)
+        tables = [{k: next(it) for k in params}, {k: next(it) for k in buffers},
+                  {k: next(it) for k in opt_state}, [next(it) for _ in batch]]
+        return tables
+
+    def forward_only(*flat):
+        p, b, _, xs = unpack(flat)
+        annotator.phase("forward")
+        out = functional_call(model, {**p, **b}, tuple(xs))
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    def train_step(*flat):
+        p, b, state, xs = unpack(flat)
+        frozen = {k: v for k, v in p.items() if k not in trainable}
+
+        def compute_loss(train_params):
+            annotator.phase("forward")
+            out = functional_call(model, {**train_params, **frozen, **b}, tuple(xs[:n_model_inputs]))
+            loss = loss_fn(out, *xs[n_model_inputs:])
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                raise UnsupportedInputError("loss_fn must return a one-element tensor, got "
+                                            f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+            annotator.phase("backward")
+            return loss
+
+        grads, loss = grad_and_value(compute_loss)({k: p[k] for k in trainable})
+        annotator.phase("optimizer")
+        if optimizer is None:
+            return (loss, *(grads[k] for k in trainable))
+        new_params, new_state = [], []
+        for k in specs:
+            names = specs[k].state_names
+            new_p, st = specs[k].update(p[k], grads[k], {s: state[f"{k}:{s}"] for s in names})
+            new_params.append(new_p)
+            new_state.extend(st[s] for s in names)
+        return (loss, *new_params, *new_state)
+
+    flat = [params[i.key] if i.role == "param" else buffers.get(i.key) if i.role == "buffer"
+            else opt_state.get(i.key) if i.role == "opt_state" else batch[int(i.key[5:])]
+            for i in inputs]
+    flat = [t.detach() for t in flat]
+    fn = train_step if loss_fn is not None else forward_only
+    gm = _make_fx(fn, flat, annotator)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = [InputSpec(_rename_placeholder(n, spec), spec.role, spec.key)
+              for n, spec in zip(placeholders, inputs)]
+    if outputs is None:
+        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        outputs = [OutputSpec("output", f"output{i}") for i in range(n_out)]
+    _check_no_input_mutation(gm)
+    _annotate_origins(gm, inputs, annotator)
+    gm.recompile()
+    gm.meta["ddlc_step"] = StepSignature(tuple(inputs), tuple(outputs),
+                                         tuple((k, specs[k]) for k in specs), n_targets)
+    return gm
+
+
+def _check_batch(example_inputs) -> list[torch.Tensor]:
+    batch = [example_inputs] if isinstance(example_inputs, torch.Tensor) else example_inputs
+    if not isinstance(batch, (tuple, list)) or not batch:
+        raise UnsupportedInputError("example_inputs must be a tensor or a non-empty tuple of "
+                                    f"tensors, got {type(example_inputs).__name__}")
+    for i, t in enumerate(batch):
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedInputError(f"example input {i} is a {type(t).__name__}; ddlc "
+                                        "traces tensor inputs only (pass other values as "
+                                        "module attributes)")
+    return list(batch)
+
+
+class _ModuleAnnotator:
+    """Forward hooks that stamp the current module path and phase on new nodes."""
+
+    def __init__(self, model: nn.Module):
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.stack: list[str] = []
+        self.current_phase = "forward"
+
+    def phase(self, name: str) -> None:
+        self.current_phase = name
+        self._publish()
+
+    def _publish(self):
+        module = self.stack[-1] if self.stack and self.current_phase == "forward" else None
+        fx_traceback.current_meta["custom"] = {"ddlc_phase": self.current_phase,
+                                               "ddlc_module": module}
+
+    def pre(self, module, args):
+        if id(module) in self.names:
+            self.stack.append(self.names[id(module)])
+            self._publish()
+
+    def post(self, module, args, out):
+        if id(module) in self.names:
+            self.stack.pop()
+            self._publish()
+
+
+_DATA_DEPENDENT = re.compile(r"data.dependent|GuardOnDataDependent|DataDependentOutput|"
+                             r"Could not guard on|item\(\)|aten\._local_scalar_dense", re.I)
+
+
+def _make_fx(fn, flat, annotator: _ModuleAnnotator) -> fx.GraphModule:
+    from torch.nn.modules import module as module_mod
+    hooks = [module_mod.register_module_forward_pre_hook(annotator.pre),
+             module_mod.register_module_forward_hook(annotator.post)]
+    try:
+        with fx_traceback.preserve_node_meta():
+            return make_fx(functionalize(fn, remove="mutations_and_views"), tracing_mode="fake",
+                           record_stack_traces=True)(*flat)
+    except (UnsupportedInputError, TraceError):
+        raise
+    except Exception as e:  # torch raises many types; name the cause and the user's line
+        where = _user_frame(e)
+        text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        if _DATA_DEPENDENT.search(f"{type(e).__name__} {e}"):
+            raise TraceError("the model has data-dependent Python control flow or reads a "
+                             "tensor's value (e.g. `if x.sum() > 0`, `.item()`), which one static "
+                             f"graph cannot express ({text})", where=where) from None
+        raise TraceError(f"tracing the training step failed; the example inputs may not match "
+                         f"the model ({text})", where=where) from None
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+_INTERNAL_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
+                  os.path.dirname(os.__file__))
+
+
+def _is_user_file(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    if path.endswith(os.path.join("ddlc", "zoo.py")):
+        return True
+    return not path.startswith(_INTERNAL_DIRS) and "site-packages" not in path \
+        and not filename.startswith("<")
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_file(f.filename)]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f'{f.filename}:{f.lineno} in {f.name}: {(f.line or "").strip()}'
+
+
+def _source_from_stack(stack_trace: str | None) -> str:
+    if not stack_trace:
+        return ""
+    found = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', stack_trace)
+    user = [f for f in found if _is_user_file(f[0])]
+    if not user:
+        return ""
+    file, line, func, code = user[-1]
+    return f"{file}:{line} in {func}: {code.strip()}"
+
+
+def _rename_placeholder(node: fx.Node, spec: InputSpec) -> str:
+    prefix = {"param": "p", "buffer": "buf", "opt_state": "st", "input": ""}[spec.role]
+    name = re.sub(r"\W", "_", f"{prefix}_{spec.key}" if prefix else spec.key)
+    node._rename(name)
+    node.target = node.name
+    return node.name
+
+
+def _check_no_input_mutation(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
+                and node.args[0].op == "placeholder":
+            raise UnsupportedInputError(
+                f"the step mutates its input {node.args[0].name!r} in place (for example "
+                "BatchNorm running statistics in training mode); ddlc does not support "
+                "in-place updates of buffers or inputs yet")
+
+
+def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],
+                      annotator: _ModuleAnnotator) -> None:
+    """Record an Origin per node; backward nodes borrow the module of their first
+    forward-phase input (a saved activation or parameter), else of any input."""
+    by_name = {i.name: i for i in inputs}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            spec = by_name[node.name]
+            module = spec.key.split(":")[0].rpartition(".")[0] if spec.role != "input" else ""
+            node.meta["ddlc_role"] = spec.role
+            node.meta["ddlc_origin"] = Origin("input", module)
+            continue
+        custom = node.meta.get("custom") or {}
+        phase = custom.get("ddlc_phase", "optimizer" if node.op == "output" else "forward")
+        module = custom.get("ddlc_module")
+        source = _source_from_stack(node.meta.get("stack_trace"))
+        if module is None:
+            origins = [origin_of(a) for a in node.all_input_nodes if origin_of(a)]
+            preferred = [o for o in origins if o.phase in ("forward", "input")] or origins
+            module = preferred[0].module if preferred else ""
+            if phase == "backward":
+                source = source or next((o.source for o in preferred if o.source), "")
+        node.meta["ddlc_origin"] = Origin(phase, module, source)

@@ -1,0 +1,161 @@
+"""The traced step, run eagerly, reproduces the eager model and torch.optim."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ddlc
+from ddlc.errors import TraceError, UnsupportedInputError
+from ddlc.zoo import CNN, GPT, MLP, lm_loss
+
+
+def _cases():
+    g = torch.Generator().manual_seed(1)
+    return {
+        "mlp": (lambda: MLP(), lambda: (torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g)),
+                F.mse_loss),
+        "gpt": (lambda: GPT(), lambda: (torch.randint(0, 64, (4, 16), generator=g),
+                                        torch.randint(0, 64, (4, 16), generator=g)), lm_loss),
+        "gpt_tied": (lambda: GPT(tied=True), lambda: (torch.randint(0, 64, (4, 16), generator=g),
+                                                      torch.randint(0, 64, (4, 16), generator=g)),
+                     lm_loss),
+        "cnn": (lambda: CNN(), lambda: (torch.randn(4, 3, 16, 16, generator=g),
+                                        torch.randint(0, 10, (4,), generator=g)), F.cross_entropy),
+    }
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+    # The attention key bias has a gradient that is zero up to rounding noise, and
+    # Adam with a tiny eps turns that noise into a full-size step; eps=1e-4 keeps
+    # the comparison about the update rule, not about float summation order.
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, eps=1e-4),
+}
+
+
+def run_traced(gm, model, batches):
+    """Run the traced step eagerly for each batch; return losses and final state."""
+    sig = gm.meta["ddlc_step"]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+    state = sig.init_opt_state(params)
+    losses = []
+    for batch in batches:
+        out = sig.unflatten(gm(*sig.flatten(params, buffers, state, batch)))
+        losses.append(out["loss"]["loss"])
+        params.update(out["param"])
+        state.update(out.get("opt_state", {}))
+    return losses, params, state
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("case", sorted(_cases()))
+def test_traced_step_matches_eager(case, opt_name):
+    make_model, make_batch, loss_fn = _cases()[case]
+    torch.manual_seed(0)
+    model = make_model()
+    reference = make_model()
+    reference.load_state_dict(model.state_dict())
+    opt = OPTIMIZERS[opt_name](reference.parameters())
+    batches = [make_batch() for _ in range(3)]
+
+    gm = ddlc.trace(model, batches[0], loss_fn, OPTIMIZERS[opt_name](model.parameters()))
+    losses, params, state = run_traced(gm, model, batches)
+
+    for step, batch in enumerate(batches):
+        opt.zero_grad()
+        loss = loss_fn(reference(*batch[:-1]), batch[-1])
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(losses[step], loss.detach(), rtol=1e-5, atol=1e-6)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-4, atol=1e-5)
+    for name, p in reference.named_parameters():
+        for key, value in opt.state[p].items():
+            torch.testing.assert_close(state[f"{name}:{key}"], value.to(torch.float32),
+                                       rtol=1e-4, atol=1e-6)
+
+
+def test_gradients_without_optimizer_match_autograd():
+    torch.manual_seed(0)
+    model = GPT()
+    idx, tgt = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    gm = ddlc.trace(model, (idx, tgt), lm_loss)
+    sig = gm.meta["ddlc_step"]
+    out = sig.unflatten(gm(*sig.flatten(dict(model.named_parameters()),
+                                        dict(model.named_buffers()), {}, (idx, tgt))))
+    lm_loss(model(idx), tgt).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(out["grad"][name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_only_and_roles():
+    model = MLP()
+    x = torch.randn(8, 32)
+    gm = ddlc.trace(model, x)
+    sig = gm.meta["ddlc_step"]
+    assert [i.role for i in sig.inputs] == ["param"] * 4 + ["input"]
+    assert [o.role for o in sig.outputs] == ["output"]
+    (y,) = gm(*sig.flatten(dict(model.named_parameters()), {}, {}, (x,)))
+    torch.testing.assert_close(y, model(x))
+    for node in gm.graph.nodes:
+        assert "val" in node.meta or node.op == "output"
+        assert node.meta["ddlc_origin"].phase in ("input", "forward", "optimizer")
+
+
+def test_nodes_know_phase_module_and_source_line():
+    model = GPT(n_layers=1)
+    gm = ddlc.trace(model, (torch.randint(0, 64, (2, 16)),) * 2, lm_loss,
+                    torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    origins = {n.name: n.meta["ddlc_origin"] for n in gm.graph.nodes}
+    phases = {o.phase for o in origins.values()}
+    assert phases == {"input", "forward", "backward", "optimizer"}
+    attn = [n for n in gm.graph.nodes
+            if "flash_attention_for_cpu.default" in str(n.target)]
+    assert origins[attn[0].name].module == "blocks.0.attn"
+    assert "zoo.py" in origins[attn[0].name].source and "scaled_dot_product" in origins[attn[0].name].source
+    attn_bwd = [n for n in gm.graph.nodes if "flash_attention_for_cpu_backward" in str(n.target)]
+    assert origins[attn_bwd[0].name].phase == "backward"
+    assert origins[attn_bwd[0].name].module.startswith("blocks.0.attn")
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.sum() > 0:  # data-dependent control flow
+            return y * 2
+        return y
+
+
+def test_data_dependent_control_flow_names_the_line():
+    with pytest.raises(TraceError, match="data-dependent") as info:
+        ddlc.trace(Branchy(), torch.randn(2, 4))
+    assert "test_trace.py" in str(info.value) and "if y.sum() > 0" in str(info.value)
+
+
+def test_mismatched_inputs_name_the_line():
+    with pytest.raises(TraceError, match="do not match|not match") as info:
+        ddlc.trace(MLP(d_in=32), torch.randn(8, 31))
+    assert "zoo.py" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [[1, 2], "text", (torch.randn(2, 32), 3)])
+def test_unsupported_inputs(bad):
+    with pytest.raises(UnsupportedInputError):
+        ddlc.trace(MLP(), bad)
+
+
+def test_unsupported_optimizer_and_options():
+    model = MLP()
+    x, y = torch.randn(8, 32), torch.randn(8, 16)
+    with pytest.raises(UnsupportedInputError, match="Adagrad"):
+        ddlc.trace(model, (x, y), F.mse_loss, torch.optim.Adagrad(model.parameters()))
+    with pytest.raises(UnsupportedInputError, match="dampening"):
+        ddlc.trace(model, (x, y), F.mse_loss,
+                   torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5))
+    with pytest.raises(UnsupportedInputError, match="needs a loss_fn"):
+        ddlc.trace(model, x, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
