@@ -1,0 +1,130 @@
+"""Rewrite mean reductions into sum / count so they shard as partial sums.
+
+A mean over a split dim is not a partial sum (each rank divides by its local
+count), so a data-parallel loss would force the logits to be gathered. Here
+``nll_loss_forward(..., reduction=mean)`` becomes the sum-reduction loss divided
+by its ``total_weight`` output; ``mse_loss`` (and its backward) and ``mean.dim``
+become their sum forms divided by the static element count. All are exact.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+import operator
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+
+aten = torch.ops.aten
+MEAN, SUM = 1, 2  # aten's Reduction enum
+
+__all__ = ["canonicalize"]
+
+
+def _with_val(node: fx.Node, fn, *args) -> fx.Node:
+    """Set ``node.meta["val"]`` by running ``fn`` on fake values of its inputs."""
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    with detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]) or nullcontext():
+        node.meta["val"] = fn(*vals)
+    return node
+
+
+def _copy_origin(dst: fx.Node, src: fx.Node) -> None:
+    for key in ("ddlc_origin", "stack_trace"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
+
+
+def _rewrite_nll_mean(graph: fx.Graph, node: fx.Node) -> None:
+    x, target, weight, reduction, ignore_index = node.args
+    if reduction != MEAN:
+        return
+    node.args = (x, target, weight, SUM, ignore_index)
+    _with_val(node, aten.nll_loss_forward.default, *node.args)
+    loss_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+    weight_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
+    with graph.inserting_after(node):
+        total = weight_users[0] if weight_users else graph.call_function(operator.getitem, (node, 1))
+        if not weight_users:
+            total.meta["val"] = node.meta["val"][1]
+            _copy_origin(total, node)
+    for getter in loss_users:
+        getter.meta["val"] = node.meta["val"][0]
+        anchor = max(getter, total, key=lambda n: _position(graph, n))
+        with graph.inserting_after(anchor):
+            mean = graph.call_function(aten.div.Tensor, (getter, total))
+        _with_val(mean, aten.div.Tensor, getter, total)
+        _copy_origin(mean, node)
+        getter.replace_all_uses_with(mean, delete_user_cb=lambda u: u is not mean)
+
+
+def _rewrite_mean_dim(graph: fx.Graph, node: fx.Node) -> None:
+    x, dims, *rest = node.args
+    keepdim = rest[0] if rest else node.kwargs.get("keepdim", False)
+    if node.kwargs.get("dtype") is not None or len(rest) > 1:
+        return
+    shape = x.meta["val"].shape
+    count = math.prod(shape[d] for d in (dims if dims else range(len(shape))))
+    with graph.inserting_before(node):
+        total = graph.call_function(aten.sum.dim_IntList, (x, dims, keepdim))
+        _with_val(total, aten.sum.dim_IntList, x, dims, keepdim)
+        mean = graph.call_function(aten.div.Scalar, (total, count))
+        _with_val(mean, aten.div.Scalar, total, count)
+    for new in (total, mean):
+        _copy_origin(new, node)
+    node.replace_all_uses_with(mean)
+    graph.erase_node(node)
+
+
+def _rewrite_mse_mean(graph: fx.Graph, node: fx.Node) -> None:
+    """mse_loss(x, y, mean) -> mse_loss(x, y, sum) / numel."""
+    x, y, *rest = node.args
+    if (rest[0] if rest else node.kwargs.get("reduction", MEAN)) != MEAN:
+        return
+    node.args, node.kwargs = (x, y, SUM), {}
+    _with_val(node, aten.mse_loss.default, *node.args)
+    count = x.meta["val"].numel()
+    with graph.inserting_after(node):
+        mean = graph.call_function(aten.div.Scalar, (node, count))
+    _with_val(mean, aten.div.Scalar, node, count)
+    _copy_origin(mean, node)
+    node.replace_all_uses_with(mean, delete_user_cb=lambda u: u is not mean)
+
+
+def _rewrite_mse_backward_mean(graph: fx.Graph, node: fx.Node) -> None:
+    """mse_loss_backward(g, x, y, mean) -> mse_loss_backward(g / numel, x, y, sum)."""
+    grad, x, y, reduction = node.args
+    if reduction != MEAN:
+        return
+    count = x.meta["val"].numel()
+    with graph.inserting_before(node):
+        scaled = graph.call_function(aten.div.Scalar, (grad, count))
+    _with_val(scaled, aten.div.Scalar, grad, count)
+    _copy_origin(scaled, node)
+    node.args = (scaled, x, y, SUM)
+
+
+def _position(graph: fx.Graph, node: fx.Node) -> int:
+    for i, n in enumerate(graph.nodes):
+        if n is node:
+            return i
+    raise KeyError(node)
+
+
+REWRITES = {
+    aten.nll_loss_forward.default: _rewrite_nll_mean,
+    aten.mean.dim: _rewrite_mean_dim,
+    aten.mse_loss.default: _rewrite_mse_mean,
+    aten.mse_loss_backward.default: _rewrite_mse_backward_mean,
+}
+
+
+def canonicalize(gm: fx.GraphModule) -> fx.GraphModule:
+    """Apply every rewrite in REWRITES in place; return ``gm``."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in REWRITES:
+            REWRITES[node.target](gm.graph, node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,55 @@
+"""canonicalize rewrites mean reductions exactly and keeps the graph runnable."""
+import torch
+import torch.nn.functional as F
+
+import ddlc
+from ddlc.printing import op_summary
+from ddlc.zoo import GPT, MLP, lm_loss
+from passes.canonicalize import canonicalize
+
+aten = torch.ops.aten
+
+
+def _run(gm, model, batch):
+    sig = gm.meta["ddlc_step"]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return gm(*sig.flatten(params, dict(model.named_buffers()), sig.init_opt_state(params), batch))
+
+
+def test_mean_loss_becomes_sum_over_total_weight():
+    torch.manual_seed(0)
+    model = GPT(n_layers=1)
+    batch = (torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
+    gm = ddlc.trace(model, batch, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    before = _run(gm, model, batch)
+    canonicalize(gm)
+    nll = [n for n in gm.graph.nodes if n.target == aten.nll_loss_forward.default]
+    assert [n.args[3] for n in nll] == [2]  # reduction=sum
+    after = _run(gm, model, batch)
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b)
+
+
+class MeanModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).mean(dim=1)
+
+
+def test_mean_dim_becomes_sum_div():
+    torch.manual_seed(0)
+    model = MeanModel()
+    x, y = torch.randn(4, 8), torch.randn(4)
+    gm = ddlc.trace(model, (x, y), F.mse_loss)
+    assert op_summary(gm)["aten.mean"] >= 1
+    before = _run(gm, model, (x, y))
+    canonicalize(gm)
+    assert "aten.mean" not in op_summary(gm)
+    reductions = [n.args[-1] for n in gm.graph.nodes if "mse_loss" in str(n.target)]
+    assert reductions == [2, 2]  # forward and backward now sum
+    for a, b in zip(before, _run(gm, model, (x, y))):
+        torch.testing.assert_close(a, b)
+    assert all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function")
