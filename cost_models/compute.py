@@ -1,0 +1,57 @@
+"""Time of one operator at its local shapes: a roofline over the hardware profile.
+
+``time = max(flops / profile.flops_for(dtype), bytes / profile.memory_bandwidth)``
+with FLOPs from PyTorch's own formula registry (``torch.utils.flop_counter``:
+mm, addmm, bmm, baddbmm, convolution and its backward, SDPA and its backward,
+...; 0 for operators it has no formula for, which are memory-bound; CPU variants
+it lacks borrow the formula of their generic form, :data:`FLOP_ALIASES`) and bytes
+the sum over the tensor inputs and outputs. Free (0 s): anything that is not a
+torch operator (``operator.getitem``, Python arithmetic on sizes), views
+(aliases of an input) and operators without a tensor output.
+"""
+from __future__ import annotations
+
+import torch
+from torch._ops import HigherOrderOperator, OpOverload
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from ddlc.mesh import HardwareProfile
+
+__all__ = ["FLOP_ALIASES", "op_flops", "op_bytes", "op_time"]
+
+_aten = torch.ops.aten
+
+#: Operators missing from the registry -> the registered one with the same leading arguments.
+FLOP_ALIASES = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        _aten._scaled_dot_product_flash_attention_backward,
+}
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def op_flops(target, args, kwargs, out) -> int:
+    """FLOPs of ``target(*args, **kwargs) -> out`` by ``torch.utils.flop_counter``'s registry."""
+    packet = getattr(target, "overloadpacket", target)
+    formula = flop_registry.get(FLOP_ALIASES.get(packet, packet))
+    return 0 if formula is None else int(formula(*args, **(kwargs or {}), out_val=out))
+
+
+def op_bytes(args, kwargs, out) -> int:
+    """Bytes read and written: every tensor input and output once."""
+    return sum(t.numel() * t.element_size() for t in _tensors((args, kwargs, out)))
+
+
+def op_time(target, args, kwargs, out, profile: HardwareProfile) -> float:
+    """Seconds for one call at the shapes of ``args``/``kwargs``/``out`` (tensors or fakes)."""
+    outs = _tensors(out)
+    if (not outs or not isinstance(target, (OpOverload, HigherOrderOperator))
+            or getattr(target, "is_view", False)):
+        return 0.0
+    dtype = (_tensors((args, kwargs)) or outs)[0].dtype
+    flop_time = op_flops(target, args, kwargs, out) / profile.flops_for(str(dtype))
+    return max(flop_time, op_bytes(args, kwargs, out) / profile.memory_bandwidth)
