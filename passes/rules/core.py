@@ -1,0 +1,411 @@
+"""Shared machinery of the SBP rules: signatures, the dim-label rule model, the registry.
+
+A rule describes one operator call with dim *labels* (:class:`Labels`), einsum
+style: one character per tensor dim, the same character for dims that split
+together, ``.`` for a dim that must never be split. One generic enumerator turns
+labels into every valid 1-D signature:
+
+- all ``B`` (always valid for a deterministic op);
+- per label ``x``: every tensor holding ``x`` is ``S`` at that dim, the others
+  ``B``; an output without ``x`` whose inputs hold it is *contracted* over ``x``
+  and becomes ``P`` (and so do the ``addends`` added to that contraction);
+- per linear set (argument names the op is jointly linear in): those inputs
+  ``P``, the rest ``B``; an output is ``P`` if it depends on one of them, else ``B``;
+- ``shape_only`` inputs (values never read) may also be ``P``; a ``zero_output``
+  op's outputs may also be ``P``.
+
+``P`` is never claimed for a non-floating tensor; a number in a linear set
+(``x + 1``) is a broadcast value, so that set gives no signature.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_leaves
+
+from ddlc.sbp import B, P, S, SBP, NdSBP
+
+log = logging.getLogger("ddlc.rules")
+
+UNSPLIT = "."
+
+
+@dataclass(frozen=True, order=True)
+class Signature:
+    """One mesh axis: the SBP of each tensor input (``tensor_inputs`` order) and of
+    each output leaf (``None`` for a non-tensor leaf)."""
+
+    inputs: tuple[Optional[SBP], ...]
+    outputs: tuple[Optional[SBP], ...]
+
+    def __str__(self) -> str:
+        return f"{','.join(map(str, self.inputs))}->{','.join(map(str, self.outputs))}"
+
+
+@dataclass(frozen=True, order=True)
+class NdSignature:
+    """A :class:`Signature` with one :class:`NdSBP` (one SBP per mesh axis) per entry."""
+
+    inputs: tuple[Optional[NdSBP], ...]
+    outputs: tuple[Optional[NdSBP], ...]
+
+    def axis(self, k: int) -> Signature:
+        """The 1-D signature on mesh axis ``k``."""
+        pick = lambda xs: tuple(None if x is None else x[k] for x in xs)  # noqa: E731
+        return Signature(pick(self.inputs), pick(self.outputs))
+
+    def __str__(self) -> str:
+        return f"{','.join(map(str, self.inputs))}->{','.join(map(str, self.outputs))}"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_floating(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+
+@dataclass(frozen=True)
+class Call:
+    """One operator call as the rules see it: arguments bound to schema names
+    (tensors as :class:`TensorMeta`), the tensor-input slots and the output leaves."""
+
+    target: Any
+    args: Mapping[str, Any]
+    slots: tuple[tuple[str, Optional[int]], ...]      # (argument name, list index) per tensor input
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[Optional[TensorMeta], ...]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.args[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self.args.get(name)
+        return default if value is None else value
+
+    def dim(self, name: str, ndim: int) -> int:
+        """Argument ``name`` as a non-negative dim of an ``ndim``-d tensor."""
+        return self.args[name] % max(ndim, 1)
+
+
+@dataclass(frozen=True)
+class Labels:
+    """The dim-label description of one call (see the module docstring).
+
+    ``inputs`` maps argument names to a label string (a list of them for a tensor
+    list); an unnamed tensor input is never split. ``deps`` maps an output index to
+    the arguments it depends on (default: every input not ``shape_only``)."""
+
+    inputs: Mapping[str, Any]
+    outputs: Sequence[Optional[str]]
+    linear: Sequence[Collection[str]] = ()
+    deps: Mapping[int, Collection[str]] = field(default_factory=dict)
+    addends: Collection[str] = ()
+    shape_only: Collection[str] = ()
+    zero_output: bool = False
+
+
+Rule = Callable[[Call], Labels]
+RULES: dict[Any, Rule] = {}
+
+
+def letters(n: int, start: int = 0) -> str:
+    """``n`` distinct labels: "abc..."."""
+    return "".join(chr(ord("a") + start + i) for i in range(n))
+
+
+def aligned(meta: TensorMeta | None, out_shape: Sequence[int], out_labels: str) -> str:
+    """Labels of a tensor broadcast against an output (trailing alignment): a dim that
+    matches the output dim takes its label, a broadcast (size-1) dim takes ``.``."""
+    if meta is None:
+        return ""
+    offset = len(out_shape) - meta.ndim
+    return "".join(out_labels[offset + i] if n == out_shape[offset + i] else UNSPLIT
+                   for i, n in enumerate(meta.shape))
+
+
+# ---------------------------------------------------------------- calls and keys
+
+def _val(node: fx.Node):
+    return node.meta.get("val")
+
+
+def is_tensor_node(a: Any) -> bool:
+    return isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The tensor inputs of ``node`` in signature order: the fx.Node arguments of the
+    flattened ``(args, kwargs)`` whose value is a tensor. For ``operator.getitem``
+    the one input is ``args[0]``, standing for its selected leaf (``selected_leaf``)."""
+    if node.target is operator.getitem:
+        return [node.args[0]]
+    return [a for a in tree_leaves((node.args, node.kwargs)) if is_tensor_node(a)]
+
+
+def selected_leaf(node: fx.Node) -> int:
+    """For a getitem node: the index of the selected element among its source's output leaves."""
+    source, index = node.args
+    return sum(len(tree_leaves(x)) for x in _val(source)[:index])
+
+
+def output_metas(val: Any) -> tuple[Optional[TensorMeta], ...]:
+    return tuple(_meta(x) if isinstance(x, torch.Tensor) else None for x in tree_leaves(val))
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(int(n) for n in t.shape), t.dtype)
+
+
+def _freeze(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        v = _val(a)
+        return _meta(v) if isinstance(v, torch.Tensor) else ("node", type(v).__name__)
+    if isinstance(a, (list, tuple)):
+        return tuple(_freeze(x) for x in a)
+    if isinstance(a, dict):
+        return tuple((k, _freeze(v)) for k, v in a.items())
+    return a
+
+
+def call_key(node: fx.Node) -> tuple:
+    """What a node's signatures depend on: op, tensor shapes/dtypes, non-tensor args."""
+    if node.target is operator.getitem:
+        leaves = output_metas(_val(node))
+        return (operator.getitem, leaves)
+    return (node.target, _freeze(node.args), _freeze(node.kwargs), output_metas(_val(node)))
+
+
+def bind(node: fx.Node) -> Call:
+    """Bind a node's arguments to its schema names (defaults filled in)."""
+    schema = node.target._schema
+    names = [a.name for a in schema.arguments]
+    args: dict[str, Any] = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    slots, metas = [], []
+    for name, value in list(zip(names, node.args)) + list(node.kwargs.items()):
+        args[name] = _freeze(value)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for j, item in enumerate(items):
+            if is_tensor_node(item):
+                slots.append((name, j if isinstance(value, (list, tuple)) else None))
+                metas.append(_meta(_val(item)))
+    return Call(node.target, args, tuple(slots), tuple(metas), output_metas(_val(node)))
+
+
+# ---------------------------------------------------------------- enumeration
+
+def enumerate_signatures(call: Call, labels: Labels) -> list[Signature]:
+    """Every 1-D signature the labels imply (module docstring), sorted."""
+    n_in = len(call.slots)
+    in_labels = [_slot_labels(labels, slot, meta) for slot, meta in zip(call.slots, call.inputs)]
+    out_labels = [lab if meta is not None else None for lab, meta in zip(labels.outputs, call.outputs)]
+    slots_of = lambda names: {i for i, (name, _) in enumerate(call.slots) if name in names}  # noqa: E731
+    shape_only = slots_of(labels.shape_only)
+    deps = [slots_of(labels.deps[k]) if k in labels.deps else set(range(n_in)) - shape_only
+            for k in range(len(out_labels))]
+    addends = slots_of(labels.addends)
+
+    found = {Signature((B,) * n_in, tuple(None if lab is None else B for lab in out_labels))}
+    all_labels = sorted({c for lab in in_labels + out_labels if lab for c in lab} - {UNSPLIT})
+    for x in all_labels:
+        ins = [S(lab.index(x)) if x in lab else B for lab in in_labels]
+        outs = []
+        for k, lab in enumerate(out_labels):
+            if lab is None:
+                outs.append(None)
+            elif x in lab:
+                outs.append(S(lab.index(x)))
+            elif any(x in in_labels[i] for i in deps[k]):
+                outs.append(P)
+                for i in addends & deps[k]:
+                    ins[i] = P
+            else:
+                outs.append(B)
+        found.add(Signature(tuple(ins), tuple(outs)))
+    for names in labels.linear:
+        if any(_is_number(call.args.get(name)) for name in names):
+            continue
+        chosen = slots_of(names)
+        if not chosen:
+            continue
+        ins = tuple(P if i in chosen else B for i in range(n_in))
+        outs = tuple(None if lab is None else P if deps[k] & chosen else B
+                     for k, lab in enumerate(out_labels))
+        found.add(Signature(ins, outs))
+    for i in sorted(shape_only):
+        found |= {Signature(s.inputs[:i] + (P,) + s.inputs[i + 1:], s.outputs)
+                  for s in found if s.inputs[i] == B}
+    if labels.zero_output:
+        found |= {Signature(s.inputs, tuple(P if x == B else x for x in s.outputs)) for s in found}
+    return sorted(s for s in found if _partial_only_on_floats(s, call))
+
+
+def _slot_labels(labels: Labels, slot: tuple[str, Optional[int]], meta: TensorMeta) -> str:
+    name, index = slot
+    lab = labels.inputs.get(name)
+    if lab is not None and index is not None:
+        lab = lab[index]
+    if lab is None:
+        return UNSPLIT * meta.ndim
+    assert len(lab) == meta.ndim, f"labels {lab!r} for {name} of shape {meta.shape}"
+    return lab
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, complex, bool)) and not isinstance(value, TensorMeta)
+
+
+def _partial_only_on_floats(sig: Signature, call: Call) -> bool:
+    pairs = zip(sig.inputs + sig.outputs, call.inputs + call.outputs)
+    return all(not (x == P and not meta.is_floating) for x, meta in pairs if x is not None)
+
+
+# ---------------------------------------------------------------- public entry points
+
+_FALLBACK_LOGGED: set[str] = set()
+
+
+def has_rule(node: fx.Node) -> bool:
+    return node.target is operator.getitem or node.target in RULES
+
+
+def signatures_1d(node: fx.Node) -> list[Signature]:
+    """Every valid 1-D signature of ``node`` (any group size), sorted."""
+    return list(_signatures_1d(call_key(node), node))
+
+
+_SIG_CACHE: dict[tuple, tuple[Signature, ...]] = {}
+
+
+def _signatures_1d(key: tuple, node: fx.Node) -> tuple[Signature, ...]:
+    cached = _SIG_CACHE.get(key)
+    if cached is None:
+        cached = _SIG_CACHE[key] = tuple(_compute_1d(node))
+    return cached
+
+
+def _compute_1d(node: fx.Node) -> list[Signature]:
+    if node.target is operator.getitem:
+        return _getitem_signatures(node)
+    rule = RULES.get(node.target)
+    outputs = output_metas(_val(node))
+    if rule is None:
+        name = str(node.target)
+        if name not in _FALLBACK_LOGGED:
+            _FALLBACK_LOGGED.add(name)
+            log.warning("no SBP rule for %s: it falls back to all-B", name)
+        n_in = len(tensor_inputs(node))
+        return [Signature((B,) * n_in, tuple(None if m is None else B for m in outputs))]
+    call = bind(node)
+    return enumerate_signatures(call, rule(call))
+
+
+def _getitem_signatures(node: fx.Node) -> list[Signature]:
+    """getitem passes the selected element's SBP through (any SBP; P only for floats)."""
+    (meta,) = output_metas(_val(node))
+    if meta is None:
+        return [Signature((None,), (None,))]
+    choices = [B] + ([P] if meta.is_floating else []) + [S(d) for d in range(meta.ndim)]
+    return [Signature((x,), (x,)) for x in choices]
+
+
+def fallback_ops(gm: fx.GraphModule) -> list[str]:
+    """Sorted names of the operators in ``gm`` that have no rule (they fall back to all-B)."""
+    return sorted({str(n.target) for n in gm.graph.nodes
+                   if n.op == "call_function" and not has_rule(n)})
+
+
+_ND_CACHE: dict[tuple, tuple[NdSignature, ...]] = {}
+
+
+def signatures_nd(node: fx.Node, mesh_shape: Sequence[int]) -> list[NdSignature]:
+    """One 1-D signature per mesh axis, every combination whose splits divide evenly."""
+    key = call_key(node)
+    mesh_shape = tuple(int(p) for p in mesh_shape)
+    cached = _ND_CACHE.get((key, mesh_shape))
+    if cached is None:
+        one_d = _signatures_1d(key, node)
+        metas = _entry_shapes(node)
+        per_axis = [[s for s in one_d if _fits(s.inputs + s.outputs, metas, (p,))] for p in mesh_shape]
+        cached = tuple(_nd(combo) for combo in itertools.product(*per_axis)
+                       if _fits_nd(combo, metas, mesh_shape))
+        _ND_CACHE[(key, mesh_shape)] = cached
+    return list(cached)
+
+
+def _entry_shapes(node: fx.Node) -> list[Optional[tuple[int, ...]]]:
+    """The global shape of each signature entry (inputs, then output leaves)."""
+    outs = [None if m is None else m.shape for m in output_metas(_val(node))]
+    if node.target is operator.getitem:
+        return outs + outs
+    return [tuple(_val(a).shape) for a in tensor_inputs(node)] + outs
+
+
+def _fits(entries: Sequence[Optional[SBP]], shapes, mesh_shape) -> bool:
+    return all(x is None or not x.is_split or shape[x.dim] % mesh_shape[0] == 0
+               for x, shape in zip(entries, shapes))
+
+
+def _fits_nd(combo: Sequence[Signature], shapes, mesh_shape) -> bool:
+    for i, shape in enumerate(shapes):
+        if shape is None:
+            continue
+        factor: dict[int, int] = {}
+        for sig, p in zip(combo, mesh_shape):
+            x = (sig.inputs + sig.outputs)[i]
+            if x.is_split:
+                factor[x.dim] = factor.get(x.dim, 1) * p
+        if any(shape[d] % f for d, f in factor.items()):
+            return False
+    return True
+
+
+@lru_cache(maxsize=None)
+def _ndsbp(per_axis: tuple[Optional[SBP], ...]) -> Optional[NdSBP]:
+    return None if per_axis[0] is None else NdSBP(per_axis)
+
+
+def _nd(combo: Sequence[Signature]) -> NdSignature:
+    ins = tuple(_ndsbp(xs) for xs in zip(*(s.inputs for s in combo)))
+    outs = tuple(_ndsbp(xs) for xs in zip(*(s.outputs for s in combo)))
+    return NdSignature(ins, outs)
+
+
+# ---------------------------------------------------------------- localization
+
+Localizer = Callable[[Call, Sequence[tuple[int, ...]], Sequence[Optional[tuple[int, ...]]]], dict]
+LOCALIZERS: dict[Any, Localizer] = {}
+
+
+def localize_args(node: fx.Node, in_shapes: Sequence[tuple[int, ...]],
+                  out_shapes: Sequence[Optional[tuple[int, ...]]]) -> tuple[tuple, dict]:
+    """``node``'s (args, kwargs) with every shape argument rewritten for local shards,
+    given the local shapes of its tensor inputs and output leaves; Node args unchanged."""
+    localizer = LOCALIZERS.get(node.target)
+    if localizer is None:
+        return tuple(node.args), dict(node.kwargs)
+    changes = localizer(bind(node), in_shapes, out_shapes)
+    names = [a.name for a in node.target._schema.arguments]
+    args = list(node.args)
+    kwargs = dict(node.kwargs)
+    for name, value in changes.items():
+        position = names.index(name)
+        if position < len(args):
+            args[position] = value
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs

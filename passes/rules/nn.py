@@ -1,0 +1,162 @@
+"""Embedding, attention, convolution and pooling.
+
+- embedding: indices split with the weight ``B`` -> the output split the same way;
+  weight split on the embedding dim (``S1``) -> output split on its last dim; a
+  vocabulary split would need masking and is not claimed. Linear in the weight.
+  Its backward contracts the index dims (``P`` weight gradient).
+- attention (``q, k, v: [batch, heads, L|S, E]``): batch and heads split everything;
+  on the CPU kernel a non-causal, unmasked call may also split the queries (L; the
+  key/value gradients are then contracted over them, ``P``). Head dims never split
+  (the kernels need equal q/k/v head sizes; q.k contracts them). The backward is linear in the incoming gradient. The GPU kernels
+  (flash / efficient / cudnn) use the same layout but return padded or auxiliary
+  tensors (RNG state, sequence offsets) that stay ``B``; only batch and heads
+  split there. They cannot run on this CPU build, so only their rule data is
+  tested, not their numerics.
+- convolution (groups == 1): batch splits everything, output channels split the
+  weight and bias, input channels are contracted (``P``, bias ``P`` with them);
+  spatial dims never split. The backward's outputs depend on different inputs
+  (grad_input on grad_output and weight, grad_weight on grad_output and input,
+  grad_bias on grad_output alone); it is linear in each input.
+- pooling: batch and channel dims split; the backward is linear in the gradient.
+"""
+from __future__ import annotations
+
+import torch
+
+from .core import UNSPLIT, Call, Labels, TensorMeta, aligned, letters
+
+aten = torch.ops.aten
+
+
+def embedding(call: Call) -> Labels:
+    batch = letters(call["indices"].ndim)
+    return Labels({"weight": UNSPLIT + "z", "indices": batch}, [batch + "z"], linear=[{"weight"}])
+
+
+def embedding_backward(call: Call) -> Labels:
+    """Index dims contract into the weight gradient (not when scaled by frequency)."""
+    ndim = call["indices"].ndim
+    batch = UNSPLIT * ndim if call["scale_grad_by_freq"] else letters(ndim)
+    return Labels({"grad_output": batch + "z", "indices": batch}, [UNSPLIT + "z"],
+                  linear=[{"grad_output"}])
+
+
+# op: (is the CPU kernel, output roles); the tensor arguments are named by role below.
+ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (True, "ol"),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (True, "qkv"),
+    aten._scaled_dot_product_flash_attention.default: (False, "ol"),
+    aten._scaled_dot_product_flash_attention_backward.default: (False, "qkv"),
+    aten._scaled_dot_product_efficient_attention.default: (False, "ol"),
+    aten._scaled_dot_product_efficient_attention_backward.default: (False, "qkv"),
+    aten._scaled_dot_product_cudnn_attention.default: (False, "ol"),
+    aten._scaled_dot_product_cudnn_attention_backward.default: (False, "qkv"),
+}
+ROLE_OF_ARG = {"query": "q", "key": "k", "value": "v", "out": "o", "grad_out": "o",
+               "grad_out_": "o", "logsumexp": "l"}
+GRADIENT_ARGS = ("grad_out", "grad_out_")
+
+
+def _fit(labels: str, meta: TensorMeta) -> str:
+    """Role labels, or batch and heads alone for a differently shaped (padded) tensor."""
+    return labels if len(labels) == meta.ndim else "bh" + UNSPLIT * (meta.ndim - 2)
+
+
+def attention(call: Call) -> Labels:
+    """Labels per role: q [b,h,L,E], k [b,h,S,E], v [b,h,S,Ev], o [b,h,L,Ev], l [b,h,L].
+    A mask/bias broadcasts against [b,h,L,S]; other outputs (RNG state, offsets) stay B."""
+    cpu, out_roles = ATTENTION[call.target]
+    queries = cpu and not call["is_causal"] and call.get("attn_mask") is None
+    L = "l" if queries else UNSPLIT
+    roles = {"q": "bh" + L + UNSPLIT, "k": "bh" + UNSPLIT * 2, "v": "bh" + UNSPLIT * 2,
+             "o": "bh" + L + UNSPLIT}
+    b, h, n_q = call["query"].shape[:3]
+    n_k = call["key"].shape[2]
+    inputs = {name: _fit(roles.get(role, "bh" + L), call[name]) for name, role in ROLE_OF_ARG.items()
+              if isinstance(call.get(name), TensorMeta)}
+    for name in ("attn_mask", "attn_bias"):
+        if isinstance(call.get(name), TensorMeta):
+            inputs[name] = aligned(call[name], (b, h, n_q, n_k), "bh" + UNSPLIT * 2)
+    outputs, deps = [], {}
+    for k, meta in enumerate(call.outputs):
+        role = roles.get(out_roles[k], "bh" + L) if k < len(out_roles) else None
+        if role is not None and meta is not None and meta.ndim == len(role):
+            outputs.append(role)
+        elif meta is not None and meta.ndim >= 2 and meta.shape[:2] == (b, h):
+            outputs.append("bh" + UNSPLIT * (meta.ndim - 2))   # a debug mask or bias gradient
+        else:
+            outputs.append(UNSPLIT * (meta.ndim if meta is not None else 0))
+            deps[k] = ()
+    if out_roles == "ol":
+        deps[1] = {name for name in inputs if name != "value"}
+    grad = [{name} for name in GRADIENT_ARGS if name in inputs]
+    return Labels(inputs, outputs, linear=grad, deps=deps)
+
+
+def _conv_labels(call: Call) -> tuple[str, str, str, str]:
+    """(input, weight, bias, output) labels: n batch, c in-channels, o out-channels."""
+    spatial = UNSPLIT * (call["input"].ndim - 2)
+    if call["groups"] != 1:
+        return "n" + UNSPLIT + spatial, UNSPLIT * (len(spatial) + 2), UNSPLIT, "n" + UNSPLIT + spatial
+    weight = ("co" if call["transposed"] else "oc") + spatial
+    return "nc" + spatial, weight, "o", "no" + spatial
+
+
+def convolution(call: Call) -> Labels:
+    x, w, b, y = _conv_labels(call)
+    return Labels({"input": x, "weight": w, "bias": b}, [y], addends=["bias"],
+                  linear=[{"input", "bias"}, {"weight", "bias"}])
+
+
+def convolution_backward(call: Call) -> Labels:
+    x, w, b, y = _conv_labels(call)
+    return Labels({"grad_output": y, "input": x, "weight": w}, [x, w, b],
+                  linear=[{"grad_output"}, {"input"}, {"weight"}],
+                  deps={0: {"grad_output", "weight"}, 1: {"grad_output", "input"},
+                        2: {"grad_output"}})
+
+
+def _pool_labels(meta) -> str:
+    return letters(meta.ndim - 2) + UNSPLIT * 2
+
+
+def max_pool(call: Call) -> Labels:
+    labels = _pool_labels(call["self"])
+    return Labels({"self": labels}, [labels, labels])
+
+
+def max_pool_backward(call: Call) -> Labels:
+    labels = _pool_labels(call["self"])
+    return Labels({"grad_output": labels, "self": labels, "indices": labels}, [labels],
+                  linear=[{"grad_output"}])
+
+
+def adaptive_avg_pool(call: Call) -> Labels:
+    labels = _pool_labels(call["self"])
+    return Labels({"self": labels}, [labels], linear=[{"self"}])
+
+
+def adaptive_avg_pool_backward(call: Call) -> Labels:
+    labels = _pool_labels(call["self"])
+    return Labels({"grad_output": labels, "self": labels}, [labels], linear=[{"grad_output"}])
+
+
+RULES = {
+    aten.embedding.default: embedding,
+    aten.embedding_dense_backward.default: embedding_backward,
+    **dict.fromkeys(ATTENTION, attention),
+    aten.convolution.default: convolution,
+    aten.convolution_backward.default: convolution_backward,
+    aten.max_pool2d_with_indices.default: max_pool,
+    aten.max_pool2d_with_indices_backward.default: max_pool_backward,
+    aten._adaptive_avg_pool2d.default: adaptive_avg_pool,
+    aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool_backward,
+}
+
+
+def conv_bias_sizes(call: Call, in_shapes, out_shapes) -> dict:
+    """bias_sizes is the local number of output channels (grad_output's dim 1)."""
+    return {} if call["bias_sizes"] is None else {"bias_sizes": [in_shapes[0][1]]}
+
+
+LOCALIZERS = {aten.convolution_backward.default: conv_bias_sizes}
