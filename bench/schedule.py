@@ -1,0 +1,151 @@
+"""Gradient-communication schedules on VGG16-, BERT-base- and GPT-2-sized per-layer profiles.
+
+Run: ``python bench/schedule.py`` (add ``--write-profiles DIR`` to keep the 1x profiles as JSON
+for ``python -m ddlc schedule --layer-profile``).
+
+Profiles come from the networks' real layer shapes: parameters per layer; forward time per
+layer from a roofline, max(FLOPs / achievable FLOP/s, bytes / memory bandwidth), with the
+numbers of the ``dgx-h100-ib`` hardware profile (bf16; activations and weights read or
+written once); backward = 2x forward. The all-reduce fit is a ring over the 8 GPUs of one
+node on that profile's intra-node link: a = 2(p-1)α, b = 2(p-1)/p · 2 bytes / bandwidth
+(bf16 gradients). Each link bandwidth scale divides b; a stays. Every ratio printed is
+computed in this run against :func:`cost_models.layer_schedules.lower_bound`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cost_models.layer_schedules import STRATEGIES, LayerProfile, lower_bound  # noqa: E402
+from ddlc.mesh import load_profile  # noqa: E402
+
+HARDWARE = load_profile("dgx-h100-ib")
+GPUS = 8
+BYTES = 2                                   # bf16 activations, weights and gradients
+FLOPS = HARDWARE.flops_for("bfloat16")
+BANDWIDTH_SCALES = (1, 1 / 2, 1 / 5, 1 / 10, 1 / 20, 1 / 50)
+
+
+def linear(name, tokens, d_in, d_out, bias=True):
+    """(name, params, forward FLOPs, forward bytes) of a dense layer applied to ``tokens`` rows."""
+    params = d_in * d_out + (d_out if bias else 0)
+    return name, params, 2 * tokens * d_in * d_out, BYTES * (tokens * (d_in + d_out) + params)
+
+
+def elementwise(name, elements, params=0):
+    """A normalization or embedding: memory-bound, reads and writes ``elements`` once."""
+    return name, params, 5 * elements, BYTES * (2 * elements + params)
+
+
+def vgg16(batch=64, image=224):
+    """VGG16 (configuration D) on ``image`` x ``image`` RGB images, 1000 classes."""
+    layers, c_in, side = [], 3, image
+    stages = [(64, 2), (128, 2), (256, 3), (512, 3), (512, 3)]
+    for stage, (c_out, convs) in enumerate(stages, 1):
+        for i in range(1, convs + 1):
+            params = 9 * c_in * c_out + c_out
+            pixels = batch * side * side
+            layers.append((f"conv{stage}_{i}", params, 2 * 9 * c_in * c_out * pixels,
+                           BYTES * (pixels * (c_in + c_out) + params)))
+            c_in = c_out
+        side //= 2
+    dims = [c_in * side * side, 4096, 4096, 1000]
+    layers += [linear(f"fc{6 + i}", batch, a, b) for i, (a, b) in enumerate(zip(dims, dims[1:]))]
+    return layers
+
+
+def attention_core(name, batch, seq, d_model):
+    """softmax(QK^T)V over all heads: two batched matmuls of 2*batch*seq^2*d FLOPs each."""
+    return name, 0, 4 * batch * seq * seq * d_model, BYTES * 4 * batch * seq * d_model
+
+
+def bert_base(batch=64, seq=128, vocab=30522, d=768, blocks=12, max_pos=512):
+    """BERT-base with its masked-LM head (decoder tied to the word embeddings)."""
+    t = batch * seq
+    layers = [elementwise("embeddings", t * d, (vocab + max_pos + 2) * d + 2 * d)]
+    for i in range(blocks):
+        layers += [linear(f"b{i}.query", t, d, d), linear(f"b{i}.key", t, d, d),
+                   linear(f"b{i}.value", t, d, d), attention_core(f"b{i}.attention", batch, seq, d),
+                   linear(f"b{i}.attn_out", t, d, d), elementwise(f"b{i}.attn_ln", t * d, 2 * d),
+                   linear(f"b{i}.ffn_in", t, d, 4 * d), linear(f"b{i}.ffn_out", t, 4 * d, d),
+                   elementwise(f"b{i}.ffn_ln", t * d, 2 * d)]
+    name, params, flops, nbytes = linear("mlm_head", t, d, d)
+    head = ("mlm_head", params + 2 * d + vocab, flops + 2 * t * d * vocab, nbytes + BYTES * t * vocab)
+    return layers + [linear("pooler", batch, d, d), head]
+
+
+def gpt2(batch=8, seq=1024, vocab=50257, d=768, blocks=12):
+    """GPT-2 small (124M); the LM head is tied to the token embedding (no parameters of its own)."""
+    t = batch * seq
+    layers = [elementwise("embeddings", t * d, (vocab + seq) * d)]
+    for i in range(blocks):
+        layers += [elementwise(f"h{i}.ln_1", t * d, 2 * d), linear(f"h{i}.c_attn", t, d, 3 * d),
+                   attention_core(f"h{i}.attention", batch, seq, d), linear(f"h{i}.c_proj", t, d, d),
+                   elementwise(f"h{i}.ln_2", t * d, 2 * d), linear(f"h{i}.c_fc", t, d, 4 * d),
+                   linear(f"h{i}.mlp_proj", t, 4 * d, d)]
+    return layers + [elementwise("ln_f", t * d, 2 * d),
+                     ("lm_head", 0, 2 * t * d * vocab, BYTES * t * (d + vocab))]
+
+
+MODELS = {"VGG16 (batch 64, 224x224)": vgg16, "BERT-base (batch 64, seq 128)": bert_base,
+          "GPT-2 small (batch 8, seq 1024)": gpt2}
+
+
+def allreduce_fit(scale: float) -> dict:
+    """Ring all-reduce over GPUS devices: a + b*n seconds for n bf16 elements."""
+    link = HARDWARE.intra_node
+    return {"a": 2 * (GPUS - 1) * link.latency,
+            "b": 2 * (GPUS - 1) / GPUS * BYTES / (link.bandwidth * scale)}
+
+
+def profile_dict(layers, scale: float) -> dict:
+    """The per-layer profile form: roofline forward time, backward twice that."""
+    rows = []
+    for name, params, flops, nbytes in layers:
+        forward = max(flops / FLOPS, nbytes / HARDWARE.memory_bandwidth)
+        rows.append({"name": name, "params": params, "forward": forward, "backward": 2 * forward})
+    return {"allreduce": allreduce_fit(scale), "layers": rows}
+
+
+def scale_name(scale: float) -> str:
+    return "1x" if scale == 1 else f"1/{round(1 / scale)}x"
+
+
+def report(title: str, layers) -> None:
+    base = LayerProfile.from_dict(profile_dict(layers, 1))
+    fit = base.a, base.b
+    print(f"\n{title}: {len(base.layers)} layers ({len(base.param_layers)} with parameters), "
+          f"{base.params / 1e6:.1f} M parameters, compute {base.compute_time * 1e3:.2f} ms/iteration")
+    print(f"all-reduce fit at 1x: a = {fit[0] * 1e6:.0f} us, b = {fit[1]:.3g} s/element")
+    header = f"{'link':>7} {'bound ms':>9} " + " ".join(f"{name:>17}" for name in STRATEGIES)
+    print(header + f" {'run s':>6}")
+    for scale in BANDWIDTH_SCALES:
+        profile = LayerProfile.from_dict(profile_dict(layers, scale))
+        bound = lower_bound(profile)
+        started = time.perf_counter()
+        times = {name: strategy(profile).iteration_time for name, strategy in STRATEGIES.items()}
+        cells = " ".join(f"{t * 1e3:8.2f} ({t / bound:5.3f})" for t in times.values())
+        print(f"{scale_name(scale):>7} {bound * 1e3:9.2f} {cells} {time.perf_counter() - started:6.1f}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write-profiles", metavar="DIR", help="also write the 1x profiles as JSON")
+    args = parser.parse_args(argv)
+    print("iteration time in ms per strategy, (ratio to the lower bound); link = bandwidth scale")
+    for title, build in MODELS.items():
+        report(title, build())
+        if args.write_profiles:
+            os.makedirs(args.write_profiles, exist_ok=True)
+            path = os.path.join(args.write_profiles, build.__name__ + ".json")
+            with open(path, "w") as f:
+                json.dump(profile_dict(build(), 1), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

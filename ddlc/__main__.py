@@ -1,0 +1,4 @@
+"""``python -m ddlc``: see :mod:`ddlc.cli`."""
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""Per-layer schedules: hand-computed timelines, ordering properties, validation, CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cost_models.layer_schedules import (LayerProfile, compare, dear, ddlc, lower_bound,
+                                         no_overlap, pipedap, schedules, simulate, wfbp)
+
+
+def profile(a, b, *layers):
+    """``layers``: (params, forward, backward) in forward order, named l0, l1, ..."""
+    return LayerProfile.from_dict({"allreduce": {"a": a, "b": b}, "layers": [
+        {"name": f"l{i}", "params": n, "forward": f, "backward": bw}
+        for i, (n, f, bw) in enumerate(layers)]})
+
+
+def task_times(schedule):
+    """Start and end of every task of one window, by label."""
+    result, _ = simulate(schedule.profile, schedule.collectives)
+    return {t.label: (s, e) for t, s, e in zip(result.tasks, result.start, result.end)}
+
+
+def test_dear_reproduces_its_recurrences():
+    # a = 2, b = 0.002: t_rs = t_ag = 1 + 0.001 n = 2, 1.5, 3 for n = 1000, 500, 2000
+    p = profile(2, 0.002, (1000, 1, 2), (500, 2, 4), (2000, 1, 2))
+    times = task_times(dear(p))
+    # backward l2 0-2, l1 2-6, l0 6-8; RS(2) 2-5, RS(1) max(6, 5) = 6-7.5, RS(0) max(8, 7.5) = 8-10
+    assert [times[f"RS l{l}"] for l in (2, 1, 0)] == [(2, 5), (6, 7.5), (8, 10)]
+    # AG(0) 10-12, AG(1) 12-13.5, AG(2) 13.5-16.5
+    assert [times[f"AG l{l}"][1] for l in (0, 1, 2)] == [12, 13.5, 16.5]
+    # forward l0 max(8, 12) = 12, l1 max(13, 13.5) = 13.5, l2 max(15.5, 16.5) = 16.5; ends 17.5
+    assert [times[f"fwd l{l}"][0] for l in (0, 1, 2)] == [12, 13.5, 16.5]
+    assert dear(p).iteration_time == 17.5
+
+
+def test_pipedap_merges_an_all_gather_into_its_own_reduce_scatter():
+    # t_rs = 1.5, 2, 1.5. DeAR: RS(2) 2-3.5, RS(1) 6-8, RS(0) 8-9.5, AGs end 11, 13, 14.5;
+    # forward 11-13, 13-14, 14.5-15.5: DeAR takes 15.5.
+    p = profile(2, 0.002, (500, 2, 2), (1000, 1, 4), (500, 1, 2))
+    assert dear(p).iteration_time == 15.5
+    # Layer 2: the link idles 3.5-6 after RS(2), 2.5 > a/2 = 1; budget 2.5 + 0 (idle) + 0.5
+    # (forward stall of l2) covers b/2 * 500 = 0.5: merge. Layer 1: no idle link after RS(1)
+    # and no stall left, cost 1 > 0: stays deferred.
+    s = pipedap(p)
+    assert [r["placement"] for r in s.rows()] == ["AG l2: merged", "", "", "AG l0: deferred",
+                                                   "AG l1: deferred"]
+    times = task_times(s)
+    # RS(2) + AG(2) in one message: 1 + 0.001 * (500 + 500) = 2 (one start-up saved): 2-4
+    assert times["RS l2 + AG l2"] == (2, 4)
+    # the rest as in DeAR; l2's forward no longer waits: max(14, 4) = 14, ends 15
+    assert times["fwd l2"] == (14, 15)
+    assert s.iteration_time == 15
+
+
+def test_pipedap_piggy_backs_an_all_gather_on_the_next_reduce_scatter():
+    # t_rs = 1.5, 1.5, 3. DeAR: RS(2) 2-5, RS(1) 5-6.5, RS(0) 6.5-8, AG(0) 8-9.5,
+    # AG(1) 9.5-11, AG(2) 11-14; forward 9.5-10.5, 11-13, 14-15: DeAR takes 15.
+    p = profile(2, 0.002, (500, 1, 2), (500, 2, 2), (2000, 1, 2))
+    assert dear(p).iteration_time == 15
+    # Layer 2: no idle link after RS(2); budget 0 + stall 1 < cost 2: stays. Layer 1: no gap
+    # (0 <= a/2), budget 0 + stall (0.5 + 1) covers 0.5: piggy-back on RS(0).
+    s = pipedap(p)
+    assert [r["collective"] for r in s.rows()] == ["RS l2", "RS l1", "RS l0 + AG l1", "AG l0", "AG l2"]
+    times = task_times(s)
+    # RS(0) + AG(1): 1 + 0.001 * (500 + 500) = 2, 6.5-8.5; AG(0) 8.5-10, AG(2) 10-13
+    assert times["RS l0 + AG l1"] == (6.5, 8.5)
+    assert times["AG l2"] == (10, 13)
+    # forward l0 max(6, 10) = 10-11, l1 max(11, 8.5) = 11-13, l2 max(13, 13) = 13-14
+    assert [times[f"fwd l{l}"] for l in (0, 1, 2)] == [(10, 11), (11, 13), (13, 14)]
+    assert s.iteration_time == 14
+
+
+def test_baselines_by_hand():
+    p = profile(2, 0.002, (1000, 1, 2), (500, 2, 4), (2000, 1, 2))
+    # all-reduce = a + b n = 4, 3, 6; no overlap: compute 12 + 13 of all-reduces
+    assert no_overlap(p).iteration_time == 25
+    # WFBP: AR(2) 2-8, AR(1) 8-11, AR(0) 11-15; forward 15-19
+    assert wfbp(p).iteration_time == 19
+    # the bound: compute 12; j = 0: 12 - 0 + max(0, 1 + 0.002 * 1000) = 15
+    assert lower_bound(p) == 15
+
+
+def test_window_is_the_steady_state_period():
+    p = profile(2, 0.002, (1000, 1, 2), (500, 2, 4), (2000, 1, 2), (0, 1, 1))
+    for s in schedules(p).values():
+        result, _ = simulate(p, s.collectives, iterations=3)
+        assert result.makespan == pytest.approx(3 * s.iteration_time)
+
+
+layer = st.tuples(st.integers(0, 4000), st.integers(0, 40), st.integers(0, 40))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(a=st.integers(0, 20), b=st.integers(0, 20), layers=st.lists(layer, min_size=1, max_size=6))
+def test_strategy_ordering_and_bound(a, b, layers):
+    p = profile(a / 10, b / 1e4, *[(n, f / 10, bw / 10) for n, f, bw in layers])
+    results = schedules(p)
+    times = {name: s.iteration_time for name, s in results.items()}
+    bound = lower_bound(p)
+    assert times["ddlc"] <= times["pipedap"] <= times["dear"]
+    assert times["wfbp"] <= times["no_overlap"]
+    assert all(t >= bound * (1 - 1e-12) for t in times.values()), (times, bound)
+    for s in results.values():             # every element charged once per pass, start-ups apart
+        start_ups = sum(c.duration(p) - p.b / 2 * c.elements(p) for c in s.collectives)
+        assert s.simulate().busy("dp") == pytest.approx(start_ups + p.b * p.params)
+
+
+def test_ddlc_is_deterministic():
+    p = profile(2, 0.002, *[(500 * (i % 3 + 1), 1 + i % 2, 2 + i % 3) for i in range(8)])
+    assert ddlc(p) == ddlc(p)
+    assert compare(p).keys() == {"no_overlap", "wfbp", "dear", "pipedap", "ddlc", "lower_bound"}
+
+
+GOOD = {"allreduce": {"a": 0.0013, "b": 2.4e-10},
+        "layers": [{"name": "conv1", "params": 1792, "forward": 0.0011, "backward": 0.0023}]}
+
+
+def mutate(path, value):
+    """GOOD with the field at ``path`` replaced (or deleted when value is ...)."""
+    data = json.loads(json.dumps(GOOD))
+    *outer, last = path
+    target = data
+    for key in outer:
+        target = target[key]
+    if value is ...:
+        del target[last]
+    else:
+        target[last] = value
+    return data
+
+
+@pytest.mark.parametrize("path, value, message", [
+    (("allreduce",), ..., "missing field 'allreduce'"),
+    (("allreduce", "a"), -1, r"allreduce\.a"),
+    (("allreduce", "b"), "fast", r"allreduce\.b"),
+    (("layers",), [], "layers: must be a non-empty list"),
+    (("layers", 0, "params"), 1.5, r"layers\[0\]\.params"),
+    (("layers", 0, "params"), True, r"layers\[0\]\.params"),
+    (("layers", 0, "backward"), float("inf"), r"layers\[0\]\.backward"),
+    (("layers", 0, "name"), "", r"layers\[0\]\.name"),
+    (("layers", 0, "forward"), ..., r"layers\[0\]: missing field 'forward'"),
+    (("layers", 0, "fwd"), 1.0, r"layers\[0\]: unknown field 'fwd'"),
+    (("extra",), 1, "profile: unknown field 'extra'"),
+])
+def test_profile_validation_names_the_bad_field(path, value, message):
+    with pytest.raises(ValueError, match=message):
+        LayerProfile.from_dict(mutate(path, value))
+
+
+def test_repeated_layer_names_are_rejected():
+    data = mutate(("layers",), GOOD["layers"] * 2)
+    with pytest.raises(ValueError, match=r"layers\[1\]\.name: 'conv1' repeats layers\[0\]"):
+        LayerProfile.from_dict(data)
+
+
+def test_cli_prints_one_json_object(tmp_path):
+    path = tmp_path / "profile.json"
+    data = mutate(("layers",), GOOD["layers"] + [
+        {"name": "fc", "params": 4_000_000, "forward": 0.001, "backward": 0.002}])
+    path.write_text(json.dumps(data))
+    trace = tmp_path / "trace.json"
+    out = subprocess.run([sys.executable, "-m", "ddlc", "schedule", "--layer-profile", str(path),
+                          "--json", "--trace", str(trace)], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == pytest.approx(compare(LayerProfile.from_dict(data)))
+    assert out.stdout.count("\n") == 1
+    assert any(e["ph"] == "X" for e in json.loads(trace.read_text())["traceEvents"])

@@ -1,0 +1,81 @@
+"""The timeline simulator against hand-computed schedules."""
+import json
+
+import pytest
+
+from cost_models.timeline import COMPUTE, Timeline
+
+
+def test_fifo_streams_and_dependencies():
+    tl = Timeline()
+    f = tl.add("f", COMPUTE, 2.0)                    # compute 0 -> 2
+    c1 = tl.add("c1", "dp", 3.0, [f])                # waits for f: 2 -> 5
+    c2 = tl.add("c2", "dp", 1.0)                     # FIFO behind c1: 5 -> 6
+    g = tl.add("g", COMPUTE, 1.0)                    # no deps: 2 -> 3
+    h = tl.add("h", COMPUTE, 1.0, [c2])              # waits for c2: 6 -> 7
+    other = tl.add("o", "tp", 4.0, [f])              # another channel, in parallel: 2 -> 6
+    r = tl.run()
+    assert [r.start[i] for i in (f, c1, c2, g, h, other)] == [0, 2, 5, 2, 6, 2]
+    assert r.makespan == 7
+    assert r.exposed_communication == 7 - 4          # compute idles 3 -> 6
+    assert r.lower_bound == 4                        # dp 4, tp 4, compute 4
+
+
+def test_dear_recurrences_on_a_three_layer_chain():
+    """Build DeAR's timeline by hand: t_f = (1, 2, 1), t_b = (2, 4, 2), t_rs = t_ag = (2, 1.5, 3)."""
+    t_f, t_b, t_c = (1, 2, 1), (2, 4, 2), (2, 1.5, 3)
+    tl, bwd, rs, ag = Timeline(), {}, {}, {}
+    for l in (2, 1, 0):
+        bwd[l] = tl.add(f"bwd{l}", COMPUTE, t_b[l])
+    for l in (2, 1, 0):
+        rs[l] = tl.add(f"rs{l}", "dp", t_c[l], [bwd[l]])
+    for l in (0, 1, 2):
+        ag[l] = tl.add(f"ag{l}", "dp", t_c[l])
+    fwd = [tl.add(f"fwd{l}", COMPUTE, t_f[l], [ag[l]]) for l in (0, 1, 2)]
+    r = tl.run()
+    # tau_b[2] = 0, tau_b[1] = 0 + 2 = 2, tau_b[0] = 2 + 4 = 6
+    assert [r.start[bwd[l]] for l in (0, 1, 2)] == [6, 2, 0]
+    # tau_c[2] = t_b[2] = 2; tau_c[1] = max(2 + 4, 2 + 3) = 6; tau_c[0] = max(6 + 2, 6 + 1.5) = 8
+    assert [r.start[rs[l]] for l in (0, 1, 2)] == [8, 6, 2]
+    # AGs back to back after RS(0) ends at 8 + 2 = 10: ends 10 + 2 = 12, 12 + 1.5 = 13.5, 13.5 + 3 = 16.5
+    assert [r.end[ag[l]] for l in (0, 1, 2)] == [12, 13.5, 16.5]
+    # tau_f[0] = max(8, 12) = 12; tau_f[1] = max(12 + 1, 13.5) = 13.5; tau_f[2] = max(13.5 + 2, 16.5)
+    assert [r.start[i] for i in fwd] == [12, 13.5, 16.5]
+    assert r.makespan == 16.5 + 1
+    assert r.exposed_communication == 17.5 - 12      # compute totals 12
+
+
+def test_peak_memory_frees_before_allocating_at_equal_times():
+    tl = Timeline()
+    a = tl.add("a", COMPUTE, 1.0, alloc=100)          # 100 live from 0
+    tl.add("free a", "dp", 1.0, [a], free=100)        # released at 2
+    tl.add("b", COMPUTE, 1.0, alloc=50)               # 150 live at 1
+    tl.add("c", COMPUTE, 1.0, [1], alloc=70)          # starts at 2, after the release: 50 + 70
+    assert tl.run().peak_memory == 150
+
+
+def test_chrome_trace_has_one_thread_per_stream(tmp_path):
+    tl = Timeline()
+    f = tl.add("fwd", COMPUTE, 0.002, category="forward")
+    tl.add("RS", "dp", 0.001, [f])
+    path = tmp_path / "trace.json"
+    tl.run().write_chrome_trace(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    threads = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert threads == {"compute": 0, "dp": 1}
+    assert [(e["name"], e["tid"], e["ts"], e["dur"]) for e in spans] == [
+        ("fwd", 0, 0.0, 2000.0), ("RS", 1, 2000.0, 1000.0)]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(duration=-1.0), "duration"),
+    (dict(duration=float("nan")), "duration"),
+    (dict(duration=1.0, deps=[5]), "dependency 5"),
+    (dict(duration=1.0, alloc=-1), "alloc"),
+])
+def test_bad_tasks_are_rejected(kwargs, message):
+    tl = Timeline()
+    tl.add("first", COMPUTE, 1.0)
+    with pytest.raises(ValueError, match=message):
+        tl.add("bad", COMPUTE, **kwargs)
