@@ -312,8 +312,10 @@ def _check_no_input_mutation(gm: fx.GraphModule) -> None:
 
 def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],
                       annotator: _ModuleAnnotator) -> None:
-    """Record an Origin per node; backward nodes borrow the module of their first
-    forward-phase input (a saved activation or parameter), else of any input."""
+    """Record an Origin per node. Backward nodes borrow the module of their first
+    forward-phase input (a saved activation or parameter), else of any input; then,
+    walking backwards, a backward node whose users all sit in one submodule of its
+    module moves into that submodule."""
     by_name = {i.name: i for i in inputs}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -333,3 +335,14 @@ def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],
             if phase == "backward":
                 source = source or next((o.source for o in preferred if o.source), "")
         node.meta["ddlc_origin"] = Origin(phase, module, source)
+    # Weight-gradient chains read only activations of the module *before*; refine a
+    # backward node to the one module all its users belong to when that is a submodule.
+    for node in reversed(gm.graph.nodes):
+        origin = origin_of(node)
+        if origin is None or origin.phase != "backward":
+            continue
+        users = {origin_of(u).module for u in node.users if u.op != "output" and origin_of(u)}
+        if len(users) == 1:
+            (module,) = users
+            if module != origin.module and (not origin.module or module.startswith(origin.module + ".")):
+                node.meta["ddlc_origin"] = Origin(origin.phase, module, origin.source)
