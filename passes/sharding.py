@@ -1,0 +1,361 @@
+"""Sharding propagation: choose every node's n-D SBP signature (AutoDDL).
+
+``shard(gm, mesh)`` builds the :class:`ShardingProblem` (candidates from the
+rules, costs from the cost models), solves it and returns a :class:`Plan`; it
+also records each node's chosen signature in ``node.meta["ddlc"]``.
+
+The default solver is AutoDDL's coordinate descent:
+
+1. *Start* from the best uniform scheme: each seed policy (data parallel:
+   batch split on dim 0 over every axis, parameters replicated; or everything
+   replicated) places the graph inputs, then every other variable, in graph
+   order, takes its cheapest candidate given the variables placed before it.
+2. *Sweep* until a sweep improves nothing: (a) every variable in graph order
+   moves to its best candidate with all others fixed; (b) every module (its
+   parameters, forward, backward and update nodes; leaf modules first, then
+   their parents) tries each placement of its largest parameter, lets the
+   module's other variables best-respond in graph order (two passes), and
+   keeps the best trial if it lowers the objective.
+
+Every move respects the memory budget. Ties keep the incumbent and otherwise
+go to the lowest candidate index, so the result depends only on the graph.
+``solver="exact"`` solves the same problem with the MILP of
+:mod:`passes.sharding_exact`.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+from torch import fx
+
+from ddlc.errors import ShardingError
+from ddlc.mesh import Mesh
+from ddlc.plan import Plan, make_plan
+from ddlc.sbp import B, NdSBP, S, divides
+
+from .sharding_exact import solve_exact, solve_milp
+from .sharding_problem import FORBIDDEN, ShardingProblem, build_problem, reduce_costs, reduce_problem
+
+__all__ = ["shard", "coordinate_descent", "SEEDS"]
+
+
+def _seed_data_parallel(node: fx.Node, mesh: Mesh) -> NdSBP:
+    if node.meta.get("ddlc_role") == "input":
+        shape = tuple(node.meta["val"].shape)
+        split = NdSBP((S(0),) * mesh.ndim)
+        if shape and divides(shape, split, mesh.shape):
+            return split
+    return NdSBP.broadcast(mesh.ndim)
+
+
+def _seed_data_parallel_outer(node: fx.Node, mesh: Mesh) -> NdSBP:
+    if node.meta.get("ddlc_role") == "input":
+        shape = tuple(node.meta["val"].shape)
+        split = NdSBP((S(0),) + (B,) * (mesh.ndim - 1))
+        if shape and divides(shape, split, mesh.shape):
+            return split
+    return NdSBP.broadcast(mesh.ndim)
+
+
+def _seed_replicated(node: fx.Node, mesh: Mesh) -> NdSBP:
+    return NdSBP.broadcast(mesh.ndim)
+
+
+#: Uniform starting schemes: placement of each graph input (parameters replicated).
+SEEDS = {"data_parallel": _seed_data_parallel, "data_parallel_outer_axis": _seed_data_parallel_outer,
+         "replicated": _seed_replicated}
+
+
+@dataclass
+class _Search:
+    problem: ShardingProblem
+    budget: float
+    choice: list[int]
+
+    def __post_init__(self):
+        self.memory = self.problem.memory_of(self.choice) if self.choice else 0.0
+
+    def best_response(self, v: int) -> bool:
+        """Move ``v`` to its cheapest affordable candidate; True if it moved."""
+        p = self.problem
+        cost = p.local_cost(v, self.choice)
+        current = self.choice[v]
+        room = self.budget - (self.memory - p.memory[v][current])
+        cost = np.where(p.memory[v] <= room, cost, np.inf)
+        best = int(np.argmin(cost))
+        if cost[best] < cost[current] - 1e-12 * max(1.0, abs(cost[current])):
+            self.memory += p.memory[v][best] - p.memory[v][current]
+            self.choice[v] = best
+            return True
+        return False
+
+    def region_cost(self, region: Sequence[int]) -> float:
+        """Unary costs of ``region`` plus every edge touching it, each edge once."""
+        p = self.problem
+        edges = {i for v in region for i in p.incident[v]}
+        return (sum(float(p.unary[v][self.choice[v]]) for v in region)
+                + sum(float(p.edges[i].cost[self.choice[p.edges[i].src], self.choice[p.edges[i].dst]])
+                      for i in sorted(edges)))
+
+
+def _initial(problem: ShardingProblem, seed, budget: float) -> list[int]:
+    """Place inputs by ``seed``, then every variable greedily given those placed before it."""
+    choice = [-1] * problem.num_vars
+    for v, group in enumerate(problem.members):
+        rep = group[0]
+        if rep.op == "placeholder":
+            wanted = seed(rep, problem.mesh)
+            outs = [c.outputs[0] for c in problem.candidates[v]]
+            choice[v] = outs.index(wanted) if wanted in outs else 0
+    for v in range(problem.num_vars):
+        if choice[v] >= 0:
+            continue
+        cost = problem.unary[v].copy()
+        for i in problem.incident[v]:
+            e = problem.edges[i]
+            if e.dst == v and e.src != v and choice[e.src] >= 0:
+                cost += e.cost[choice[e.src], :]
+        choice[v] = int(np.argmin(cost))
+    return choice
+
+
+#: Modules with more variables than this are left to the smaller moves (their MILP would
+#: approach the exact solver's cost).
+MAX_BLOCK = 60
+
+
+def _module_regions(problem: ShardingProblem) -> list[tuple[str, list[int], int]]:
+    """(module path, its variables and their direct neighbours, anchor variable) for every
+    module that owns a parameter, deepest modules first; the anchor is its largest
+    parameter. The halo lets a module's move re-place the tensors at its boundary."""
+    by_module: dict[str, list[int]] = {}
+    for v, group in enumerate(problem.members):
+        origin = group[0].meta.get("ddlc_origin")
+        if origin is None:
+            continue
+        parts = origin.module.split(".") if origin.module else []
+        for depth in range(len(parts) + 1):
+            by_module.setdefault(".".join(parts[:depth]), []).append(v)
+    neighbours = [set() for _ in range(problem.num_vars)]
+    for e in problem.edges:
+        neighbours[e.src].add(e.dst)
+        neighbours[e.dst].add(e.src)
+    regions = []
+    for module, region in by_module.items():
+        params = [v for v in region if problem.members[v][0].meta.get("ddlc_role") == "param"]
+        if not params or not module or len(region) > MAX_BLOCK:
+            continue
+        anchor = max(params, key=lambda v: (problem.members[v][0].meta["val"].numel(), -v))
+        halo = set(region).union(*(neighbours[v] for v in region))
+        regions.append((module, sorted(halo), anchor))
+    regions.sort(key=lambda r: (-r[0].count("."), r[0]))
+    return regions
+
+
+def _path_blocks(problem: ShardingProblem) -> list[list[int]]:
+    """Cover the variables with paths (in graph order) whose members share edges only with
+    their path neighbours, so each path can be optimised exactly by dynamic programming.
+    A path grows from its end along the edge with the widest cost range."""
+    neighbours = [set() for _ in range(problem.num_vars)]
+    for e in problem.edges:
+        if e.src != e.dst:
+            neighbours[e.src].add(e.dst)
+            neighbours[e.dst].add(e.src)
+    spread = {}
+    for e in problem.edges:
+        key = (min(e.src, e.dst), max(e.src, e.dst))
+        spread[key] = spread.get(key, 0.0) + float(e.cost.max() - e.cost.min())
+    used = [False] * problem.num_vars
+    paths = []
+    for start in range(problem.num_vars):
+        if used[start]:
+            continue
+        path, members = [start], {start}
+        used[start] = True
+        while True:
+            end = path[-1]
+            options = [w for w in sorted(neighbours[end]) if w > end and not used[w]
+                       and not (neighbours[w] & members) - {end}]
+            if not options:
+                break
+            nxt = max(options, key=lambda w: (spread[(end, w)], -w))
+            path.append(nxt)
+            members.add(nxt)
+            used[nxt] = True
+        paths.append(path)
+    return paths
+
+
+def _solve_path(search: _Search, path: list[int]) -> None:
+    """Exact min-sum DP over ``path`` with every other variable fixed; applied if it
+    lowers the objective and fits the memory budget."""
+    p = search.problem
+    position = {v: i for i, v in enumerate(path)}
+    unary = [p.unary[v].copy() for v in path]
+    pair = [np.zeros((len(p.candidates[a]), len(p.candidates[b]))) for a, b in zip(path, path[1:])]
+    for i, v in enumerate(path):
+        for ei in p.incident[v]:
+            e = p.edges[ei]
+            if e.src == e.dst:
+                unary[i] += np.diag(e.cost)
+            elif e.src in position and e.dst in position:
+                if e.src == v:  # count each internal edge once, from its source
+                    a, b = position[e.src], position[e.dst]
+                    pair[min(a, b)] += e.cost if a < b else e.cost.T
+            elif e.src == v:
+                unary[i] += e.cost[:, search.choice[e.dst]]
+            else:
+                unary[i] += e.cost[search.choice[e.src], :]
+    # forward pass: best[i][k] = cheapest prefix ending with candidate k at position i
+    best, back = unary[0], []
+    for i in range(1, len(path)):
+        total = best[:, None] + pair[i - 1]
+        back.append(np.argmin(total, axis=0))
+        best = total[back[-1], np.arange(total.shape[1])] + unary[i]
+    picks = [int(np.argmin(best))]
+    for arg in reversed(back):
+        picks.append(int(arg[picks[-1]]))
+    picks.reverse()
+    current = sum(float(unary[i][search.choice[v]]) for i, v in enumerate(path)) + sum(
+        float(pair[i][search.choice[a], search.choice[b]]) for i, (a, b) in enumerate(zip(path, path[1:])))
+    if float(best.min()) < current - 1e-12 * max(1.0, abs(current)):
+        memory = search.memory + sum(p.memory[v][k] - p.memory[v][search.choice[v]]
+                                     for v, k in zip(path, picks))
+        if memory <= search.budget:
+            for v, k in zip(path, picks):
+                search.choice[v] = k
+            search.memory = memory
+
+
+def _descend(problem: ShardingProblem, choice: list[int], budget: float,
+             paths: list[list[int]], regions, max_sweeps: int) -> tuple[list[int], int]:
+    search = _Search(problem, budget, list(choice))
+    cache: dict = {}
+    sweeps = 0
+    for sweeps in range(1, max_sweeps + 1):
+        before = problem.objective(search.choice)
+        for path in paths:
+            _solve_path(search, path)
+        for v in range(problem.num_vars):
+            search.best_response(v)
+        for _, region, _ in regions:
+            _solve_block(search, region, cache)
+        if problem.objective(search.choice) >= before - 1e-12 * max(1.0, before):
+            break
+    return search.choice, sweeps
+
+
+def coordinate_descent(problem: ShardingProblem, memory_budget: float = float("inf"),
+                       max_sweeps: int = 20, group_moves: bool = True) -> tuple[list[int], dict]:
+    """AutoDDL's coordinate descent (see the module docstring); returns (choice, stats).
+
+    Every seed is descended with the cheap moves (paths, single variables); the best
+    result is then descended again with module moves added."""
+    paths = _path_blocks(problem)
+    results = []
+    for name, seed in SEEDS.items():
+        start = _initial(problem, seed, memory_budget)
+        choice, _ = _descend(problem, start, memory_budget, paths, [], max_sweeps)
+        results.append((problem.memory_of(choice) > memory_budget, problem.objective(choice), name, choice))
+    _, _, name, choice = min(results, key=lambda r: r[:2])
+    regions = _module_regions(problem) if group_moves else []
+    choice, sweeps = _descend(problem, choice, memory_budget, paths, regions, max_sweeps)
+    return choice, {"seed": name, "sweeps": sweeps, "paths": len(paths), "modules": len(regions)}
+
+
+def _solve_block(search: _Search, block: list[int], cache: dict, time_limit: float = 10.0) -> None:
+    """Set the variables of ``block`` to their jointly optimal candidates with every other
+    variable fixed (a small MILP); applied if it lowers the objective. Blocks with the same
+    costs (repeated layers under the same neighbours) are solved once, via ``cache``."""
+    p = search.problem
+    local = {v: i for i, v in enumerate(block)}
+    unary = [p.unary[v].copy() for v in block]
+    edges = []
+    for i, v in enumerate(block):
+        for ei in p.incident[v]:
+            e = p.edges[ei]
+            if e.src in local and e.dst in local:
+                if e.src == v:
+                    edges.append(_Edge(local[e.src], local[e.dst], e.cost))
+            elif e.src == v:
+                unary[i] += e.cost[:, search.choice[e.dst]]
+            else:
+                unary[i] += e.cost[search.choice[e.src], :]
+    outside = search.memory - sum(p.memory[v][search.choice[v]] for v in block)
+    memory = [p.memory[v] for v in block]
+    key = hashlib.sha1(b"".join([u.tobytes() for u in unary] + [m.tobytes() for m in memory]
+                                + [f"{e.src},{e.dst}".encode() + e.cost.tobytes() for e in edges]
+                                + [repr(search.budget - outside).encode()])).digest()
+    if key not in cache:
+        keep, core_unary, core_edges, expand, fixed = reduce_costs(
+            unary, memory, edges, search.budget - outside)
+        try:
+            core = solve_milp(core_unary, [memory[v] for v in keep], core_edges,
+                              search.budget - outside - fixed, time_limit)[0] if keep else []
+            cache[key] = expand(core)
+        except ShardingError:
+            cache[key] = None
+    picks = cache[key]
+    if picks is None:
+        return
+
+    def cost(c):
+        return sum(float(u[k]) for u, k in zip(unary, c)) + sum(
+            float(e.cost[c[e.src], c[e.dst]]) for e in edges)
+
+    current = [search.choice[v] for v in block]
+    if cost(picks) < cost(current) - 1e-12 * max(1.0, cost(current)):
+        for v, k in zip(block, picks):
+            search.choice[v] = k
+        search.memory = outside + sum(p.memory[v][k] for v, k in zip(block, picks))
+
+
+@dataclass
+class _Edge:
+    src: int
+    dst: int
+    cost: np.ndarray
+
+
+def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
+          memory_budget: float | None = None, fixed: Mapping[str, NdSBP] | None = None,
+          time_limit: float = 60.0, decide=None) -> Plan:
+    """Choose a signature for every node of ``gm`` on ``mesh``; annotate and return the plan.
+
+    ``memory_budget`` (bytes per device) defaults to the profile's device memory;
+    ``fixed`` pins graph inputs by placeholder name. ``decide(solve)`` may wrap the
+    search (the runtime runs it on rank 0 and broadcasts the choice).
+    """
+    start = time.perf_counter()
+    budget = mesh.profile.memory_capacity if memory_budget is None else memory_budget
+    problem = build_problem(gm, mesh, fixed)
+    need, dominant = problem.min_memory()
+    if need > budget:
+        top = ", ".join(f"{name} ({b / 2**20:.1f} MiB)" for name, b in dominant[:5])
+        raise ShardingError(f"no sharding fits the memory budget of {budget / 2**20:.1f} MiB per "
+                            f"device: the smallest possible footprint is {need / 2**20:.1f} MiB "
+                            f"(parameters x2 for gradients, optimizer state, inputs, saved "
+                            f"activations); the largest tensors even at their best split: {top}")
+    build_seconds = time.perf_counter() - start
+    if solver not in ("cd", "exact"):
+        raise ValueError(f"unknown solver {solver!r}; use 'cd' or 'exact'")
+
+    def solve():
+        core, expand, fixed_memory = reduce_problem(problem, budget)
+        if solver == "cd":
+            core_choice, stats = coordinate_descent(core, budget - fixed_memory)
+        else:
+            core_choice, stats = solve_exact(core, budget - fixed_memory, time_limit)
+        stats["core_variables"] = core.num_vars
+        return expand(core_choice), stats
+
+    choice, stats = decide(solve) if decide is not None else solve()
+    stats.update(build_seconds=build_seconds, search_seconds=time.perf_counter() - start - build_seconds)
+    if problem.objective(choice) >= FORBIDDEN:
+        raise ShardingError("every sharding found needs a forbidden redistribution (S->P); "
+                            "the rules are missing a signature for some operator")
+    return make_plan(problem, choice, solver, stats)

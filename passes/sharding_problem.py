@@ -1,0 +1,421 @@
+"""The sharding problem of one traced step: candidates, unary and pairwise costs.
+
+Variables are groups of nodes that share one n-D signature index: a parameter
+placeholder together with its same-shaped optimizer-state placeholders (they
+share a placement); every other node is its own variable. For variable ``v``
+with candidate ``k``:
+
+- ``unary[v][k]``: compute seconds of its nodes at local shapes (roofline of
+  :mod:`cost_models.compute`) plus the boxing of graph outputs that must be
+  ``B`` (the loss, forward outputs);
+- ``memory[v][k]``: resident bytes per device: parameters twice (the gradient
+  shares the placement), optimizer state, batch inputs, and forward activations
+  that the backward pass reads (saved activations);
+- for each edge (producer output -> consumer input) ``cost[k_src, k_dst]``:
+  boxing seconds from the producer's output SBP to the SBP the consumer's
+  signature requires (:mod:`cost_models.boxing`). Updated parameters and
+  optimizer state feed the next step, so each has a *loop edge* to its
+  placeholder: the step must end in the placement it started from.
+
+The objective of an assignment is the sum of unary and edge costs: the modeled
+step time without overlap (the scheduling pass hides what it can later).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+
+from cost_models.boxing import boxing_seconds
+from cost_models.compute import op_time
+from ddlc.errors import ShardingError
+from ddlc.mesh import Mesh
+from ddlc.sbp import B, NdSBP, S, divides, local_shape
+from passes.rules import NdSignature, selected_leaf, signatures_nd, tensor_inputs
+
+__all__ = ["Edge", "ShardingProblem", "build_problem", "FORBIDDEN"]
+
+#: Finite stand-in for an impossible redistribution (keeps the MILP numeric).
+FORBIDDEN = 1e6
+
+
+@dataclass
+class Edge:
+    """``cost[k_src, k_dst]`` between two variables; ``what`` says why it exists."""
+
+    src: int
+    dst: int
+    cost: np.ndarray
+    what: str
+
+
+@dataclass
+class ShardingProblem:
+    gm: fx.GraphModule
+    mesh: Mesh
+    nodes: list[fx.Node]                       # decision nodes in graph order
+    var_of: dict[fx.Node, int]                 # node -> variable
+    members: list[list[fx.Node]]               # variable -> its nodes (first = representative)
+    candidates: list[list[NdSignature]]        # per variable (shared by its members)
+    compute: list[np.ndarray]                  # per variable, seconds
+    sink: list[np.ndarray]                     # per variable, seconds of output boxing
+    memory: list[np.ndarray]                   # per variable, bytes
+    edges: list[Edge]
+    incident: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.incident = [[] for _ in self.members]
+        for i, e in enumerate(self.edges):
+            self.incident[e.src].append(i)
+            if e.dst != e.src:
+                self.incident[e.dst].append(i)
+        self.unary = [c + s for c, s in zip(self.compute, self.sink)]
+
+    @property
+    def num_vars(self) -> int:
+        return len(self.members)
+
+    def objective(self, choice: Sequence[int]) -> float:
+        total = sum(float(u[k]) for u, k in zip(self.unary, choice))
+        return total + sum(float(e.cost[choice[e.src], choice[e.dst]]) for e in self.edges)
+
+    def memory_of(self, choice: Sequence[int]) -> float:
+        return float(sum(m[k] for m, k in zip(self.memory, choice)))
+
+    def local_cost(self, v: int, choice: Sequence[int]) -> np.ndarray:
+        """Cost of every candidate of ``v`` with all other variables fixed."""
+        total = self.unary[v].copy()
+        for i in self.incident[v]:
+            e = self.edges[i]
+            if e.src == v and e.dst == v:
+                total += np.diag(e.cost)
+            elif e.src == v:
+                total += e.cost[:, choice[e.dst]]
+            else:
+                total += e.cost[choice[e.src], :]
+        return total
+
+    def min_memory(self) -> tuple[float, list[tuple[str, float]]]:
+        """The smallest resident bytes any assignment needs (memory is separable),
+        and the variables that dominate it, largest first."""
+        per_var = [(self.members[v][0].name, float(self.memory[v].min())) for v in range(self.num_vars)]
+        return sum(b for _, b in per_var), sorted(per_var, key=lambda x: -x[1])
+
+
+# -- candidates -----------------------------------------------------------------
+
+def _tensor_vals(node: fx.Node) -> list:
+    return [v for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+
+
+def _placement_candidates(shape: tuple[int, ...], mesh: Mesh) -> list[NdSBP]:
+    """Every B / S(d) combination over the mesh axes that divides ``shape``."""
+    per_axis = [B] + [S(d) for d in range(len(shape))]
+    sbps = [NdSBP(c) for c in itertools.product(per_axis, repeat=mesh.ndim)]
+    return [x for x in sbps if divides(shape, x, mesh.shape)]
+
+
+def _placeholder_signatures(node: fx.Node, mesh: Mesh,
+                            fixed: Mapping[str, NdSBP]) -> list[NdSignature]:
+    (val,) = _tensor_vals(node)
+    if node.name in fixed:
+        sbps = [fixed[node.name]]
+        if not divides(tuple(val.shape), sbps[0], mesh.shape):
+            raise ShardingError(f"the requested placement {sbps[0]} of input {node.name!r} "
+                                f"does not divide its shape {tuple(val.shape)} on mesh {mesh}")
+    elif node.op == "get_attr":
+        sbps = [NdSBP.broadcast(mesh.ndim)]
+    else:
+        sbps = _placement_candidates(tuple(val.shape), mesh)
+    return [NdSignature((), (x,)) for x in sbps]
+
+
+# -- costs ----------------------------------------------------------------------
+
+def _local(val: torch.Tensor, sbp: NdSBP | None, mesh: Mesh) -> torch.Tensor:
+    shape = tuple(val.shape) if sbp is None else local_shape(tuple(val.shape), sbp, mesh.shape)
+    return torch.empty(shape, dtype=val.dtype, device="meta")
+
+
+_OP_TIME: dict[tuple, float] = {}
+
+
+def _compute_seconds(node: fx.Node, sig: NdSignature, mesh: Mesh) -> float:
+    """Roofline time of ``node`` at the local shapes ``sig`` gives it (cached by shapes)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return 0.0
+    in_sbp = dict(zip(tensor_inputs(node), sig.inputs))
+    out_leaves, out_spec = tree_flatten(node.meta.get("val"))
+    outs = iter(sig.outputs)
+    local_out = [_local(v, next(outs), mesh) if isinstance(v, torch.Tensor) else v
+                 for v in out_leaves]
+
+    def to_local(a):
+        if not isinstance(a, fx.Node):
+            return a
+        return _local(a.meta["val"], in_sbp[a], mesh) if a in in_sbp else a.meta.get("val")
+
+    args, kwargs = tree_map(to_local, (node.args, node.kwargs))
+    key = (node.target, mesh.profile.name, repr((args, kwargs)),
+           tuple(tuple(t.shape) for t in local_out if isinstance(t, torch.Tensor)))
+    if key not in _OP_TIME:
+        _OP_TIME[key] = op_time(node.target, args, kwargs, out_spec.unflatten(local_out),
+                                mesh.profile)
+    return _OP_TIME[key]
+
+
+def _tensor_bytes(val: torch.Tensor, sbp: NdSBP, mesh: Mesh) -> int:
+    return val.element_size() * math.prod(local_shape(tuple(val.shape), sbp, mesh.shape))
+
+
+def _edge_matrix(val: torch.Tensor, src_sbps: Sequence[NdSBP], dst_sbps: Sequence[NdSBP],
+                 mesh: Mesh) -> np.ndarray:
+    """Boxing seconds for every (src candidate, dst candidate), priced once per distinct pair."""
+    shape, itemsize = tuple(val.shape), val.element_size()
+    src_ids = {x: i for i, x in enumerate(dict.fromkeys(src_sbps))}
+    dst_ids = {x: i for i, x in enumerate(dict.fromkeys(dst_sbps))}
+    table = np.array([[boxing_seconds(shape, itemsize, a, b, mesh) for b in dst_ids]
+                      for a in src_ids])
+    table[~np.isfinite(table)] = FORBIDDEN
+    return table[np.ix_([src_ids[x] for x in src_sbps], [dst_ids[x] for x in dst_sbps])]
+
+
+# -- building ---------------------------------------------------------------------
+
+def _saved_for_backward(node: fx.Node) -> bool:
+    origin = node.meta.get("ddlc_origin")
+    if origin is None or origin.phase != "forward":
+        return False
+    return any((u.meta.get("ddlc_origin") or origin).phase == "backward" for u in node.users)
+
+
+def build_problem(gm: fx.GraphModule, mesh: Mesh,
+                  fixed: Mapping[str, NdSBP] | None = None) -> ShardingProblem:
+    """Enumerate candidates and price them for every node of ``gm`` on ``mesh``.
+
+    ``fixed`` pins placeholders (by node name) to one placement, e.g. the batch.
+    """
+    fixed = dict(fixed or {})
+    sig = gm.meta.get("ddlc_step")
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    placeholders = {n.name: n for n in nodes if n.op == "placeholder"}
+    unknown = sorted(set(fixed) - set(placeholders))
+    if unknown:
+        raise ShardingError(f"cannot fix placement of {unknown}: not graph inputs "
+                            f"(inputs are {sorted(placeholders)})")
+
+    # variables: a parameter and its same-shaped optimizer state move together
+    owner: dict[str, str] = {}
+    if sig is not None:
+        param_node = {i.key: i.name for i in sig.inputs if i.role == "param"}
+        for i in sig.inputs:
+            if i.role == "opt_state":
+                p = param_node[i.key.split(":")[0]]
+                if placeholders[i.name].meta["val"].shape == placeholders[p].meta["val"].shape:
+                    owner[i.name] = p
+    members: list[list[fx.Node]] = []
+    var_of: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n.name in owner:
+            continue
+        var_of[n] = len(members)
+        members.append([n])
+    for name, p in owner.items():
+        v = var_of[placeholders[p]]
+        var_of[placeholders[name]] = v
+        members[v].append(placeholders[name])
+
+    candidates = []
+    for group in members:
+        rep = group[0]
+        if rep.op in ("placeholder", "get_attr"):
+            cands = _placeholder_signatures(rep, mesh, fixed)
+        else:
+            cands = signatures_nd(rep, mesh.shape)
+        if not cands:
+            raise ShardingError(f"no valid distribution of {rep.name} ({rep.target}) on mesh "
+                                f"{mesh}", where=_where(rep))
+        candidates.append(cands)
+
+    training = sig is not None and any(o.role in ("param", "grad") for o in sig.outputs)
+    compute, memory = [], []
+    for v, group in enumerate(members):
+        comp = np.zeros(len(candidates[v]))
+        mem = np.zeros(len(candidates[v]))
+        for k, cand in enumerate(candidates[v]):
+            for n in group:
+                comp[k] += _compute_seconds(n, cand, mesh)
+                vals = _tensor_vals(n)
+                role = n.meta.get("ddlc_role")
+                if role is not None or _saved_for_backward(n):
+                    outs = [x for x in cand.outputs if x is not None]
+                    factor = 2 if role == "param" and training else 1
+                    mem[k] += factor * sum(_tensor_bytes(t, x, mesh) for t, x in zip(vals, outs))
+        compute.append(comp)
+        memory.append(mem)
+
+    edges: list[Edge] = []
+    sink = [np.zeros(len(c)) for c in candidates]
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        v = var_of[n]
+        for j, arg in enumerate(tensor_inputs(n)):
+            u = var_of[arg]
+            if n.target is operator.getitem:
+                leaf = selected_leaf(n)
+                src = [c.outputs[leaf] for c in candidates[u]]
+                val = tree_leaves(arg.meta["val"])[leaf]
+            else:
+                src = [_output_sbp(c, arg) for c in candidates[u]]
+                val = arg.meta["val"]
+            dst = [c.inputs[j] for c in candidates[v]]
+            edges.append(Edge(u, v, _edge_matrix(val, src, dst, mesh), f"{arg.name} -> {n.name}"))
+
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    specs = sig.outputs if sig is not None else ()
+    loop_target = {}
+    if sig is not None:
+        name_of = {(i.role, i.key): i.name for i in sig.inputs}
+        for k, spec in enumerate(specs):
+            role = {"param": "param", "opt_state": "opt_state", "grad": "param"}.get(spec.role)
+            if role:
+                loop_target[k] = placeholders[name_of[(role, spec.key)]]
+    for k, arg in enumerate(tree_leaves(output.args[0])):
+        if not isinstance(arg, fx.Node):
+            continue
+        u = var_of[arg]
+        src = [_output_sbp(c, arg) for c in candidates[u]]
+        val = arg.meta["val"]
+        if k in loop_target:
+            target = loop_target[k]
+            t = var_of[target]
+            dst = [c.outputs[0] for c in candidates[t]]
+            edges.append(Edge(u, t, _edge_matrix(val, src, dst, mesh), f"{arg.name} -> next step's {target.name}"))
+        else:
+            sink[u] += _edge_matrix(val, src, [NdSBP.broadcast(mesh.ndim)], mesh)[:, 0]
+    return ShardingProblem(gm, mesh, nodes, var_of, members, candidates, compute, sink, memory, edges)
+
+
+def _output_sbp(cand: NdSignature, arg: fx.Node) -> NdSBP:
+    outs = [x for x in cand.outputs if x is not None]
+    if len(outs) != 1:
+        raise ShardingError(f"{arg.name} has {len(outs)} tensor outputs; read it through getitem")
+    return outs[0]
+
+
+def _where(node: fx.Node) -> str | None:
+    origin = node.meta.get("ddlc_origin")
+    return f"{node.name} [{origin.module}] {origin.source}" if origin else node.name
+
+
+# -- exact reduction ------------------------------------------------------------------
+
+#: Largest (K_u * K_v * K_w) min-plus product a series reduction may build.
+MAX_SERIES_PRODUCT = 2_000_000
+
+
+def reduce_problem(problem: ShardingProblem, memory_budget: float = float("inf")):
+    """:func:`reduce_costs` on a whole problem; returns ``(core, expand, fixed_memory)``
+    where ``core`` is a ShardingProblem over the surviving variables."""
+    keep, unary, edges, expand, fixed_memory = reduce_costs(
+        problem.unary, problem.memory, problem.edges, memory_budget)
+    core = ShardingProblem(
+        problem.gm, problem.mesh, [problem.members[v][0] for v in keep],
+        {problem.members[v][0]: i for i, v in enumerate(keep)}, [problem.members[v] for v in keep],
+        [problem.candidates[v] for v in keep], unary, [np.zeros(len(u)) for u in unary],
+        [problem.memory[v] for v in keep], edges)
+    return core, expand, fixed_memory
+
+
+def reduce_costs(unary_in: Sequence[np.ndarray], memory: Sequence[np.ndarray], edges: Sequence,
+                 memory_budget: float = float("inf")):
+    """Eliminate variables of degree <= 2 whose memory does not depend on their choice
+    (any variable, when the largest possible footprint fits ``memory_budget``), exactly
+    (min-plus algebra, as in dynamic programming on chains and trees):
+
+    - degree 0: fix it at its cheapest candidate;
+    - degree 1 (neighbour u): ``unary[u] += min_k (M[:, k] + unary[v][k])``;
+    - degree 2 (u, w): a new edge ``N[a, b] = min_k (M_uv[a, k] + unary[v][k] + M_vw[k, b])``.
+
+    Elementwise optimizer chains, view chains and similar collapse this way. Returns
+    ``(keep, unary, edges, expand, fixed_memory)``: the surviving variables with their
+    new unary costs and edges (indices into ``keep``), a function mapping a choice for
+    them back to a full choice, and the bytes of the eliminated variables (their
+    largest: exact when constant, an upper bound that already fits otherwise).
+    """
+    n = len(unary_in)
+    unary = [u.astype(float).copy() for u in unary_in]
+    pair: dict[tuple[int, int], np.ndarray] = {}
+    nbrs = [set() for _ in range(n)]
+
+    def add_pair(a: int, b: int, m: np.ndarray) -> None:
+        if a == b:
+            unary[a] += np.diag(m)
+            return
+        if a > b:
+            a, b, m = b, a, m.T
+        pair[(a, b)] = pair[(a, b)] + m if (a, b) in pair else m.astype(float).copy()
+        nbrs[a].add(b)
+        nbrs[b].add(a)
+
+    def oriented(a: int, b: int) -> np.ndarray:
+        return pair[(a, b)] if a < b else pair[(b, a)].T
+
+    for e in edges:
+        add_pair(e.src, e.dst, e.cost)
+    unconstrained = sum(float(m.max()) for m in memory) <= memory_budget
+    removable = [unconstrained or float(np.ptp(m)) == 0.0 for m in memory]
+    alive = [True] * n
+    log = []
+    fixed_memory = 0.0
+    changed = True
+    while changed:
+        changed = False
+        for v in range(n):
+            if not (alive[v] and removable[v] and len(nbrs[v]) <= 2):
+                continue
+            near = sorted(nbrs[v])
+            if len(near) == 2:
+                u, w = near
+                if len(unary[u]) * len(unary[v]) * len(unary[w]) > MAX_SERIES_PRODUCT:
+                    continue
+                total = oriented(u, v)[:, :, None] + unary[v][None, :, None] + oriented(v, w)[None, :, :]
+                log.append((v, (u, w), total.argmin(axis=1)))
+                del pair[(min(u, v), max(u, v))], pair[(min(v, w), max(v, w))]
+                nbrs[u].discard(v), nbrs[w].discard(v)
+                add_pair(u, w, total.min(axis=1))
+            elif len(near) == 1:
+                (u,) = near
+                total = oriented(u, v) + unary[v][None, :]
+                log.append((v, (u,), total.argmin(axis=1)))
+                unary[u] += total.min(axis=1)
+                del pair[(min(u, v), max(u, v))]
+                nbrs[u].discard(v)
+            else:
+                log.append((v, (), int(np.argmin(unary[v]))))
+            nbrs[v].clear()
+            alive[v] = False
+            fixed_memory += float(memory[v].max())
+            changed = True
+
+    keep = [v for v in range(n) if alive[v]]
+    index = {v: i for i, v in enumerate(keep)}
+    new_edges = [Edge(index[a], index[b], m, "reduced") for (a, b), m in sorted(pair.items())]
+
+    def expand(core_choice: Sequence[int]) -> list[int]:
+        choice = [-1] * n
+        for v, k in zip(keep, core_choice):
+            choice[v] = int(k)
+        for v, near, table in reversed(log):
+            choice[v] = int(table if not near else table[tuple(choice[u] for u in near)])
+        return choice
+
+    return keep, [unary[v] for v in keep], new_edges, expand, fixed_memory
