@@ -1,0 +1,107 @@
+"""Start local worker processes with a gloo process group (examples and tests).
+
+``spawn(fn, world_size, *args)`` runs ``fn(rank, *args)`` on ``world_size``
+fresh processes that have joined one gloo group, returns their results in rank
+order, re-raises the first worker failure with its traceback, and never hangs:
+collectives time out after ``timeout`` seconds and the whole job is killed at
+``deadline`` seconds.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .errors import RuntimeMismatchError
+
+__all__ = ["spawn", "WorkerError"]
+
+
+class WorkerError(RuntimeMismatchError):
+    """A worker process raised; the message carries its rank and traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, fn, world_size, port, timeout, outdir, args):
+    result_path = os.path.join(outdir, f"rank{rank}.pkl")
+    try:
+        import torch
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        try:
+            value = ("ok", fn(rank, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # report every failure, with its traceback, to the parent
+        value = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    with open(result_path + ".tmp", "wb") as f:
+        pickle.dump(value, f)
+    os.replace(result_path + ".tmp", result_path)
+
+
+def spawn(fn, world_size: int, *args, timeout: float = 60.0, deadline: float = 300.0) -> list:
+    """Run ``fn(rank, *args)`` on ``world_size`` local gloo processes; results by rank.
+
+    The first worker to fail stops the job: the others are killed and its
+    traceback is raised as :class:`WorkerError`.
+    """
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(_worker, args=(fn, world_size, _free_port(), timeout, outdir, args),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        start = time.monotonic()
+        try:
+            while True:
+                try:
+                    if ctx.join(timeout=0.2):
+                        break
+                except mp.ProcessExitedException as e:
+                    raise WorkerError(_first_error(outdir, world_size) or f"a worker died: {e}") from None
+                error = _first_error(outdir, world_size)
+                if error:
+                    raise WorkerError(error)
+                if time.monotonic() - start > deadline:
+                    raise WorkerError(f"the {world_size} workers did not finish within {deadline} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        error = _first_error(outdir, world_size)
+        if error:
+            raise WorkerError(error)
+        results = [_load(outdir, rank) for rank in range(world_size)]
+        missing = [r for r, v in enumerate(results) if v is None]
+        if missing:
+            raise WorkerError(f"rank(s) {missing} exited without a result")
+        return [v[1] for v in results]
+
+
+def _load(outdir: str, rank: int):
+    path = os.path.join(outdir, f"rank{rank}.pkl")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except (EOFError, pickle.UnpicklingError):  # still being written
+        return None
+
+
+def _first_error(outdir: str, world_size: int) -> str | None:
+    for rank in range(world_size):
+        value = _load(outdir, rank)
+        if value is not None and value[0] == "error":
+            return f"rank {rank} failed: {value[1]}"
+    return None

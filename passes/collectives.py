@@ -1,0 +1,219 @@
+"""Insert the boxing collectives that a plan's SBP changes need.
+
+For every edge whose producer's output SBP differs from the SBP the consumer's
+signature requires, the redistribution of :func:`cost_models.boxing.boxing_cost`
+is emitted step by step on the global graph (shapes stay global; each new node
+carries its SBP, so :mod:`passes.localize` can size it like any other node):
+
+- ``S(d)->B`` all-gather, ``P->S(d)`` reduce-scatter, ``P->B`` all-reduce: a
+  ``torch.ops._c10d_functional`` collective and its ``wait_tensor``, on the
+  process group of the step's mesh axis; a split dim other than 0 is moved to
+  dim 0 around the collective (:func:`ddlc.comm.moved`);
+- ``S(i)->S(j)`` all-to-all: :func:`ddlc.comm.all_to_all_dims`;
+- ``B->S(d)`` and ``B->P``: local (:func:`ddlc.comm.local_chunk`,
+  :func:`ddlc.comm.keep_on_first`) with this rank's mesh coordinate.
+
+A redistribution is emitted once per (tensor, target SBP) and shared by its
+consumers. Graph outputs get the SBP the next step expects: updated
+parameters and optimizer state their placeholder's, the loss and other
+outputs ``B``. Each collective node records a :class:`CollectiveInfo`.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from cost_models.boxing import BoxingStep, boxing_cost
+from ddlc import comm
+from ddlc.errors import LoweringError
+from ddlc.mesh import Mesh
+from ddlc.plan import NodeSharding
+from ddlc.sbp import NdSBP, S
+from passes.rules import selected_leaf
+
+__all__ = ["CollectiveInfo", "insert_collectives", "output_targets"]
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class CollectiveInfo:
+    """``node.meta["ddlc"]`` of an inserted collective."""
+
+    kind: str
+    axis: int
+    axis_name: str
+    group_size: int
+    nbytes: int
+    seconds: float
+    before: NdSBP
+    after: NdSBP
+
+    @property
+    def outputs(self) -> tuple[NdSBP]:
+        return (self.after,)
+
+    @property
+    def inputs(self) -> tuple[NdSBP]:
+        return (self.before,)
+
+    def __str__(self) -> str:
+        return (f"{self.kind} on axis {self.axis} ({self.axis_name}, {self.group_size} ranks) "
+                f"{self.nbytes} B {self.seconds * 1e6:.1f} us: {self.before} -> {self.after}")
+
+
+def _out_sbp(node: fx.Node) -> NdSBP:
+    outs = [x for x in node.meta["ddlc"].outputs if x is not None]
+    if len(outs) != 1:
+        raise LoweringError(f"{node.name} has {len(outs)} tensor outputs; read it via getitem")
+    return outs[0]
+
+
+def _moved(sbp: NdSBP, src: int, dst: int) -> NdSBP:
+    """The SBP of ``movedim(x, src, dst)`` for ``x`` placed ``sbp``."""
+    order = list(range(max([src, dst] + [x.dim for x in sbp if x.is_split]) + 1))
+    order.insert(dst, order.pop(src))  # order[new] = old
+    return NdSBP(tuple(S(order.index(x.dim)) if x.is_split else x for x in sbp))
+
+
+def _is_tensor_input(a) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
+class _Emitter:
+    """Emits redistributions before the node currently being rewired (``self.graph``'s
+    insertion point), caching one per (tensor, target SBP)."""
+
+    def __init__(self, graph: fx.Graph, mesh: Mesh, groups: Sequence[str], coord: Sequence[int]):
+        self.graph, self.mesh, self.groups, self.coord = graph, mesh, list(groups), tuple(coord)
+        self.cache: dict[tuple[fx.Node, NdSBP], fx.Node] = {}
+
+    def node(self, target, args, val, sbp: NdSBP, origin, info=None) -> fx.Node:
+        n = self.graph.call_function(target, args)
+        n.meta["val"] = val
+        n.meta["ddlc"] = info if info is not None else NodeSharding((), (sbp,))
+        if origin is not None:
+            n.meta["ddlc_origin"] = origin
+        return n
+
+    def redistribute(self, x: fx.Node, dst: NdSBP) -> fx.Node:
+        src = _out_sbp(x)
+        if src == dst:
+            return x
+        if (x, dst) not in self.cache:
+            val = x.meta["val"]
+            plan = boxing_cost(tuple(val.shape), val.element_size(), src, dst, self.mesh)
+            if not plan.feasible:
+                raise LoweringError(f"no redistribution of {x.name} from {src} to {dst} "
+                                    "(S->P is refused)")
+            cur = x
+            for step in plan.steps:
+                cur = self.step(cur, step)
+            self.cache[(x, dst)] = cur
+        return self.cache[(x, dst)]
+
+    def step(self, x: fx.Node, step: BoxingStep) -> fx.Node:
+        axis, p = step.axis, self.mesh.shape[step.axis]
+        group, index = self.groups[axis], self.coord[axis]
+        val, origin = x.meta["val"], x.meta.get("ddlc_origin")
+        info = CollectiveInfo(step.kind, axis, self.mesh.axis_names[axis], p, step.nbytes,
+                              step.seconds, step.before, step.after)
+        local = {"slice": (comm.local_chunk, (x, step.dst_sbp.dim, p, index)),
+                 "zero": (comm.keep_on_first, (x, index == 0)),
+                 "all_to_all": (comm.all_to_all_dims,
+                                (x, step.dst_sbp.dim, step.src_sbp.dim, p, group))}
+        if step.kind in local:
+            return self.node(*local[step.kind], val, step.after, origin, info)
+        if step.kind == "all_reduce":
+            issued = self.node(c10d.all_reduce.default, (x, "sum", group), val, step.after,
+                               origin, info)
+            return self.node(c10d.wait_tensor.default, (issued,), val, step.after, origin)
+        dim = (step.src_sbp if step.kind == "all_gather" else step.dst_sbp).dim
+        return self._on_dim0(x, step, dim, info, origin)
+
+    def _on_dim0(self, x, step, dim, info, origin) -> fx.Node:
+        """All-gather or reduce-scatter along ``dim`` through dim 0 of a moved copy."""
+        p, group = self.mesh.shape[step.axis], self.groups[step.axis]
+        before, after, cur = step.before, step.after, x
+        if dim:
+            with detect_fake_mode([x.meta["val"]]):
+                moved_val = x.meta["val"].movedim(dim, 0)
+            before, after = _moved(before, dim, 0), _moved(after, dim, 0)
+            cur = self.node(comm.moved, (x, dim, 0), moved_val, before, origin)
+        info = CollectiveInfo(info.kind, info.axis, info.axis_name, p, info.nbytes, info.seconds,
+                              before, after)
+        target, args = ((c10d.all_gather_into_tensor.default, (cur, p, group))
+                        if step.kind == "all_gather"
+                        else (c10d.reduce_scatter_tensor.default, (cur, "sum", p, group)))
+        issued = self.node(target, args, cur.meta["val"], after, origin, info)
+        done = self.node(c10d.wait_tensor.default, (issued,), cur.meta["val"], after, origin)
+        if not dim:
+            return done
+        return self.node(comm.moved, (done, 0, dim), x.meta["val"], step.after, origin)
+
+
+def output_targets(gm: fx.GraphModule, ndim: int) -> list[NdSBP | None]:
+    """The SBP each graph output must have: its placeholder's for loop-carried state, else B."""
+    sig = gm.meta.get("ddlc_step")
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    name_of = {(i.role, i.key): i.name for i in sig.inputs} if sig else {}
+    targets = []
+    outputs = sig.outputs if sig else ()
+    n_out = len(tree_flatten(next(n for n in gm.graph.nodes if n.op == "output").args[0])[0])
+    for k in range(n_out):
+        spec = outputs[k] if k < len(outputs) else None
+        role = {"param": "param", "opt_state": "opt_state", "grad": "param"}.get(
+            spec.role if spec else "")
+        if role:
+            targets.append(_out_sbp(placeholders[name_of[(role, spec.key)]]))
+        else:
+            targets.append(NdSBP.broadcast(ndim))
+    return targets
+
+
+def _box_getitem(node: fx.Node, emit: _Emitter) -> None:
+    """A getitem yields its source's leaf as placed; when the plan wants it elsewhere,
+    redistribute right after it and let every user read the redistributed value."""
+    source, _ = node.args
+    actual = source.meta["ddlc"].outputs[selected_leaf(node)]
+    planned = node.meta["ddlc"].outputs[0]
+    if actual == planned:
+        return
+    users = list(node.users)
+    node.meta["ddlc"] = NodeSharding((actual,), (actual,))
+    with emit.graph.inserting_before(node.next):
+        boxed = emit.redistribute(node, planned)
+    for user in users:
+        user.replace_input_with(node, boxed)
+
+
+def insert_collectives(gm: fx.GraphModule, mesh: Mesh, groups: Sequence[str],
+                       coord: Sequence[int]) -> fx.GraphModule:
+    """Emit every redistribution the plan in ``node.meta["ddlc"]`` needs, for the rank at
+    mesh coordinate ``coord`` whose per-axis process groups are named ``groups``."""
+    emit = _Emitter(gm.graph, mesh, groups, coord)
+    for node in list(gm.graph.nodes):
+        if node.target is operator.getitem and isinstance(node.meta.get("val"), torch.Tensor):
+            _box_getitem(node, emit)
+            continue
+        if node.op == "output":
+            targets = iter(output_targets(gm, mesh.ndim))
+        elif node.op == "call_function" and isinstance(node.meta.get("ddlc"), NodeSharding):
+            targets = iter(node.meta["ddlc"].inputs)
+        else:
+            continue
+        leaves, spec = tree_flatten((node.args, node.kwargs))
+        with gm.graph.inserting_before(node):
+            leaves = [emit.redistribute(a, next(targets)) if _is_tensor_input(a) else a
+                      for a in leaves]
+        node.args, node.kwargs = tree_unflatten(leaves, spec)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
