@@ -24,7 +24,7 @@ from .printing import format_graph
 from .sbp import NdSBP, local_slices, parse_sbp
 from .trace import trace
 
-__all__ = ["compile", "CompiledStep"]
+__all__ = ["compile", "lower", "CompiledStep", "collective_sequence"]
 
 
 class _GraphText:
@@ -94,10 +94,27 @@ def _plan_on_rank0(gm: fx.GraphModule, mesh: Mesh, make_plan) -> Plan:
     return plan
 
 
+def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str], *,
+          schedule: bool = True, max_inflight_bytes: float = float("inf")) -> fx.GraphModule:
+    """The lowering passes for one rank of a sharded graph (annotated by the plan):
+    insert collectives on the per-axis process groups ``groups``, localize shapes,
+    order collectives. Needs no process group, so tests can lower every rank in one
+    process."""
+    from passes.collectives import insert_collectives
+    from passes.localize import localize
+    from passes.schedule import schedule as schedule_collectives
+    insert_collectives(gm, mesh, groups, coord)
+    localize(gm, mesh)
+    if schedule:
+        schedule_collectives(gm, max_inflight_bytes)
+    return gm
+
+
 def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None, *,
             num_targets: int = 1, solver: str = "cd", memory_budget: float | None = None,
             placements: Mapping[str, object] | None = None, batch: str = "global",
-            profile: str | None = None) -> "CompiledStep":
+            profile: str | None = None, schedule: bool = True,
+            max_inflight_bytes: float = float("inf")) -> "CompiledStep":
     """Compile ``model``'s training step (or forward pass without ``loss_fn``) for ``mesh``.
 
     ``mesh``: a :class:`ddlc.Mesh`, shape tuple, string like ``"2x2"`` or a
@@ -105,12 +122,12 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     (``"input0"``, ...) to an SBP such as ``"(S0, B)"``. ``batch="global"`` means
     ``step`` receives the whole batch and each rank takes its part; ``"local"``
     means each rank passes its own part (shape: see ``CompiledStep.local_input_shapes``).
+    ``schedule`` reorders collectives for overlap (:mod:`passes.schedule`), keeping at
+    most ``max_inflight_bytes`` of collectives in flight.
     """
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from passes.canonicalize import canonicalize
-    from passes.collectives import insert_collectives
-    from passes.localize import localize
     from passes.sharding import shard
 
     if not dist.is_available() or not dist.is_initialized():
@@ -133,8 +150,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
                                                   memory_budget=memory_budget, fixed=fixed))
     coord = tuple(device_mesh.get_coordinate())
     groups = [device_mesh.get_group(i).group_name for i in range(mesh.ndim)]
-    insert_collectives(gm, mesh, groups, coord)
-    localize(gm, mesh)
+    lower(gm, mesh, coord, groups, schedule=schedule, max_inflight_bytes=max_inflight_bytes)
     fingerprint = _check_fingerprint(gm)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")

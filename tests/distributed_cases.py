@@ -66,18 +66,19 @@ def compiled_run(rank: int, mesh, cases):
     """Worker: compile and run each case; rank 0 returns what the parent compares."""
     from ddlc.runtime import collective_sequence, compile
     results = []
-    for model_name, opt_name, mode, placements in cases:
+    for model_name, opt_name, mode, placements, *options in cases:
+        options = options[0] if options else {}
         model, loss_fn = model_and_loss(model_name)
         data = batches(model_name)
         if mode == "forward":
-            compiled = compile(model, mesh, data[0][:-1], placements=placements)
+            compiled = compile(model, mesh, data[0][:-1], placements=placements, **options)
             out = {"outputs": [compiled(*b[:-1]) for b in data[:1]]}
         elif mode == "gradients":
-            compiled = compile(model, mesh, data[0], loss_fn, placements=placements)
+            compiled = compile(model, mesh, data[0], loss_fn, placements=placements, **options)
             out = {"losses": [compiled.step(*data[0])], "gradients": compiled.gradients()}
         else:
             compiled = compile(model, mesh, data[0], loss_fn, optimizer(opt_name, model),
-                               placements=placements)
+                               placements=placements, **options)
             out = {"losses": [compiled.step(*b) for b in data]}
             out["params"] = compiled.state_dict()
             out["opt_state"] = compiled.optimizer_state()

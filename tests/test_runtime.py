@@ -12,7 +12,7 @@ from distributed_cases import compiled_run, reference
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
-# (model, optimizer, mode, pinned placements)
+# (model, optimizer, mode, pinned placements[, compile options]); schedule=True is the default
 TENSOR_PARALLEL_MLP = {"input0": "(B)", "layers.0.weight": "(S0)", "layers.1.weight": "(S1)"}
 MATMUL_2D_MLP = {"input0": "(S0, B)", "layers.0.weight": "(B, S0)", "layers.1.weight": "(S1, S0)"}
 MIXED_GPT = {"input0": "(S0, B)", "blocks.0.fc.weight": "(B, S0)", "blocks.0.out.weight": "(B, S1)",
@@ -22,9 +22,11 @@ JOBS = {
     (2, 2): [("mlp", "sgd", "train", None), ("gpt", "adamw", "train", None),
              ("cnn", "sgd", "train", None), ("mlp", "adamw", "train", MATMUL_2D_MLP),
              ("gpt", "sgd", "train", MIXED_GPT), ("mlp", None, "gradients", {"input0": "(S0, S0)"}),
-             ("gpt", None, "forward", {"input0": "(S0, B)"})],
+             ("gpt", None, "forward", {"input0": "(S0, B)"}),
+             ("mlp", "sgd", "train", MATMUL_2D_MLP, {"schedule": False})],
     (4,): [("mlp", "adamw", "train", None), ("gpt", "sgd", "train", None),
-           ("cnn", "adamw", "train", {"input0": "(S0)"}), ("mlp", "sgd", "train", TENSOR_PARALLEL_MLP)],
+           ("cnn", "adamw", "train", {"input0": "(S0)"}), ("mlp", "sgd", "train", TENSOR_PARALLEL_MLP),
+           ("gpt", "adamw", "train", {"input0": "(S0)"}, {"schedule": False})],
     (1, 4): [("gpt", "adamw", "train", {"input0": "(B, S0)"}), ("cnn", "sgd", "train", None)],
     (2,): [("mlp", "sgd", "train", None), ("gpt", "adamw", "train", {"input0": "(S0)"}),
            ("cnn", "adamw", "train", None)],
@@ -44,7 +46,7 @@ def test_compiled_step_matches_single_device(mesh):
     for p in mesh:
         world *= p
     per_rank = spawn(compiled_run, world, mesh, cases, timeout=120, deadline=360)
-    for (model, opt, mode, placements), got in zip(cases, per_rank[0]):
+    for (model, opt, mode, placements, *_), got in zip(cases, per_rank[0]):
         want = reference(model, opt, mode)
         label = f"{model}/{opt}/{mode}/{placements}"
         for key in ("losses", "outputs"):
