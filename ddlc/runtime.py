@@ -255,6 +255,12 @@ class CompiledStep:
         """Full gradients of the last step (compiled with loss_fn, no optimizer; collective)."""
         return {k: self._gather(k, v) for k, v in self.gradients_local.items()}
 
+    def timeline(self):
+        """The modeled timeline of this rank's program (:mod:`cost_models.program`):
+        ``.makespan``, ``.exposed_communication``, ``.write_chrome_trace(path)``."""
+        from cost_models.program import program_timeline
+        return program_timeline(self.gm, self.mesh.profile)
+
     @property
     def graph(self) -> _GraphText:
         return _GraphText(self.gm)

@@ -109,3 +109,14 @@ def test_scheduled_graph_still_runs_the_same_locally():
     got = schedule(lower(copy.deepcopy(gm), mesh, (0,), ["g"], schedule=False))(*flat)
     for a, b in zip(expected, got):
         torch.testing.assert_close(a, b)
+
+
+def test_scheduling_hides_communication_in_the_modeled_timeline(planned):
+    from cost_models.program import program_timeline
+    mesh = planned[1]
+    plain = program_timeline(_lowered(planned, (0, 0), False), mesh.profile)
+    scheduled = program_timeline(_lowered(planned, (0, 0)), mesh.profile)
+    assert plain.exposed_communication > 0
+    assert scheduled.makespan < plain.makespan
+    assert scheduled.exposed_communication < plain.exposed_communication
+    assert scheduled.makespan >= scheduled.lower_bound - 1e-12
