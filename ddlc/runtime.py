@@ -113,8 +113,8 @@ def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence
 def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None, *,
             num_targets: int = 1, solver: str = "cd", memory_budget: float | None = None,
             placements: Mapping[str, object] | None = None, batch: str = "global",
-            profile: str | None = None, schedule: bool = True,
-            max_inflight_bytes: float = float("inf")) -> "CompiledStep":
+            profile: str | None = None, decouple: bool = True, ag_placement: str = "auto",
+            schedule: bool = True, max_inflight_bytes: float = float("inf")) -> "CompiledStep":
     """Compile ``model``'s training step (or forward pass without ``loss_fn``) for ``mesh``.
 
     ``mesh``: a :class:`ddlc.Mesh`, shape tuple, string like ``"2x2"`` or a
@@ -122,12 +122,15 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     (``"input0"``, ...) to an SBP such as ``"(S0, B)"``. ``batch="global"`` means
     ``step`` receives the whole batch and each rank takes its part; ``"local"``
     means each rank passes its own part (shape: see ``CompiledStep.local_input_shapes``).
-    ``schedule`` reorders collectives for overlap (:mod:`passes.schedule`), keeping at
-    most ``max_inflight_bytes`` of collectives in flight.
+    ``decouple`` turns gradient all-reduces into reduce-scatter + update on the shard +
+    all-gather, the all-gather placed per ``ag_placement`` ("forward", "backward" or
+    "auto": :mod:`passes.decouple`). ``schedule`` reorders collectives for overlap
+    (:mod:`passes.schedule`), keeping at most ``max_inflight_bytes`` in flight.
     """
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from passes.canonicalize import canonicalize
+    from passes.decouple import decouple as decouple_updates
     from passes.sharding import shard
 
     if not dist.is_available() or not dist.is_initialized():
@@ -146,8 +149,13 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     gm = canonicalize(trace(model, example_inputs, loss_fn, optimizer, num_targets=num_targets))
     fixed = _resolve_placements(gm, placements, mesh.ndim)
 
-    plan = _plan_on_rank0(gm, mesh, lambda: shard(gm, mesh, solver=solver,
-                                                  memory_budget=memory_budget, fixed=fixed))
+    def make_plan():
+        plan = shard(gm, mesh, solver=solver, memory_budget=memory_budget, fixed=fixed)
+        if decouple:
+            plan.stats["decoupled"] = len(decouple_updates(gm, mesh, ag_placement, frozenset(fixed)))
+        return plan
+
+    plan = _plan_on_rank0(gm, mesh, make_plan)
     coord = tuple(device_mesh.get_coordinate())
     groups = [device_mesh.get_group(i).group_name for i in range(mesh.ndim)]
     lower(gm, mesh, coord, groups, schedule=schedule, max_inflight_bytes=max_inflight_bytes)

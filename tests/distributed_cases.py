@@ -37,10 +37,10 @@ def optimizer(name: str | None, model):
     return None
 
 
-def reference(model_name: str, opt_name: str | None, mode: str = "train"):
+def reference(model_name: str, opt_name: str | None, mode: str = "train", batch: int = 4):
     """Single-device losses, final parameters and optimizer state (or outputs / gradients)."""
     model, loss_fn = model_and_loss(model_name)
-    data = batches(model_name)
+    data = batches(model_name, batch)
     if mode == "forward":
         return {"outputs": [model(*b[:-1]).detach() for b in data[:1]]}
     if mode == "gradients":

@@ -1,0 +1,222 @@
+"""Decouple gradient all-reduces: reduce-scatter, update on the shard, all-gather.
+
+After sharding, a parameter that is ``B`` on mesh axis ``a`` while its gradient
+arrives as a partial sum (``P``) on ``a`` is synchronised by an all-reduce (or a
+reduce-scatter and an all-gather), and every rank then runs the whole optimizer
+update. This pass re-annotates that
+update so it runs on a shard (DeAR; ZeRO-style sharded optimizer state): every
+parameter-shaped tensor of the update (gradient, parameter, optimizer state)
+becomes ``S(d)`` on ``a``, ``d`` the dim the gradient is already split along or
+else the first dim that splits evenly. The collectives pass then emits a
+reduce-scatter for the gradient instead of the all-reduce (or nothing, if it is
+already split); each rank updates ``1/p`` of the parameter and keeps ``1/p`` of its
+optimizer state between steps.
+
+Where the parameter's all-gather goes is decided per parameter:
+
+- ``"forward"``: the parameter stays sharded between steps and is gathered
+  before its first use in the next step's forward (DeAR's order);
+- ``"backward"``: the updated parameter is gathered at once, in the step that
+  produced it (the placeholder stays ``B``);
+- ``"auto"``: per layer, as the timeline model's schedule places that layer's
+  all-gather (:func:`cost_models.layer_schedules.ddlc` on a per-layer profile
+  built from the plan: PipeDAP's merge and piggy-back moves mean "backward").
+
+Only signatures that the rules list for an operator are used; a parameter whose
+update cannot run on a shard keeps its all-reduce.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+from torch import fx
+from torch.utils._pytree import tree_leaves
+
+from ddlc.mesh import Mesh
+from ddlc.plan import NodeSharding
+from ddlc.sbp import NdSBP, S
+from passes.rules import NdSignature, signatures_nd, tensor_inputs
+
+__all__ = ["decouple", "update_chain"]
+
+log = logging.getLogger("ddlc.decouple")
+
+
+def _sbp(node: fx.Node) -> NdSBP:
+    return node.meta["ddlc"].outputs[0]
+
+
+def update_chain(gm: fx.GraphModule, key: str) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(the nodes that compute parameter ``key``'s new value and state: its optimizer-phase
+    nodes and the parameter-shaped reshapes only they read, in graph order; its
+    optimizer-state placeholders)."""
+    sig = gm.meta["ddlc_step"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    results = [a for spec, a in zip(sig.outputs, output.args[0])
+               if spec.key == key or spec.key.startswith(key + ":")]
+    chain, stack = set(), list(results)
+    while stack:
+        node = stack.pop()
+        origin = node.meta.get("ddlc_origin")
+        if node in chain or node.op != "call_function" or origin is None or origin.phase != "optimizer":
+            continue
+        chain.add(node)
+        stack.extend(node.all_input_nodes)
+    # the gradient's last reshapes (e.g. the view of a bias gradient) belong to the update
+    # when only it reads them and they map the parameter's elements one to one
+    shape = next(n.meta["val"].shape for n in gm.graph.nodes
+                 if n.op == "placeholder" and n.name == {i.key: i.name for i in sig.inputs}[key])
+    grew = True
+    while grew:
+        grew = False
+        for node in [a for n in chain for a in n.all_input_nodes]:
+            if node in chain or node.op != "call_function" or not all(u in chain for u in node.users):
+                continue
+            vals = [a.meta.get("val") for a in node.all_input_nodes]
+            if getattr(node.meta.get("val"), "shape", None) == shape and \
+                    all(getattr(v, "numel", lambda: -1)() == math.prod(shape) for v in vals):
+                chain.add(node)
+                grew = True
+    states = [n for n in gm.graph.nodes if n.op == "placeholder"
+              and n.meta.get("ddlc_role") == "opt_state" and n.name in
+              {i.name for i in sig.inputs if i.key.startswith(key + ":")}]
+    return [n for n in gm.graph.nodes if n in chain], states
+
+
+def _split_dim(shape, sbp: NdSBP, axis: int, mesh: Mesh, prefer: int | None = None) -> int | None:
+    """The dim ``axis`` splits: ``prefer`` if it can, else the first that can (even pieces,
+    and no inner axis splitting it)."""
+    order = ([prefer] if prefer is not None and prefer < len(shape) else []) + list(range(len(shape)))
+    for d in order:
+        if any(x.is_split and x.dim == d for x in sbp.per_axis[axis + 1:]):
+            continue
+        size = shape[d] // sbp.split_factor(d, mesh.shape)
+        if shape[d] % sbp.split_factor(d, mesh.shape) == 0 and size % mesh.shape[axis] == 0:
+            return d
+    return None
+
+
+def _sharded(entry: NdSBP | None, val, shape, axis: int, d: int) -> NdSBP | None:
+    if entry is None or tuple(getattr(val, "shape", ())) != shape or not entry[axis].is_broadcast:
+        return entry
+    return entry.replace(axis, S(d))
+
+
+def _reannotate(node: fx.Node, shape, axis: int, d: int, mesh: Mesh) -> NodeSharding | None:
+    """The node's signature with its parameter-shaped outputs ``S(d)`` on ``axis``: the
+    first listed signature that gives those outputs, keeps every other axis as it is and
+    splits the parameter-shaped inputs the same way (other inputs as the rule allows,
+    e.g. the pre-reshape gradient of a view)."""
+    current = node.meta["ddlc"]
+    inputs = tensor_inputs(node)
+    outs = tuple(_sharded(x, v, shape, axis, d)
+                 for x, v in zip(current.outputs, tree_leaves(node.meta.get("val"))))
+    wanted_ins = tuple(_sharded(x, a.meta.get("val"), shape, axis, d)
+                       for x, a in zip(current.inputs, inputs))
+
+    def fits(cand: NdSignature) -> bool:
+        if cand.outputs != outs:
+            return False
+        for have, want, now in zip(cand.inputs, wanted_ins, current.inputs):
+            if want != now and have != want:  # a parameter-shaped input: exactly S(d)
+                return False
+            if have is not None and any(h != w for k, (h, w) in enumerate(zip(have, now)) if k != axis):
+                return False
+        return True
+
+    for cand in signatures_nd(node, mesh.shape):
+        if fits(cand):
+            return NodeSharding(cand.inputs, cand.outputs)
+    return None
+
+
+def _gradient_dim(chain: list[fx.Node], axis: int, shape) -> int | None | bool:
+    """Whether the update is fed through a redistribution to ``B`` on ``axis`` (an edge into
+    a chain node from a non-``B`` producer): False if not (nothing to decouple); else the
+    dim that the parameter-shaped producer is already split along, or None."""
+    found = False
+    for node in chain:
+        for x, a in zip(node.meta["ddlc"].inputs, tensor_inputs(node)):
+            source = a.meta.get("ddlc")
+            if source is None or x is None or a.op == "placeholder" or not x[axis].is_broadcast:
+                continue
+            outs = [y for y in source.outputs if y is not None]
+            if len(outs) == 1 and not outs[0][axis].is_broadcast:
+                if outs[0][axis].is_split and tuple(a.meta["val"].shape) == shape:
+                    return outs[0][axis].dim
+                found = None
+    return found
+
+
+def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward",
+             pinned: frozenset[str] = frozenset()) -> list[str]:
+    """Re-annotate (in place) every parameter update that an all-reduce feeds so it runs on
+    a shard; returns the decoupled parameter names. ``ag_placement``: "forward",
+    "backward", "auto", or a dict from parameter name to "forward"/"backward".
+    Placeholders named in ``pinned`` keep their placement (their all-gather goes in the
+    step that updates them)."""
+    sig = gm.meta["ddlc_step"]
+    if ag_placement == "auto":
+        ag_placement = auto_placement(gm, mesh)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    placeholders = {i.key: by_name[i.name] for i in sig.inputs}
+    done = []
+    for key, _ in sig.optimizer:
+        param = placeholders[key]
+        shape = tuple(param.meta["val"].shape)
+        chain, states = update_chain(gm, key)
+        for axis in range(mesh.ndim):
+            arrives = _gradient_dim(chain, axis, shape)
+            if mesh.shape[axis] == 1 or not _sbp(param)[axis].is_broadcast or arrives is False:
+                continue
+            d = _split_dim(shape, _sbp(param), axis, mesh, prefer=arrives)
+            new = {n: _reannotate(n, shape, axis, d, mesh) for n in chain} if d is not None else {}
+            if d is None or any(v is None for v in new.values()):
+                log.info("parameter %s keeps its all-reduce on axis %d (no shardable update)", key, axis)
+                continue
+            for node, sharding in new.items():
+                node.meta["ddlc"] = sharding
+            for state in states:
+                if tuple(state.meta["val"].shape) == shape:
+                    state.meta["ddlc"] = NodeSharding((), (_sbp(state).replace(axis, S(d)),))
+            where = ag_placement if isinstance(ag_placement, str) else ag_placement.get(key, "forward")
+            if where == "forward" and param.name not in pinned:
+                param.meta["ddlc"] = NodeSharding((), (_sbp(param).replace(axis, S(d)),))
+            done.append(key)
+    return done
+
+
+def auto_placement(gm: fx.GraphModule, mesh: Mesh) -> dict[str, str]:
+    """Per parameter, "forward" or "backward" as the timeline model's ddlc schedule places
+    its layer's all-gather, on a per-layer profile built from the annotated graph:
+    layers are the modules that own parameters, in forward order; their forward and
+    backward times are the compute model's; the all-reduce fit uses the outermost axis."""
+    from cost_models.layer_schedules import LayerProfile, ddlc
+    from passes.sharding_problem import _compute_seconds  # the plan's own compute model
+    sig = gm.meta["ddlc_step"]
+    owners = {}
+    for key, _ in sig.optimizer:
+        owners.setdefault(key.rpartition(".")[0], []).append(key)
+    times = {m: {"forward": 0.0, "backward": 0.0} for m in owners}
+    for node in gm.graph.nodes:
+        origin = node.meta.get("ddlc_origin")
+        if origin is None or origin.phase not in ("forward", "backward") or "ddlc" not in node.meta:
+            continue
+        module = next((m for m in sorted(owners, key=len, reverse=True)
+                       if origin.module == m or origin.module.startswith(m + ".")), None)
+        if module is not None:
+            sharding = node.meta["ddlc"]
+            times[module][origin.phase] += _compute_seconds(node, NdSignature(sharding.inputs, sharding.outputs), mesh)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    numel = {i.key: math.prod(by_name[i.name].meta["val"].shape) for i in sig.inputs}
+    p, link = mesh.shape[0], mesh.links[0]
+    profile = LayerProfile.from_dict({
+        "allreduce": {"a": 2 * (p - 1) * link.latency, "b": 2 * (p - 1) / p * 4 * link.beta},
+        "layers": [{"name": m, "params": sum(numel[k] for k in keys),
+                    "forward": times[m]["forward"], "backward": times[m]["backward"]}
+                   for m, keys in owners.items()]})
+    schedule = ddlc(profile)
+    moved = {profile.layers[l].name for c in schedule.collectives if c.reduced_layers()
+             for kind, l in c.parts if kind == "ag"}
+    return {k: ("backward" if m in moved else "forward") for m, keys in owners.items() for k in keys}
