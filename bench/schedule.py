@@ -10,6 +10,10 @@ written once); backward = 2x forward. The all-reduce fit is a ring over the 8 GP
 node on that profile's intra-node link: a = 2(p-1)α, b = 2(p-1)/p · 2 bytes / bandwidth
 (bf16 gradients). Each link bandwidth scale divides b; a stays. Every ratio printed is
 computed in this run against :func:`cost_models.layer_schedules.lower_bound`.
+
+First, ddlc's own example models (``ddlc.zoo``): traced, planned data parallel on 8
+GPUs of the same profile, and turned into per-layer profiles by
+:func:`passes.decouple.layer_profile` (fp32 gradients, compute model times).
 """
 from __future__ import annotations
 
@@ -117,7 +121,45 @@ def scale_name(scale: float) -> str:
 
 
 def report(title: str, layers) -> None:
-    base = LayerProfile.from_dict(profile_dict(layers, 1))
+    report_profile(title, lambda scale: profile_dict(layers, scale))
+
+
+def zoo_profile(name: str):
+    """A data-parallel plan of one of ddlc's example models on 8 GPUs of the hardware
+    profile, as a per-layer profile (``passes.decouple.layer_profile``); returns a
+    function from bandwidth scale to profile dict."""
+    import torch
+    import torch.nn.functional as F
+
+    import ddlc
+    from ddlc.zoo import CNN, GPT, MLP, lm_loss
+    from passes.canonicalize import canonicalize
+    from passes.decouple import layer_profile
+    from passes.sharding import shard
+    torch.manual_seed(0)
+    model, batch, loss = {
+        "mlp": (MLP(1024, 4096, 1024, depth=4), (torch.randn(512, 1024), torch.randn(512, 1024)), F.mse_loss),
+        "gpt": (GPT(vocab=8192, d_model=512, n_heads=8, n_layers=4, seq_len=256),
+                (torch.randint(0, 8192, (32, 256)),) * 2, lm_loss),
+        "cnn": (CNN(width=64), (torch.randn(256, 3, 16, 16), torch.randint(0, 10, (256,))), F.cross_entropy),
+    }[name]
+    gm = canonicalize(ddlc.trace(model, batch, loss, torch.optim.SGD(model.parameters(), lr=0.1)))
+    mesh = ddlc.Mesh((GPUS,), profile=HARDWARE)
+    pins = {i.name: ddlc.sbp.parse_sbp("(S0)" if i.role == "input" else "(B)")
+            for i in gm.meta["ddlc_step"].inputs}
+    shard(gm, mesh, fixed=pins)
+    base = layer_profile(gm, mesh)
+    return lambda scale: {**base, "allreduce": {"a": base["allreduce"]["a"],
+                                                "b": base["allreduce"]["b"] / scale}}
+
+
+ZOO = {"ddlc.zoo MLP 1024-4096x3-1024 (batch 512)": "mlp",
+       "ddlc.zoo GPT d512 x4 (batch 32, seq 256)": "gpt",
+       "ddlc.zoo CNN width 64 (batch 256, 16x16)": "cnn"}
+
+
+def report_profile(title: str, profile_at) -> None:
+    base = LayerProfile.from_dict(profile_at(1))
     fit = base.a, base.b
     print(f"\n{title}: {len(base.layers)} layers ({len(base.param_layers)} with parameters), "
           f"{base.params / 1e6:.1f} M parameters, compute {base.compute_time * 1e3:.2f} ms/iteration")
@@ -125,7 +167,7 @@ def report(title: str, layers) -> None:
     header = f"{'link':>7} {'bound ms':>9} " + " ".join(f"{name:>17}" for name in STRATEGIES)
     print(header + f" {'run s':>6}")
     for scale in BANDWIDTH_SCALES:
-        profile = LayerProfile.from_dict(profile_dict(layers, scale))
+        profile = LayerProfile.from_dict(profile_at(scale))
         bound = lower_bound(profile)
         started = time.perf_counter()
         times = {name: strategy(profile).iteration_time for name, strategy in STRATEGIES.items()}
@@ -136,8 +178,14 @@ def report(title: str, layers) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write-profiles", metavar="DIR", help="also write the 1x profiles as JSON")
+    parser.add_argument("--zoo-only", action="store_true", help="only ddlc's example models")
     args = parser.parse_args(argv)
     print("iteration time in ms per strategy, (ratio to the lower bound); link = bandwidth scale")
+    for title, name in ZOO.items():
+        report_profile(title + ", data parallel on 8 GPUs, per-layer profile from the plan",
+                       zoo_profile(name))
+    if args.zoo_only:
+        return
     for title, build in MODELS.items():
         report(title, build())
         if args.write_profiles:

@@ -95,18 +95,26 @@ def _plan_on_rank0(gm: fx.GraphModule, mesh: Mesh, make_plan) -> Plan:
 
 
 def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str], *,
-          schedule: bool = True, max_inflight_bytes: float = float("inf")) -> fx.GraphModule:
+          schedule: bool = True, fuse: bool | float = True,
+          max_inflight_bytes: float = float("inf")) -> fx.GraphModule:
     """The lowering passes for one rank of a sharded graph (annotated by the plan):
     insert collectives on the per-axis process groups ``groups``, localize shapes,
-    order collectives. Needs no process group, so tests can lower every rank in one
-    process."""
+    fuse small collectives (``fuse``: True lets the timeline model choose the bucket cap,
+    a number fixes it in bytes), order collectives. Needs no process group, so tests can
+    lower every rank in one process."""
     from passes.collectives import insert_collectives
+    from passes.fuse import fuse as fuse_with_cap, fuse_best
     from passes.localize import localize
     from passes.schedule import schedule as schedule_collectives
     insert_collectives(gm, mesh, groups, coord)
     localize(gm, mesh)
-    if schedule:
-        schedule_collectives(gm, max_inflight_bytes)
+    order = (lambda g: schedule_collectives(g, max_inflight_bytes)) if schedule else None
+    if fuse is True:
+        gm.meta["ddlc_bucket_cap"] = fuse_best(gm, mesh, order)
+    elif fuse:
+        fuse_with_cap(gm, mesh, fuse)
+    if order:
+        order(gm)
     return gm
 
 
@@ -114,7 +122,8 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
             num_targets: int = 1, solver: str = "cd", memory_budget: float | None = None,
             placements: Mapping[str, object] | None = None, batch: str = "global",
             profile: str | None = None, decouple: bool = True, ag_placement: str = "auto",
-            schedule: bool = True, max_inflight_bytes: float = float("inf")) -> "CompiledStep":
+            schedule: bool = True, fuse: bool = True,
+            max_inflight_bytes: float = float("inf")) -> "CompiledStep":
     """Compile ``model``'s training step (or forward pass without ``loss_fn``) for ``mesh``.
 
     ``mesh``: a :class:`ddlc.Mesh`, shape tuple, string like ``"2x2"`` or a
@@ -124,8 +133,9 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     means each rank passes its own part (shape: see ``CompiledStep.local_input_shapes``).
     ``decouple`` turns gradient all-reduces into reduce-scatter + update on the shard +
     all-gather, the all-gather placed per ``ag_placement`` ("forward", "backward" or
-    "auto": :mod:`passes.decouple`). ``schedule`` reorders collectives for overlap
-    (:mod:`passes.schedule`), keeping at most ``max_inflight_bytes`` in flight.
+    "auto": :mod:`passes.decouple`). ``fuse`` buckets small collectives (:mod:`passes.fuse`).
+    ``schedule`` reorders collectives for overlap (:mod:`passes.schedule`), keeping at
+    most ``max_inflight_bytes`` in flight.
     """
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -158,7 +168,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     plan = _plan_on_rank0(gm, mesh, make_plan)
     coord = tuple(device_mesh.get_coordinate())
     groups = [device_mesh.get_group(i).group_name for i in range(mesh.ndim)]
-    lower(gm, mesh, coord, groups, schedule=schedule, max_inflight_bytes=max_inflight_bytes)
+    lower(gm, mesh, coord, groups, schedule=schedule, fuse=fuse, max_inflight_bytes=max_inflight_bytes)
     fingerprint = _check_fingerprint(gm)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")

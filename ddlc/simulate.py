@@ -17,7 +17,7 @@ from torch import fx
 from . import comm
 from .mesh import Mesh
 
-__all__ = ["axis_group_names", "run_ranks"]
+__all__ = ["axis_group_names", "run_ranks", "simulate_steps"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -81,3 +81,42 @@ def run_ranks(graphs: Sequence[fx.GraphModule], mesh: Mesh, inputs: Sequence[Seq
                 args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: envs[r][a])
                 envs[r][n] = n.target(*args, **kwargs)
     return results
+
+
+def simulate_steps(gm: fx.GraphModule, mesh: Mesh, params: dict, buffers: dict, batches,
+                   **lower_options) -> tuple:
+    """Train with a sharded (plan-annotated) step graph on every rank of ``mesh`` in one
+    process: lower it per rank, cut the global state and each batch into the ranks'
+    pieces, run all ranks, and reassemble the new full state. Returns
+    ``(losses, params, optimizer_state)``, all full tensors. ``lower_options`` go to
+    :func:`ddlc.runtime.lower`."""
+    import copy
+    import itertools
+
+    from .runtime import lower
+    from .sbp import local_slices
+
+    sig = gm.meta["ddlc_step"]
+    coords = list(itertools.product(*(range(p) for p in mesh.shape)))
+    graphs = [lower(copy.deepcopy(gm), mesh, c, axis_group_names(mesh), **lower_options)
+              for c in coords]
+    sbp = {n.name: n.meta["ddlc"].outputs[0] for n in gm.graph.nodes if n.op == "placeholder"}
+    state = {"param": dict(params), "opt_state": sig.init_opt_state(params)}
+    input_index = {(i.role, i.key): j for j, i in enumerate(sig.inputs)}
+    losses = []
+    for batch in batches:
+        full = sig.flatten(state["param"], buffers, state["opt_state"], batch)
+        pieces = [[t[local_slices(tuple(t.shape), sbp[i.name], mesh.shape, c)].contiguous()
+                   for t, i in zip(full, sig.inputs)] for c in coords]
+        outs = run_ranks(graphs, mesh, pieces)
+        if any(float(o[0]) != float(outs[0][0]) for o in outs):
+            raise AssertionError(f"ranks disagree on the loss: {[float(o[0]) for o in outs]}")
+        losses.append(outs[0][0])
+        for k, spec in enumerate(sig.outputs):
+            if spec.role in ("param", "opt_state"):
+                j = input_index[(spec.role, spec.key)]
+                whole = torch.empty_like(full[j])
+                for c, o in zip(coords, outs):
+                    whole[local_slices(tuple(whole.shape), sbp[sig.inputs[j].name], mesh.shape, c)] = o[k]
+                state[spec.role][spec.key] = whole
+    return losses, state["param"], state["opt_state"]

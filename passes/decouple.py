@@ -149,6 +149,20 @@ def _gradient_dim(chain: list[fx.Node], axis: int, shape) -> int | None | bool:
     return found
 
 
+def _gatherable(param: fx.Node, chain: list[fx.Node], axis: int) -> bool:
+    """Whether every reader of the parameter outside its update can take it from a shard
+    (an all-gather); a reader wanting a partial sum (e.g. a bias added to a partial
+    matmul) could not, so such a parameter stays whole between steps."""
+    inside = set(chain)
+    for user in param.users:
+        if user in inside or "ddlc" not in user.meta:
+            continue
+        for x, a in zip(user.meta["ddlc"].inputs, tensor_inputs(user)):
+            if a is param and x is not None and x[axis].is_partial:
+                return False
+    return True
+
+
 def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward",
              pinned: frozenset[str] = frozenset()) -> list[str]:
     """Re-annotate (in place) every parameter update that an all-reduce feeds so it runs on
@@ -181,42 +195,52 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
                 if tuple(state.meta["val"].shape) == shape:
                     state.meta["ddlc"] = NodeSharding((), (_sbp(state).replace(axis, S(d)),))
             where = ag_placement if isinstance(ag_placement, str) else ag_placement.get(key, "forward")
-            if where == "forward" and param.name not in pinned:
+            if where == "forward" and param.name not in pinned and _gatherable(param, chain, axis):
                 param.meta["ddlc"] = NodeSharding((), (_sbp(param).replace(axis, S(d)),))
             done.append(key)
     return done
 
 
-def auto_placement(gm: fx.GraphModule, mesh: Mesh) -> dict[str, str]:
-    """Per parameter, "forward" or "backward" as the timeline model's ddlc schedule places
-    its layer's all-gather, on a per-layer profile built from the annotated graph:
-    layers are the modules that own parameters, in forward order; their forward and
-    backward times are the compute model's; the all-reduce fit uses the outermost axis."""
-    from cost_models.layer_schedules import LayerProfile, ddlc
-    from passes.sharding_problem import _compute_seconds  # the plan's own compute model
+def layer_profile(gm: fx.GraphModule, mesh: Mesh, axis: int = 0) -> dict:
+    """The per-layer profile of an annotated step (the form of
+    :class:`cost_models.layer_schedules.LayerProfile`): layers are the modules that own
+    parameters, in forward order, with their parameter counts and the compute model's
+    forward and backward times at the plan's local shapes; the all-reduce fit is the
+    ring on mesh ``axis`` (4-byte elements)."""
+    from passes.sharding_problem import compute_seconds
     sig = gm.meta["ddlc_step"]
-    owners = {}
-    for key, _ in sig.optimizer:
+    owners: dict[str, list[str]] = {}
+    for key, _ in sig.optimizer or [(i.key, None) for i in sig.inputs if i.role == "param"]:
         owners.setdefault(key.rpartition(".")[0], []).append(key)
     times = {m: {"forward": 0.0, "backward": 0.0} for m in owners}
+    by_length = sorted(owners, key=len, reverse=True)
     for node in gm.graph.nodes:
         origin = node.meta.get("ddlc_origin")
         if origin is None or origin.phase not in ("forward", "backward") or "ddlc" not in node.meta:
             continue
-        module = next((m for m in sorted(owners, key=len, reverse=True)
-                       if origin.module == m or origin.module.startswith(m + ".")), None)
+        module = next((m for m in by_length if origin.module == m or origin.module.startswith(m + ".")
+                       or not m), None)
         if module is not None:
             sharding = node.meta["ddlc"]
-            times[module][origin.phase] += _compute_seconds(node, NdSignature(sharding.inputs, sharding.outputs), mesh)
+            times[module][origin.phase] += compute_seconds(
+                node, NdSignature(sharding.inputs, sharding.outputs), mesh)
     by_name = {n.name: n for n in gm.graph.nodes}
     numel = {i.key: math.prod(by_name[i.name].meta["val"].shape) for i in sig.inputs}
-    p, link = mesh.shape[0], mesh.links[0]
-    profile = LayerProfile.from_dict({
-        "allreduce": {"a": 2 * (p - 1) * link.latency, "b": 2 * (p - 1) / p * 4 * link.beta},
-        "layers": [{"name": m, "params": sum(numel[k] for k in keys),
-                    "forward": times[m]["forward"], "backward": times[m]["backward"]}
-                   for m, keys in owners.items()]})
-    schedule = ddlc(profile)
-    moved = {profile.layers[l].name for c in schedule.collectives if c.reduced_layers()
+    p, link = mesh.shape[axis], mesh.links[axis]
+    return {"allreduce": {"a": 2 * (p - 1) * link.latency, "b": 2 * (p - 1) / p * 4 * link.beta},
+            "layers": [{"name": m or "<root>", "params": sum(numel[k] for k in keys),
+                        "forward": times[m]["forward"], "backward": times[m]["backward"]}
+                       for m, keys in owners.items()]}
+
+
+def auto_placement(gm: fx.GraphModule, mesh: Mesh) -> dict[str, str]:
+    """Per parameter, "forward" or "backward" as :func:`cost_models.layer_schedules.ddlc`
+    places its layer's all-gather on :func:`layer_profile` (deferred to the next forward,
+    or merged / piggy-backed into backward, PipeDAP's moves)."""
+    from cost_models.layer_schedules import LayerProfile, ddlc
+    profile = LayerProfile.from_dict(layer_profile(gm, mesh))
+    moved = {profile.layers[l].name for c in ddlc(profile).collectives if c.reduced_layers()
              for kind, l in c.parts if kind == "ag"}
-    return {k: ("backward" if m in moved else "forward") for m, keys in owners.items() for k in keys}
+    sig = gm.meta["ddlc_step"]
+    return {k: "backward" if (k.rpartition(".")[0] or "<root>") in moved else "forward"
+            for k, _ in sig.optimizer}

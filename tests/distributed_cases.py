@@ -66,18 +66,22 @@ def compiled_run(rank: int, mesh, cases):
     """Worker: compile and run each case; rank 0 returns what the parent compares."""
     from ddlc.runtime import collective_sequence, compile
     results = []
+    import ddlc
     for model_name, opt_name, mode, placements, *options in cases:
-        options = options[0] if options else {}
+        options = dict(options[0]) if options else {}
+        # a fast link makes communication cheap, so the search shards instead of replicating
+        link = options.pop("link", None)
+        mesh_here = ddlc.Mesh(mesh, links=[ddlc.LinkModel(*link)] * len(mesh)) if link else mesh
         model, loss_fn = model_and_loss(model_name)
         data = batches(model_name)
         if mode == "forward":
-            compiled = compile(model, mesh, data[0][:-1], placements=placements, **options)
+            compiled = compile(model, mesh_here, data[0][:-1], placements=placements, **options)
             out = {"outputs": [compiled(*b[:-1]) for b in data[:1]]}
         elif mode == "gradients":
-            compiled = compile(model, mesh, data[0], loss_fn, placements=placements, **options)
+            compiled = compile(model, mesh_here, data[0], loss_fn, placements=placements, **options)
             out = {"losses": [compiled.step(*data[0])], "gradients": compiled.gradients()}
         else:
-            compiled = compile(model, mesh, data[0], loss_fn, optimizer(opt_name, model),
+            compiled = compile(model, mesh_here, data[0], loss_fn, optimizer(opt_name, model),
                                placements=placements, **options)
             out = {"losses": [compiled.step(*b) for b in data]}
             out["params"] = compiled.state_dict()

@@ -1,6 +1,5 @@
 """Decoupled all-reduce: reduce-scatter, update on the shard, all-gather; same numbers."""
 import copy
-import itertools
 from collections import Counter
 
 import pytest
@@ -8,8 +7,8 @@ import torch
 
 import ddlc
 from ddlc.runtime import collective_sequence, lower
-from ddlc.sbp import local_slices, parse_sbp
-from ddlc.simulate import axis_group_names, run_ranks
+from ddlc.sbp import parse_sbp
+from ddlc.simulate import axis_group_names, simulate_steps
 from distributed_cases import batches, model_and_loss, optimizer, reference
 from passes.canonicalize import canonicalize
 from passes.decouple import decouple
@@ -62,30 +61,6 @@ def _comm_seconds(gm, mesh):
                if isinstance(n.meta.get("ddlc"), CollectiveInfo))
 
 
-def _train_simulated(gm, mesh, model, data):
-    sig = gm.meta["ddlc_step"]
-    coords = list(itertools.product(*(range(p) for p in mesh.shape)))
-    graphs = [lower(copy.deepcopy(gm), mesh, c, axis_group_names(mesh)) for c in coords]
-    sbp = {n.name: n.meta["ddlc"].outputs[0] for n in gm.graph.nodes if n.op == "placeholder"}
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    state = {"param": params, "opt_state": sig.init_opt_state(params)}
-    losses = []
-    for batch in data:
-        full = sig.flatten(state["param"], {}, state["opt_state"], batch)
-        pieces = [[t[local_slices(tuple(t.shape), sbp[i.name], mesh.shape, c)].contiguous()
-                   for t, i in zip(full, sig.inputs)] for c in coords]
-        outs = run_ranks(graphs, mesh, pieces)
-        losses.append(outs[0][0])
-        for k, spec in enumerate(sig.outputs):
-            if spec.role in ("param", "opt_state"):
-                j = [(i.role, i.key) for i in sig.inputs].index((spec.role, spec.key))
-                whole = torch.empty_like(full[j])
-                for c, o in zip(coords, outs):
-                    whole[local_slices(tuple(whole.shape), sbp[sig.inputs[j].name], mesh.shape, c)] = o[k]
-                state[spec.role][spec.key] = whole
-    return losses, state
-
-
 @pytest.mark.parametrize("placement", ["forward", "backward", "auto"])
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_decoupled_updates_match_single_device(opt_name, placement):
@@ -106,14 +81,15 @@ def test_decoupled_updates_match_single_device(opt_name, placement):
         sharded = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta["ddlc_role"] != "input"
                    and n.meta["val"].dim() > 0]
         assert all(n.meta["ddlc"].outputs[0][0].is_split for n in sharded)
-    losses, state = _train_simulated(gm, mesh, model, data)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    losses, params, opt_state = simulate_steps(gm, mesh, params, {}, data)
     want = reference("mlp", opt_name, batch=BATCH)
     for got, expected in zip(losses, want["losses"]):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     for name, value in want["params"].items():
-        torch.testing.assert_close(state["param"][name], value, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
     for name, value in want["opt_state"].items():
-        torch.testing.assert_close(state["opt_state"][name], value, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(opt_state[name], value, rtol=1e-4, atol=1e-5)
 
 
 def test_pinned_parameters_keep_their_placement():

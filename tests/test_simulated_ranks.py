@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 import ddlc
 from ddlc.runtime import collective_sequence, lower
-from ddlc.sbp import local_slices, parse_sbp
-from ddlc.simulate import axis_group_names, run_ranks
+from ddlc.sbp import parse_sbp
+from ddlc.simulate import axis_group_names, simulate_steps
 from passes.canonicalize import canonicalize
 from passes.sharding import shard
 from distributed_cases import batches, model_and_loss, optimizer, reference
@@ -33,36 +33,23 @@ def test_simulated_ranks_match_single_device(mesh_shape, model_name, opt_name, p
     names = {i.key: i.name for i in sig.inputs}
     mesh = ddlc.Mesh(mesh_shape)
     shard(gm, mesh, fixed={names[k]: parse_sbp(v) for k, v in placements.items()})
-    coords = list(itertools.product(*(range(p) for p in mesh_shape)))
-    graphs = [lower(copy.deepcopy(gm), mesh, c, axis_group_names(mesh)) for c in coords]
-    assert all(collective_sequence(g) == collective_sequence(graphs[0]) for g in graphs)
-    assert collective_sequence(graphs[0]), "the plan should communicate"
-
-    sbp_of = {n.name: n.meta["ddlc"].outputs[0] for n in gm.graph.nodes if n.op == "placeholder"}
+    graph = lower(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, axis_group_names(mesh))
+    assert collective_sequence(graph), "the plan should communicate"
     params = {k: v.detach() for k, v in model.named_parameters()}
-    state = {"param": params, "buffer": dict(model.named_buffers()),
-             "opt_state": sig.init_opt_state(params)}
-    step_losses = []
-    for batch in data:
-        globals_ = sig.flatten(state["param"], state["buffer"], state["opt_state"], batch)
-        inputs = [[t[local_slices(tuple(t.shape), sbp_of[spec.name], mesh_shape, c)].contiguous()
-                   for t, spec in zip(globals_, sig.inputs)] for c in coords]
-        outs = run_ranks(graphs, mesh, inputs)
-        losses = [float(o[0]) for o in outs]
-        assert max(losses) - min(losses) < 1e-6  # the loss is B: every rank holds it
-        step_losses.append(outs[0][0])
-        # reassemble the full new state from the ranks' pieces
-        for k, out_spec in enumerate(sig.outputs):
-            if out_spec.role not in ("param", "opt_state"):
-                continue
-            index = [(i.role, i.key) for i in sig.inputs].index((out_spec.role, out_spec.key))
-            whole = torch.empty_like(globals_[index])
-            sbp = sbp_of[sig.inputs[index].name]
-            for c, o in zip(coords, outs):
-                whole[local_slices(tuple(whole.shape), sbp, mesh_shape, c)] = o[k]
-            state[out_spec.role][out_spec.key] = whole
+    losses, params, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data)
     want = reference(model_name, opt_name)
-    for got, expected in zip(step_losses, want["losses"]):
+    for got, expected in zip(losses, want["losses"]):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     for name, value in want["params"].items():
-        torch.testing.assert_close(state["param"][name], value, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_every_rank_lowers_to_the_same_collective_sequence():
+    model, loss_fn = model_and_loss("cnn")
+    data = batches("cnn")
+    gm = canonicalize(ddlc.trace(model, data[0], loss_fn, optimizer("adamw", model)))
+    mesh = ddlc.Mesh((2, 2, 2))
+    shard(gm, mesh, fixed={"input0": parse_sbp("(S0, S0, B)"), "p_fc_weight": parse_sbp("(B, B, S1)")})
+    sequences = [collective_sequence(lower(copy.deepcopy(gm), mesh, c, axis_group_names(mesh)))
+                 for c in itertools.product(range(2), range(2), range(2))]
+    assert all(s == sequences[0] for s in sequences)
