@@ -32,7 +32,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import networkx as nx
+import numpy as np
 import sympy
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import dijkstra
 
 from ddlc.errors import SBPError
 from ddlc.mesh import Mesh
@@ -40,7 +43,7 @@ from ddlc.sbp import B, P, S, SBP, NdSBP, local_shape
 
 from .collectives import COLLECTIVES, cheapest_algorithm, collective_expr, collective_time
 
-__all__ = ["STEP_KINDS", "BoxingStep", "BoxingPlan", "boxing_cost", "boxing_seconds"]
+__all__ = ["STEP_KINDS", "BoxingStep", "BoxingPlan", "boxing_cost", "boxing_seconds", "boxing_table"]
 
 #: (old, new) SBP letters on one axis -> step kind. S->P has no step of its own.
 STEP_KINDS: dict[tuple[str, str], str] = {
@@ -183,3 +186,33 @@ def boxing_seconds(shape: Sequence[int], itemsize: int, src: NdSBP, dst: NdSBP, 
                    allow_split_to_partial: bool = False, algorithm: str = "ring") -> float:
     """``boxing_cost(...).seconds``: inf when the change is refused."""
     return boxing_cost(shape, itemsize, src, dst, mesh, allow_split_to_partial, algorithm).seconds
+
+
+@functools.lru_cache(maxsize=256)
+def _all_pairs(shape: tuple[int, ...], itemsize: int, mesh: Mesh, algorithm: str):
+    """(state -> index, matrix of cheapest seconds between all n-D SBPs): all-pairs
+    Dijkstra (scipy) on :func:`_graph` weighted by seconds (free steps weigh 1e-30 so
+    they stay edges; the sums round it away, and pure-local routes are set to 0)."""
+    g = _graph(shape, itemsize, mesh, algorithm)
+    index = {s: i for i, s in enumerate(g.nodes)}
+    rows, cols, weights = [], [], []
+    for u, v, step in g.edges(data="step"):
+        rows.append(index[u])
+        cols.append(index[v])
+        weights.append(max(step.seconds, 1e-30))
+    n = len(index)
+    dist = dijkstra(csr_matrix((weights, (rows, cols)), shape=(n, n)), directed=True)
+    dist[dist < 1e-20] = 0.0
+    return index, dist
+
+
+def boxing_table(shape: Sequence[int], itemsize: int, srcs: Sequence[NdSBP],
+                 dsts: Sequence[NdSBP], mesh: Mesh, algorithm: str = "ring") -> np.ndarray:
+    """``boxing_seconds`` for every (src, dst) pair at once (S->P refused: inf); equal to
+    it up to float rounding. For pricing whole edge matrices in the sharding search."""
+    index, dist = _all_pairs(tuple(int(s) for s in shape), int(itemsize), mesh, algorithm)
+    table = dist[np.ix_([index[x] for x in srcs], [index[x] for x in dsts])]
+    refused = np.array([[any(a.is_split and b.is_partial for a, b in zip(x, y)) for y in dsts]
+                        for x in srcs], dtype=bool).reshape(len(srcs), len(dsts))
+    table[refused] = math.inf
+    return table

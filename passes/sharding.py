@@ -10,12 +10,18 @@ The default solver is AutoDDL's coordinate descent:
    batch split on dim 0 over every axis, parameters replicated; or everything
    replicated) places the graph inputs, then every other variable, in graph
    order, takes its cheapest candidate given the variables placed before it.
-2. *Sweep* until a sweep improves nothing: (a) every variable in graph order
-   moves to its best candidate with all others fixed; (b) every module (its
-   parameters, forward, backward and update nodes; leaf modules first, then
-   their parents) tries each placement of its largest parameter, lets the
-   module's other variables best-respond in graph order (two passes), and
-   keeps the best trial if it lowers the objective.
+2. *Sweep* until a sweep improves nothing: (a) exact dynamic programming over
+   path-shaped blocks, (b) every variable in graph order moves to its best
+   candidate with all others fixed, (c) block moves: a block's variables jump to
+   their jointly optimal candidates with everything outside fixed (exact
+   reduction, then min-sum variable elimination, or a node-capped MILP when the
+   memory budget can bind). The blocks are the modules that own parameters
+   (with their neighbours, deepest first; repeated layers with the same folded
+   costs are solved once), except when the budget cannot bind and the whole
+   (already reduced) problem is small: it fits the elimination's table limit
+   (then the one block is the whole problem and the result is the exact
+   optimum) or has at most MAX_BLOCK variables (its node-capped MILP); see
+   ``stats["whole_block"]``.
 
 Every move respects the memory budget. Ties keep the incumbent and otherwise
 go to the lowest candidate index, so the result depends only on the graph.
@@ -37,10 +43,10 @@ from ddlc.mesh import Mesh
 from ddlc.plan import Plan, make_plan
 from ddlc.sbp import B, NdSBP, S, divides
 
-from .sharding_exact import solve_exact, solve_milp
+from .sharding_exact import MAX_TABLE, elimination_order, solve_elimination, solve_exact, solve_milp
 from .sharding_problem import FORBIDDEN, ShardingProblem, build_problem, reduce_costs, reduce_problem
 
-__all__ = ["shard", "coordinate_descent", "SEEDS"]
+__all__ = ["shard", "coordinate_descent", "search_mesh_shapes", "mesh_shapes", "SEEDS"]
 
 
 def _seed_data_parallel(node: fx.Node, mesh: Mesh) -> NdSBP:
@@ -87,19 +93,12 @@ class _Search:
         room = self.budget - (self.memory - p.memory[v][current])
         cost = np.where(p.memory[v] <= room, cost, np.inf)
         best = int(np.argmin(cost))
-        if cost[best] < cost[current] - 1e-12 * max(1.0, abs(cost[current])):
+        now = cost[current]
+        if cost[best] < (now - 1e-12 * max(1.0, abs(now)) if np.isfinite(now) else np.inf):
             self.memory += p.memory[v][best] - p.memory[v][current]
             self.choice[v] = best
             return True
         return False
-
-    def region_cost(self, region: Sequence[int]) -> float:
-        """Unary costs of ``region`` plus every edge touching it, each edge once."""
-        p = self.problem
-        edges = {i for v in region for i in p.incident[v]}
-        return (sum(float(p.unary[v][self.choice[v]]) for v in region)
-                + sum(float(p.edges[i].cost[self.choice[p.edges[i].src], self.choice[p.edges[i].dst]])
-                      for i in sorted(edges)))
 
 
 def _initial(problem: ShardingProblem, seed, budget: float) -> list[int]:
@@ -123,22 +122,17 @@ def _initial(problem: ShardingProblem, seed, budget: float) -> list[int]:
     return choice
 
 
-#: Modules with more variables than this are left to the smaller moves (their MILP would
-#: approach the exact solver's cost).
-MAX_BLOCK = 60
-
-
-def _module_regions(problem: ShardingProblem) -> list[tuple[str, list[int], int]]:
-    """(module path, its variables and their direct neighbours, anchor variable) for every
-    module that owns a parameter, deepest modules first; the anchor is its largest
-    parameter. The halo lets a module's move re-place the tensors at its boundary."""
+def _module_regions(problem: ShardingProblem) -> list[tuple[str, list[int]]]:
+    """(module path, its variables and their direct neighbours) for every non-root module
+    that owns a parameter, deepest modules first. The halo lets a module's move re-place
+    the tensors at its boundary."""
     by_module: dict[str, list[int]] = {}
     for v, group in enumerate(problem.members):
         origin = group[0].meta.get("ddlc_origin")
         if origin is None:
             continue
         parts = origin.module.split(".") if origin.module else []
-        for depth in range(len(parts) + 1):
+        for depth in range(1, len(parts) + 1):
             by_module.setdefault(".".join(parts[:depth]), []).append(v)
     neighbours = [set() for _ in range(problem.num_vars)]
     for e in problem.edges:
@@ -146,14 +140,28 @@ def _module_regions(problem: ShardingProblem) -> list[tuple[str, list[int], int]
         neighbours[e.dst].add(e.src)
     regions = []
     for module, region in by_module.items():
-        params = [v for v in region if problem.members[v][0].meta.get("ddlc_role") == "param"]
-        if not params or not module or len(region) > MAX_BLOCK:
-            continue
-        anchor = max(params, key=lambda v: (problem.members[v][0].meta["val"].numel(), -v))
-        halo = set(region).union(*(neighbours[v] for v in region))
-        regions.append((module, sorted(halo), anchor))
+        if any(problem.members[v][0].meta.get("ddlc_role") == "param" for v in region):
+            halo = set(region).union(*(neighbours[v] for v in region))
+            regions.append((module, sorted(halo)))
     regions.sort(key=lambda r: (-r[0].count("."), r[0]))
     return regions
+
+
+#: Largest elimination table for the whole-problem block (0 switches it off).
+MAX_TABLE_WHOLE = MAX_TABLE
+
+
+def _regions(problem: ShardingProblem, memory_budget: float) -> list[tuple[str, list[int]]]:
+    """The blocks of the block moves: the whole problem when the memory budget cannot bind
+    and either variable elimination solves it within MAX_TABLE_WHOLE (block coordinate
+    descent with a single block is then exact) or it has at most MAX_BLOCK variables (its
+    node-capped MILP); else the module regions."""
+    unconstrained = sum(float(m.max()) for m in problem.memory) <= memory_budget
+    small = problem.num_vars <= MAX_BLOCK and MAX_TABLE_WHOLE > 0
+    if unconstrained and (small or elimination_order([len(u) for u in problem.unary],
+                                                     problem.edges, MAX_TABLE_WHOLE)):
+        return [("<all>", list(range(problem.num_vars)))]
+    return _module_regions(problem)
 
 
 def _path_blocks(problem: ShardingProblem) -> list[list[int]]:
@@ -242,7 +250,7 @@ def _descend(problem: ShardingProblem, choice: list[int], budget: float,
             _solve_path(search, path)
         for v in range(problem.num_vars):
             search.best_response(v)
-        for _, region, _ in regions:
+        for _, region in regions:
             _solve_block(search, region, cache)
         if problem.objective(search.choice) >= before - 1e-12 * max(1.0, before):
             break
@@ -254,7 +262,7 @@ def coordinate_descent(problem: ShardingProblem, memory_budget: float = float("i
     """AutoDDL's coordinate descent (see the module docstring); returns (choice, stats).
 
     Every seed is descended with the cheap moves (paths, single variables); the best
-    result is then descended again with module moves added."""
+    result is then descended again with block moves added (:func:`_regions`)."""
     paths = _path_blocks(problem)
     results = []
     for name, seed in SEEDS.items():
@@ -262,15 +270,23 @@ def coordinate_descent(problem: ShardingProblem, memory_budget: float = float("i
         choice, _ = _descend(problem, start, memory_budget, paths, [], max_sweeps)
         results.append((problem.memory_of(choice) > memory_budget, problem.objective(choice), name, choice))
     _, _, name, choice = min(results, key=lambda r: r[:2])
-    regions = _module_regions(problem) if group_moves else []
+    regions = _regions(problem, memory_budget) if group_moves else []
     choice, sweeps = _descend(problem, choice, memory_budget, paths, regions, max_sweeps)
-    return choice, {"seed": name, "sweeps": sweeps, "paths": len(paths), "modules": len(regions)}
+    return choice, {"seed": name, "sweeps": sweeps, "paths": len(paths), "blocks": len(regions),
+                    "whole_block": [r[0] for r in regions] == ["<all>"]}
 
 
-def _solve_block(search: _Search, block: list[int], cache: dict, time_limit: float = 10.0) -> None:
-    """Set the variables of ``block`` to their jointly optimal candidates with every other
-    variable fixed (a small MILP); applied if it lowers the objective. Blocks with the same
-    costs (repeated layers under the same neighbours) are solved once, via ``cache``."""
+#: Largest block, in variables left after the exact reduction, that a block move hands
+#: to the MILP (when variable elimination does not apply).
+MAX_BLOCK = 150
+
+#: Branch-and-bound nodes a block's MILP may explore (deterministic, unlike a time limit).
+BLOCK_NODE_LIMIT = 2000
+
+
+def _fold(search: _Search, block: list[int]):
+    """The block's own problem with every other variable fixed: unary costs with the
+    boundary edges folded in, and the internal edges (block-local indices)."""
     p = search.problem
     local = {v: i for i, v in enumerate(block)}
     unary = [p.unary[v].copy() for v in block]
@@ -285,20 +301,48 @@ def _solve_block(search: _Search, block: list[int], cache: dict, time_limit: flo
                 unary[i] += e.cost[:, search.choice[e.dst]]
             else:
                 unary[i] += e.cost[search.choice[e.src], :]
+    return unary, edges
+
+
+def _block_optimum(unary, memory, edges, room: float) -> list[int] | None:
+    """Jointly optimal candidates of a folded block: exact reduction, then variable
+    elimination when ``room`` cannot bind and the tables stay within MAX_TABLE, else (up
+    to MAX_BLOCK variables) a MILP capped at BLOCK_NODE_LIMIT nodes (its best find);
+    None when neither applies."""
+    keep, core_unary, core_edges, expand, fixed = reduce_costs(unary, memory, edges, room)
+    if not keep:
+        return expand([])
+    if not np.isfinite(room):
+        order = elimination_order([len(u) for u in core_unary], core_edges)
+        if order is not None:
+            return expand(solve_elimination(core_unary, core_edges, order[0]))
+    if len(keep) > MAX_BLOCK:
+        return None
+    try:
+        core, _ = solve_milp(core_unary, [memory[v] for v in keep], core_edges, room - fixed,
+                             node_limit=BLOCK_NODE_LIMIT)
+    except ShardingError:
+        return None
+    return expand(core)
+
+
+def _solve_block(search: _Search, block: list[int], cache: dict) -> None:
+    """Set the variables of ``block`` to their jointly optimal candidates with every other
+    variable fixed; applied if it lowers the objective. Blocks with the same folded costs
+    (repeated layers under the same neighbours) are solved once, via ``cache``; the memory
+    room is part of the key only when it can bind."""
+    p = search.problem
+    unary, edges = _fold(search, block)
     outside = search.memory - sum(p.memory[v][search.choice[v]] for v in block)
     memory = [p.memory[v] for v in block]
+    room = search.budget - outside
+    if sum(float(m.max()) for m in memory) <= room:
+        room = float("inf")
     key = hashlib.sha1(b"".join([u.tobytes() for u in unary] + [m.tobytes() for m in memory]
                                 + [f"{e.src},{e.dst}".encode() + e.cost.tobytes() for e in edges]
-                                + [repr(search.budget - outside).encode()])).digest()
+                                + [repr(room).encode()])).digest()
     if key not in cache:
-        keep, core_unary, core_edges, expand, fixed = reduce_costs(
-            unary, memory, edges, search.budget - outside)
-        try:
-            core = solve_milp(core_unary, [memory[v] for v in keep], core_edges,
-                              search.budget - outside - fixed, time_limit)[0] if keep else []
-            cache[key] = expand(core)
-        except ShardingError:
-            cache[key] = None
+        cache[key] = _block_optimum(unary, memory, edges, room)
     picks = cache[key]
     if picks is None:
         return
@@ -355,7 +399,55 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
 
     choice, stats = decide(solve) if decide is not None else solve()
     stats.update(build_seconds=build_seconds, search_seconds=time.perf_counter() - start - build_seconds)
+    if problem.objective(choice) >= FORBIDDEN and stats.get("optimal") is False:
+        raise ShardingError(f"the exact solver stopped ({stats['status']}) before finding a "
+                            f"solution without forbidden redistributions; raise time_limit")
     if problem.objective(choice) >= FORBIDDEN:
         raise ShardingError("every sharding found needs a forbidden redistribution (S->P); "
                             "the rules are missing a signature for some operator")
     return make_plan(problem, choice, solver, stats)
+
+
+def mesh_shapes(world_size: int, max_ndim: int = 3) -> list[tuple[int, ...]]:
+    """Every ordered factorization of ``world_size`` into 1 to ``max_ndim`` factors > 1
+    (``(1,)`` for one device), shortest first, then lexicographic."""
+    def split(n: int, parts: int):
+        if parts == 1:
+            yield (n,)
+            return
+        for f in range(2, n):
+            if n % f == 0:
+                for rest in split(n // f, parts - 1):
+                    yield (f,) + rest
+    if world_size == 1:
+        return [(1,)]
+    return [s for k in range(1, max_ndim + 1) for s in sorted(split(world_size, k))]
+
+
+def search_mesh_shapes(gm: fx.GraphModule, world_size: int, *, profile="cpu-gloo",
+                       shapes: Sequence[Sequence[int]] | None = None, max_ndim: int = 3,
+                       **kwargs) -> tuple[Plan, list[tuple[tuple[int, ...], float | None, str]]]:
+    """AutoDDL's outer loop: plan ``gm`` on every mesh shape of ``world_size`` devices
+    (:func:`mesh_shapes`, or only ``shapes`` when the user fixes them) and keep the plan
+    with the least modeled step time (ties: the earlier shape). Returns the best plan and,
+    per shape, ``(shape, objective or None, note)``; ``kwargs`` go to :func:`shard`.
+    ``fixed`` placements must have the right length for each shape tried."""
+    candidates = [tuple(s) for s in shapes] if shapes is not None else mesh_shapes(world_size, max_ndim)
+    best, report = None, []
+    for shape in candidates:
+        mesh = Mesh(shape, profile=profile)
+        if mesh.size != world_size:
+            raise ShardingError(f"mesh shape {shape} has {mesh.size} devices, not {world_size}")
+        try:
+            plan = shard(gm, mesh, **kwargs)
+        except ShardingError as e:
+            report.append((shape, None, str(e).splitlines()[0]))
+            continue
+        report.append((shape, plan.objective, plan.solver))
+        if best is None or plan.objective < best.objective:
+            best = plan
+    if best is None:
+        raise ShardingError(f"no mesh shape of {world_size} devices admits a plan: "
+                            + "; ".join(f"{s}: {note}" for s, _, note in report))
+    make_plan(best.problem, best.choice, best.solver, best.stats)  # re-annotate gm with the winner
+    return best, report

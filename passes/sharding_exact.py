@@ -11,6 +11,9 @@ linear constraint.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 import time
 from typing import Sequence
 
@@ -22,7 +25,7 @@ from ddlc.errors import ShardingError
 
 from .sharding_problem import ShardingProblem
 
-__all__ = ["solve_exact", "solve_milp"]
+__all__ = ["solve_exact", "solve_milp", "elimination_order", "solve_elimination"]
 
 
 def _distinct(matrix_axis_keys):
@@ -38,9 +41,11 @@ def solve_exact(problem: ShardingProblem, memory_budget: float = float("inf"),
 
 
 def solve_milp(unary: Sequence[np.ndarray], memory: Sequence[np.ndarray], edges: Sequence,
-               memory_budget: float = float("inf"), time_limit: float = 60.0):
+               memory_budget: float = float("inf"), time_limit: float = 60.0,
+               node_limit: int | None = None):
     """The MILP over variables with ``unary`` costs and ``memory`` bytes per candidate and
-    ``edges`` (objects with ``src``, ``dst``, ``cost``); returns (choice, info)."""
+    ``edges`` (objects with ``src``, ``dst``, ``cost``); returns (choice, info).
+    ``node_limit`` caps the branch-and-bound nodes (a deterministic limit)."""
     start = time.perf_counter()
     offsets = np.cumsum([0] + [len(u) for u in unary])
     n_x = int(offsets[-1])
@@ -93,7 +98,8 @@ def solve_milp(unary: Sequence[np.ndarray], memory: Sequence[np.ndarray], edges:
     integrality = np.zeros(n)
     integrality[:n_x] = 1
     res = milp(np.concatenate(cost), constraints=constraints, integrality=integrality,
-               bounds=Bounds(0, 1), options={"time_limit": time_limit, "disp": False})
+               bounds=Bounds(0, 1), options={"time_limit": time_limit, "disp": False,
+                                             **({"node_limit": node_limit} if node_limit else {})})
     if res.x is None:
         raise ShardingError(f"the exact solver found no solution ({res.message})")
     x = res.x[:n_x]
@@ -102,3 +108,96 @@ def solve_milp(unary: Sequence[np.ndarray], memory: Sequence[np.ndarray], edges:
             "mip_gap": getattr(res, "mip_gap", None), "columns": n, "rows": row,
             "seconds": time.perf_counter() - start}
     return choice, info
+
+
+#: Largest table (product of candidate counts) :func:`solve_elimination` will build.
+MAX_TABLE = 4_000_000
+
+
+def elimination_order(sizes: Sequence[int], edges: Sequence, limit: float = MAX_TABLE):
+    """A greedy elimination order of the interaction graph and the largest table it
+    builds, or None when some table would exceed ``limit``. Next goes the variable with
+    the least weighted fill-in (sum of ``sizes[a] * sizes[b]`` over the pairs of its
+    neighbours not yet joined), then the smallest table, then the lowest index; scores
+    are refreshed lazily through a heap."""
+    nbrs = [set() for _ in sizes]
+    for e in edges:
+        if e.src != e.dst:
+            nbrs[e.src].add(e.dst)
+            nbrs[e.dst].add(e.src)
+
+    def score(v):
+        near = sorted(nbrs[v])
+        fill = sum(sizes[a] * sizes[b] for i, a in enumerate(near) for b in near[i + 1:]
+                   if b not in nbrs[a])
+        return fill, sizes[v] * math.prod(sizes[u] for u in near)
+
+    heap = [(score(v), v) for v in range(len(sizes))]
+    heapq.heapify(heap)
+    alive, order, largest = [True] * len(sizes), [], 0
+    while heap:
+        key, v = heapq.heappop(heap)
+        if not alive[v]:
+            continue
+        if key != score(v):
+            heapq.heappush(heap, (score(v), v))
+            continue
+        if key[1] > limit:
+            return None
+        alive[v] = False
+        order.append(v)
+        largest = max(largest, key[1])
+        near = sorted(nbrs[v])
+        for u in near:
+            nbrs[u].discard(v)
+            nbrs[u].update(w for w in near if w != u)
+        for u in near:
+            heapq.heappush(heap, (score(u), u))
+    return order, largest
+
+
+def solve_elimination(unary: Sequence[np.ndarray], edges: Sequence, order: Sequence[int]) -> list[int]:
+    """Exact minimum of ``sum unary + sum edge costs`` by min-sum variable elimination
+    (bucket elimination) along ``order``: eliminating ``v`` adds up every factor that
+    mentions it over the union of their scopes, keeps the minimum over ``v`` as a new
+    factor and the argmin for back-substitution. No memory constraint."""
+    factors = {}
+    by_var = [set() for _ in unary]
+    ids = itertools.count()
+
+    def add(scope: tuple[int, ...], table: np.ndarray) -> None:
+        i = next(ids)
+        factors[i] = (scope, table)
+        for v in scope:
+            by_var[v].add(i)
+
+    for v, u in enumerate(unary):
+        add((v,), np.asarray(u, dtype=float))
+    for e in edges:
+        if e.src == e.dst:
+            add((e.src,), np.diag(e.cost))
+        elif e.src < e.dst:
+            add((e.src, e.dst), e.cost)
+        else:
+            add((e.dst, e.src), e.cost.T)
+    sizes = [len(u) for u in unary]
+    steps = []
+    for v in order:
+        bucket = sorted(by_var[v])
+        rest = tuple(sorted({w for i in bucket for w in factors[i][0]} - {v}))
+        total = np.zeros([sizes[w] for w in rest] + [sizes[v]])  # v last: contiguous argmin
+        for i in bucket:
+            sub, table = factors.pop(i)
+            for w in sub:
+                by_var[w].discard(i)
+            if v in sub:
+                table = np.moveaxis(table, sub.index(v), -1)
+            total += table.reshape([sizes[w] if w in sub else 1 for w in rest]
+                                   + [sizes[v] if v in sub else 1])
+        arg = np.argmin(total, axis=-1)
+        steps.append((v, rest, arg))
+        add(rest, np.take_along_axis(total, arg[..., None], axis=-1)[..., 0])
+    choice = [0] * len(unary)
+    for v, rest, arg in reversed(steps):
+        choice[v] = int(arg[tuple(choice[w] for w in rest)])
+    return choice

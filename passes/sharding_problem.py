@@ -33,12 +33,12 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
-from cost_models.boxing import boxing_seconds
+from cost_models.boxing import boxing_table
 from cost_models.compute import op_time
 from ddlc.errors import ShardingError
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, divides, local_shape
-from passes.rules import NdSignature, selected_leaf, signatures_nd, tensor_inputs
+from passes.rules import NdSignature, call_key, selected_leaf, signatures_nd, tensor_inputs
 
 __all__ = ["Edge", "ShardingProblem", "build_problem", "FORBIDDEN"]
 
@@ -144,18 +144,14 @@ def _local(val: torch.Tensor, sbp: NdSBP | None, mesh: Mesh) -> torch.Tensor:
     return torch.empty(shape, dtype=val.dtype, device="meta")
 
 
-_OP_TIME: dict[tuple, float] = {}
-
-
 def _compute_seconds(node: fx.Node, sig: NdSignature, mesh: Mesh) -> float:
-    """Roofline time of ``node`` at the local shapes ``sig`` gives it (cached by shapes)."""
+    """Roofline time of ``node`` at the local shapes ``sig`` gives it."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
     in_sbp = dict(zip(tensor_inputs(node), sig.inputs))
     out_leaves, out_spec = tree_flatten(node.meta.get("val"))
-    outs = iter(sig.outputs)
-    local_out = [_local(v, next(outs), mesh) if isinstance(v, torch.Tensor) else v
-                 for v in out_leaves]
+    local_out = [_local(v, x, mesh) if isinstance(v, torch.Tensor) else v
+                 for v, x in zip(out_leaves, sig.outputs)]
 
     def to_local(a):
         if not isinstance(a, fx.Node):
@@ -163,28 +159,47 @@ def _compute_seconds(node: fx.Node, sig: NdSignature, mesh: Mesh) -> float:
         return _local(a.meta["val"], in_sbp[a], mesh) if a in in_sbp else a.meta.get("val")
 
     args, kwargs = tree_map(to_local, (node.args, node.kwargs))
-    key = (node.target, mesh.profile.name, repr((args, kwargs)),
-           tuple(tuple(t.shape) for t in local_out if isinstance(t, torch.Tensor)))
-    if key not in _OP_TIME:
-        _OP_TIME[key] = op_time(node.target, args, kwargs, out_spec.unflatten(local_out),
-                                mesh.profile)
-    return _OP_TIME[key]
+    return op_time(node.target, args, kwargs, out_spec.unflatten(local_out), mesh.profile)
 
 
-def _tensor_bytes(val: torch.Tensor, sbp: NdSBP, mesh: Mesh) -> int:
-    return val.element_size() * math.prod(local_shape(tuple(val.shape), sbp, mesh.shape))
+class _Prices:
+    """Per-build caches that make repeated layers cheap: every variable gets a *kind*
+    (an int standing for what its candidates and costs depend on: the op with its
+    shapes and arguments, or a placeholder's placements), and compute, memory and
+    edge-matrix vectors are priced once per kind."""
 
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.kinds: dict = {}
+        self.vectors: dict = {}
+        self.nbytes: dict = {}
 
-def _edge_matrix(val: torch.Tensor, src_sbps: Sequence[NdSBP], dst_sbps: Sequence[NdSBP],
-                 mesh: Mesh) -> np.ndarray:
-    """Boxing seconds for every (src candidate, dst candidate), priced once per distinct pair."""
-    shape, itemsize = tuple(val.shape), val.element_size()
-    src_ids = {x: i for i, x in enumerate(dict.fromkeys(src_sbps))}
-    dst_ids = {x: i for i, x in enumerate(dict.fromkeys(dst_sbps))}
-    table = np.array([[boxing_seconds(shape, itemsize, a, b, mesh) for b in dst_ids]
-                      for a in src_ids])
-    table[~np.isfinite(table)] = FORBIDDEN
-    return table[np.ix_([src_ids[x] for x in src_sbps], [dst_ids[x] for x in dst_sbps])]
+    def kind(self, key) -> int:
+        return self.kinds.setdefault(key, len(self.kinds))
+
+    def cached(self, key, make):
+        """``make()`` once per ``key``; the array is shared, so it is made read-only."""
+        if key not in self.vectors:
+            value = make()
+            value.flags.writeable = False
+            self.vectors[key] = value
+        return self.vectors[key]
+
+    def tensor_bytes(self, val: torch.Tensor, sbp: NdSBP) -> int:
+        key = (tuple(val.shape), val.element_size(), sbp)
+        if key not in self.nbytes:
+            self.nbytes[key] = key[1] * math.prod(local_shape(key[0], sbp, self.mesh.shape))
+        return self.nbytes[key]
+
+    def edge_matrix(self, val: torch.Tensor, src_sbps: Sequence[NdSBP],
+                    dst_sbps: Sequence[NdSBP]) -> np.ndarray:
+        """Boxing seconds for every (src candidate, dst candidate), priced once per
+        distinct pair (:func:`cost_models.boxing.boxing_table`)."""
+        src_ids = {x: i for i, x in enumerate(dict.fromkeys(src_sbps))}
+        dst_ids = {x: i for i, x in enumerate(dict.fromkeys(dst_sbps))}
+        table = boxing_table(tuple(val.shape), val.element_size(), list(src_ids), list(dst_ids), self.mesh)
+        table[~np.isfinite(table)] = FORBIDDEN
+        return table[np.ix_([src_ids[x] for x in src_sbps], [dst_ids[x] for x in dst_sbps])]
 
 
 # -- building ---------------------------------------------------------------------
@@ -232,34 +247,31 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
         var_of[placeholders[name]] = v
         members[v].append(placeholders[name])
 
-    candidates = []
+    prices = _Prices(mesh)
+    candidates, kinds = [], []
     for group in members:
         rep = group[0]
         if rep.op in ("placeholder", "get_attr"):
             cands = _placeholder_signatures(rep, mesh, fixed)
+            kind = ("placeholder", tuple(rep.meta["val"].shape), rep.meta["val"].dtype,
+                    tuple(c.outputs[0] for c in cands),
+                    tuple((n.meta.get("ddlc_role"), _saved_for_backward(n)) for n in group))
         else:
             cands = signatures_nd(rep, mesh.shape)
+            kind = (call_key(rep), rep.meta.get("ddlc_role"), _saved_for_backward(rep))
         if not cands:
             raise ShardingError(f"no valid distribution of {rep.name} ({rep.target}) on mesh "
                                 f"{mesh}", where=_where(rep))
         candidates.append(cands)
+        kinds.append(prices.kind(kind))
 
     training = sig is not None and any(o.role in ("param", "grad") for o in sig.outputs)
     compute, memory = [], []
     for v, group in enumerate(members):
-        comp = np.zeros(len(candidates[v]))
-        mem = np.zeros(len(candidates[v]))
-        for k, cand in enumerate(candidates[v]):
-            for n in group:
-                comp[k] += _compute_seconds(n, cand, mesh)
-                vals = _tensor_vals(n)
-                role = n.meta.get("ddlc_role")
-                if role is not None or _saved_for_backward(n):
-                    outs = [x for x in cand.outputs if x is not None]
-                    factor = 2 if role == "param" and training else 1
-                    mem[k] += factor * sum(_tensor_bytes(t, x, mesh) for t, x in zip(vals, outs))
-        compute.append(comp)
-        memory.append(mem)
+        compute.append(prices.cached(("compute", kinds[v]), lambda: np.array(
+            [sum(_compute_seconds(n, c, mesh) for n in group) for c in candidates[v]])))
+        memory.append(prices.cached(("memory", kinds[v]), lambda: np.array(
+            [_resident_bytes(group, c, training, prices) for c in candidates[v]])))
 
     edges: list[Edge] = []
     sink = [np.zeros(len(c)) for c in candidates]
@@ -269,15 +281,13 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
         v = var_of[n]
         for j, arg in enumerate(tensor_inputs(n)):
             u = var_of[arg]
-            if n.target is operator.getitem:
-                leaf = selected_leaf(n)
-                src = [c.outputs[leaf] for c in candidates[u]]
-                val = tree_leaves(arg.meta["val"])[leaf]
-            else:
-                src = [_output_sbp(c, arg) for c in candidates[u]]
-                val = arg.meta["val"]
-            dst = [c.inputs[j] for c in candidates[v]]
-            edges.append(Edge(u, v, _edge_matrix(val, src, dst, mesh), f"{arg.name} -> {n.name}"))
+            leaf = selected_leaf(n) if n.target is operator.getitem else None
+            if leaf is not None and not isinstance(tree_leaves(arg.meta["val"])[leaf], torch.Tensor):
+                continue  # a getitem of a None output (e.g. an input gradient nobody needs)
+            edges.append(Edge(u, v, prices.cached(
+                ("edge", kinds[u], leaf, kinds[v], j),
+                lambda: _edge_matrix(arg, leaf, candidates[u], [c.inputs[j] for c in candidates[v]],
+                                     prices)), f"{arg.name} -> {n.name}"))
 
     output = next(n for n in gm.graph.nodes if n.op == "output")
     specs = sig.outputs if sig is not None else ()
@@ -292,16 +302,42 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
         if not isinstance(arg, fx.Node):
             continue
         u = var_of[arg]
-        src = [_output_sbp(c, arg) for c in candidates[u]]
-        val = arg.meta["val"]
         if k in loop_target:
             target = loop_target[k]
             t = var_of[target]
-            dst = [c.outputs[0] for c in candidates[t]]
-            edges.append(Edge(u, t, _edge_matrix(val, src, dst, mesh), f"{arg.name} -> next step's {target.name}"))
+            edges.append(Edge(u, t, prices.cached(
+                ("loop", kinds[u], kinds[t]),
+                lambda: _edge_matrix(arg, None, candidates[u], [c.outputs[0] for c in candidates[t]],
+                                     prices)), f"{arg.name} -> next step's {target.name}"))
         else:
-            sink[u] += _edge_matrix(val, src, [NdSBP.broadcast(mesh.ndim)], mesh)[:, 0]
+            sink[u] = sink[u] + prices.cached(("sink", kinds[u]), lambda: _edge_matrix(
+                arg, None, candidates[u], [NdSBP.broadcast(mesh.ndim)], prices)[:, 0])
     return ShardingProblem(gm, mesh, nodes, var_of, members, candidates, compute, sink, memory, edges)
+
+
+def _resident_bytes(group: list[fx.Node], cand: NdSignature, training: bool, prices: _Prices) -> float:
+    """Bytes per device the nodes of ``group`` keep resident under ``cand``: parameters
+    (twice when training: the gradient shares the placement), optimizer state, inputs
+    and forward activations saved for the backward pass."""
+    total = 0.0
+    for n in group:
+        role = n.meta.get("ddlc_role")
+        if role is None and not _saved_for_backward(n):
+            continue
+        outs = [x for x in cand.outputs if x is not None]
+        factor = 2 if role == "param" and training else 1
+        total += factor * sum(prices.tensor_bytes(t, x) for t, x in zip(_tensor_vals(n), outs))
+    return total
+
+
+def _edge_matrix(arg: fx.Node, leaf: int | None, src_cands: Sequence[NdSignature],
+                 dst_sbps: Sequence[NdSBP], prices: _Prices) -> np.ndarray:
+    """Boxing matrix of the tensor ``arg`` produces (its output ``leaf`` when read
+    through getitem) from each producer candidate to each required input SBP."""
+    if leaf is not None:
+        return prices.edge_matrix(tree_leaves(arg.meta["val"])[leaf],
+                                  [c.outputs[leaf] for c in src_cands], dst_sbps)
+    return prices.edge_matrix(arg.meta["val"], [_output_sbp(c, arg) for c in src_cands], dst_sbps)
 
 
 def _output_sbp(cand: NdSignature, arg: fx.Node) -> NdSBP:
@@ -419,3 +455,7 @@ def reduce_costs(unary_in: Sequence[np.ndarray], memory: Sequence[np.ndarray], e
         return choice
 
     return keep, [unary[v] for v in keep], new_edges, expand, fixed_memory
+
+
+#: The compute model at a signature's local shapes (public name for other passes).
+compute_seconds = _compute_seconds
