@@ -41,15 +41,16 @@ def _worker(rank, fn, world_size, port, timeout, outdir, args):
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
-        try:
-            value = ("ok", fn(rank, *args))
-        finally:
-            dist.destroy_process_group()
+        value = ("ok", fn(rank, *args))
     except BaseException as e:  # report every failure, with its traceback, to the parent
         value = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     with open(result_path + ".tmp", "wb") as f:
         pickle.dump(value, f)
     os.replace(result_path + ".tmp", result_path)
+    if value[0] == "ok" and dist.is_initialized():
+        dist.barrier()  # nobody tears down while a peer still communicates
+        dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown: C++ destructors of gloo threads can abort there
 
 
 def spawn(fn, world_size: int, *args, timeout: float = 60.0, deadline: float = 300.0) -> list:
