@@ -72,9 +72,10 @@ def main() -> int:
     if "RANK" in os.environ:  # under torchrun: this process is one rank
         import torch.distributed as dist
         dist.init_process_group("gloo")
-        losses, state = train_distributed(dist.get_rank())
+        rank = dist.get_rank()
+        losses, state = train_distributed(rank)
         dist.destroy_process_group()
-        if dist.get_rank() != 0:
+        if rank != 0:
             return 0
     else:
         losses, state = ddlc.spawn(train_distributed, 4, timeout=120, deadline=600)[0]
