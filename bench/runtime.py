@@ -46,7 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 import ddlc  # noqa: E402
 from ddlc.zoo import GPT, MLP, lm_loss  # noqa: E402
 
-PROFILE = "cpu-gloo"
+PROFILE = os.environ.get("DDLC_PROFILE", "cpu-gloo")  # workers inherit it; see --profile
 LR, EPS, WEIGHT_DECAY = 1e-2, 1e-4, 0.01
 
 # name -> (constructor kwargs, global batch); GPT batches are (tokens, next tokens),
@@ -91,7 +91,7 @@ def count_params(name: str, kwargs: dict) -> int:
 
 # -- the variants ---------------------------------------------------------------------------
 def compile_variant(name, kwargs, batch0, schedule, replicate_params=False):
-    """``(step_fn, info)`` or ``(None, note)`` when ``schedule=True`` is not supported."""
+    """``(step_fn, info)`` of a compiled variant."""
     model, loss_fn = build(name, kwargs)
     opt = make_optimizer(model)
     placements = {"input0": "(S0)", "input1": "(S0)"}
@@ -99,17 +99,8 @@ def compile_variant(name, kwargs, batch0, schedule, replicate_params=False):
         placements.update({k: "(B)" for k, _ in model.named_parameters()})
     start = time.perf_counter()
     note = None
-    try:
-        compiled = ddlc.compile(model, (dist.get_world_size(),), batch0, loss_fn, opt,
-                                placements=placements, profile=PROFILE, schedule=schedule)
-    except TypeError as e:
-        if "schedule" not in str(e):
-            raise
-        if schedule:
-            return None, f"ddlc.compile has no 'schedule' argument here ({e})"
-        note = "ddlc.compile has no 'schedule' argument: compiled without it (its default)"
-        compiled = ddlc.compile(model, (dist.get_world_size(),), batch0, loss_fn, opt,
-                                placements=placements, profile=PROFILE)
+    compiled = ddlc.compile(model, (dist.get_world_size(),), batch0, loss_fn, opt,
+                            placements=placements, profile=PROFILE, schedule=schedule)
     compile_s = time.perf_counter() - start
     from ddlc.runtime import collective_sequence
     seq = collective_sequence(compiled.gm)
@@ -265,12 +256,18 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, help="untimed steps per variant (default 3; quick 2)")
     ap.add_argument("--steps", type=int, help="timed steps per variant (default 15; quick 5)")
     ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--profile", help="hardware profile name or JSON path the search plans for "
+                    "(e.g. one written by `python -m ddlc calibrate --out FILE`)")
     ap.add_argument("--models", default="gpt,mlp", help="comma-separated subset of gpt,mlp")
     ap.add_argument("--replicate-params", action="store_true",
                     help="also pin every parameter to (B) (classic data parallelism); by default "
                          "only the batch inputs are pinned and the sharding search places the "
                          "parameters")
     args = ap.parse_args(argv)
+    if args.profile:
+        os.environ["DDLC_PROFILE"] = args.profile
+        global PROFILE
+        PROFILE = args.profile
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     steps = args.steps if args.steps is not None else (5 if args.quick else 15)
     table = QUICK if args.quick else FULL

@@ -29,8 +29,19 @@ def main(argv=None) -> int:
     schedule.add_argument("--trace", metavar="OUT.json", help="write the Chrome trace of "
                           f"ddlc's schedule ({TRACE_ITERATIONS} iterations)")
     schedule.set_defaults(run=_schedule)
+    calibrate = commands.add_parser("calibrate", help="measure a hardware profile (compute and "
+                                    "gloo links) on this machine and print it as JSON")
+    calibrate.add_argument("--world-size", type=int, default=4, help="local gloo processes")
+    calibrate.add_argument("--name", default="calibrated", help="the profile's name")
+    calibrate.add_argument("--out", metavar="FILE.json", help="also write the profile here")
+    calibrate.set_defaults(run=_calibrate)
     args = parser.parse_args(argv)
     return args.run(args)
+
+
+def _calibrate(args) -> int:
+    from ddlc.calibrate import main as calibrate_main
+    return calibrate_main(args)
 
 
 def _schedule(args) -> int:

@@ -1,0 +1,99 @@
+"""Measure a hardware profile on the machine at hand (``python -m ddlc calibrate``).
+
+Per device: achievable float32 matmul FLOP/s (one thread per rank, as the
+workers run) and memory bandwidth (a large copy). Per link: an all-reduce of
+sizes from 4 KiB to 16 MiB on ``world_size`` local gloo processes, fitted by
+non-negative least squares (relative error) to the ring model ``t = 2(p-1)·α + 2(p-1)/p · n/bandwidth``.
+Prints the profile as JSON (``--out`` writes it), ready for ``Mesh(...,
+profile=path)``. Timings are medians over repeats; the result is only as good
+as the machine is quiet.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from scipy.optimize import nnls
+
+__all__ = ["measure_compute", "measure_link", "fit_ring_all_reduce", "calibrate"]
+
+SIZES = [2**12, 2**16, 2**20, 2**22, 2**24]  # bytes
+
+
+def _median_seconds(fn, repeats: int = 5) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure_compute(n: int = 512) -> tuple[float, float]:
+    """(float32 matmul FLOP/s, memory bandwidth in bytes/s) of this process."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    flops = 2 * n**3 / _median_seconds(lambda: a @ b)
+    big = torch.randn(2**24)
+    bandwidth = 2 * big.numel() * big.element_size() / _median_seconds(big.clone)
+    return flops, bandwidth
+
+
+def _all_reduce_times(rank: int, repeats: int = 10) -> list:
+    torch.set_num_threads(1)
+    times = []
+    for nbytes in SIZES:
+        t = torch.ones(nbytes // 4)
+
+        def run():
+            for _ in range(repeats):
+                dist.all_reduce(t)
+        dist.barrier()
+        times.append(_median_seconds(run, 3) / repeats)
+    flops, bandwidth = measure_compute()
+    return [times, flops, bandwidth]
+
+
+def fit_ring_all_reduce(sizes, times, p: int) -> tuple[float, float]:
+    """(α, bandwidth) of ``t = 2(p-1)·α + 2(p-1)/p · n/bandwidth`` fitted to all-reduce
+    times of ``sizes`` bytes by non-negative least squares in relative error."""
+    rows = [[2.0 * (p - 1) / t, 2.0 * (p - 1) / p * n / t] for n, t in zip(sizes, times)]
+    (alpha, beta), _ = nnls(rows, [1.0] * len(sizes))
+    return max(alpha, 1e-9), 1.0 / max(beta, 1e-15)
+
+
+def measure_link(world_size: int) -> tuple[float, float, float, float]:
+    """(α seconds, bandwidth bytes/s, FLOP/s, memory bytes/s) from ``world_size`` gloo ranks."""
+    from .launch import spawn
+    results = spawn(_all_reduce_times, world_size, timeout=120, deadline=600)
+    times = [max(r[0][i] for r in results) for i in range(len(SIZES))]
+    alpha, bandwidth = fit_ring_all_reduce(SIZES, times, world_size)
+    flops = statistics.median(r[1] for r in results)
+    memory = statistics.median(r[2] for r in results)
+    return alpha, bandwidth, flops, memory
+
+
+def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
+    alpha, bandwidth, flops, memory = measure_link(world_size)
+    link = {"latency": alpha, "bandwidth": bandwidth}
+    return {"name": name,
+            "description": f"measured by `python -m ddlc calibrate` with {world_size} local gloo "
+                           "processes, one thread each",
+            "source": "ddlc.calibrate: median timings, ring all-reduce fit by least squares",
+            "devices_per_node": 64, "flops": {"float32": flops, "bfloat16": flops / 2,
+                                               "float16": flops / 2},
+            "memory_bandwidth": memory, "memory_capacity": 8.0e9,
+            "links": {"intra_node": link, "inter_node": link}}
+
+
+def main(args) -> int:
+    profile = calibrate(args.world_size, args.name)
+    text = json.dumps(profile, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0

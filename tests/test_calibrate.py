@@ -1,0 +1,28 @@
+"""The calibration fit recovers a known link, and the measured profile loads as a Mesh."""
+import json
+
+import pytest
+
+import ddlc
+from ddlc.calibrate import SIZES, fit_ring_all_reduce, measure_compute
+
+
+def test_fit_recovers_alpha_and_bandwidth_from_ring_times():
+    alpha, bandwidth, p = 30e-6, 3e9, 4
+    times = [2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bandwidth for n in SIZES]
+    fitted_alpha, fitted_bandwidth = fit_ring_all_reduce(SIZES, times, p)
+    assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
+    assert fitted_bandwidth == pytest.approx(bandwidth, rel=1e-6)
+
+
+def test_measured_compute_is_positive_and_profile_loads(tmp_path):
+    flops, memory = measure_compute(n=128)
+    assert flops > 1e6 and memory > 1e6
+    profile = {"name": "here", "devices_per_node": 64, "flops": {"float32": flops},
+               "memory_bandwidth": memory, "memory_capacity": 8e9,
+               "links": {"intra_node": {"latency": 1e-4, "bandwidth": 1e9},
+                         "inter_node": {"latency": 1e-4, "bandwidth": 1e9}}}
+    path = tmp_path / "here.json"
+    path.write_text(json.dumps(profile))
+    mesh = ddlc.Mesh((2, 2), profile=str(path))
+    assert mesh.profile.flops_for("float32") == flops and mesh.links[0].latency == 1e-4
