@@ -236,7 +236,7 @@ def report(name, kwargs, global_batch, world, r):
         q1, _, q3 = statistics.quantiles(step_max[v], n=4, method="inclusive") if len(step_max[v]) > 1 else [med[v]] * 3
         print(f"  {v:14s} {med[v] * 1e3:10.1f} {med0[v] * 1e3:9.1f} {q1 * 1e3:8.1f} {q3 * 1e3:8.1f} "
               f"{max(step_max[v]) * 1e3:8.1f}  {d1:20.2e} {dmax}")
-    print(f"  first-step loss: " + ", ".join(f"{v} {losses[v][0]:.6f}" for v in order))
+    print("  first-step loss: " + ", ".join(f"{v} {losses[v][0]:.6f}" for v in order))
     ok = all(abs(losses[v][0] - losses["DDP"][0]) <= 1e-5 * max(1.0, abs(losses["DDP"][0]))
              for v in order)
     print("  first-step losses " + ("MATCH (rel. tol 1e-5)" if ok else "DIFFER (rel. tol 1e-5)"))

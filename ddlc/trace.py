@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence

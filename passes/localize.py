@@ -16,7 +16,7 @@ import operator
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ddlc.errors import LoweringError
 from ddlc.mesh import Mesh

@@ -367,12 +367,11 @@ class _Edge:
 
 def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
           memory_budget: float | None = None, fixed: Mapping[str, NdSBP] | None = None,
-          time_limit: float = 60.0, decide=None) -> Plan:
+          time_limit: float = 60.0) -> Plan:
     """Choose a signature for every node of ``gm`` on ``mesh``; annotate and return the plan.
 
     ``memory_budget`` (bytes per device) defaults to the profile's device memory;
-    ``fixed`` pins graph inputs by placeholder name. ``decide(solve)`` may wrap the
-    search (the runtime runs it on rank 0 and broadcasts the choice).
+    ``fixed`` pins graph inputs by placeholder name.
     """
     start = time.perf_counter()
     budget = mesh.profile.memory_capacity if memory_budget is None else memory_budget
@@ -397,7 +396,7 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         stats["core_variables"] = core.num_vars
         return expand(core_choice), stats
 
-    choice, stats = decide(solve) if decide is not None else solve()
+    choice, stats = solve()
     stats.update(build_seconds=build_seconds, search_seconds=time.perf_counter() - start - build_seconds)
     if problem.objective(choice) >= FORBIDDEN and stats.get("optimal") is False:
         raise ShardingError(f"the exact solver stopped ({stats['status']}) before finding a "

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 import ddlc
 from ddlc.printing import op_summary
-from ddlc.zoo import GPT, MLP, lm_loss
+from ddlc.zoo import GPT, lm_loss
 from passes.canonicalize import canonicalize
 
 aten = torch.ops.aten

@@ -1,6 +1,5 @@
 """Tensor fusion: bucketed collectives give the same numbers with fewer start-ups."""
 import copy
-from collections import Counter
 
 import pytest
 import torch

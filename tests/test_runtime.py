@@ -6,7 +6,6 @@ import os
 import pytest
 import torch
 
-from ddlc.errors import MeshError
 from ddlc.launch import WorkerError, spawn
 from distributed_cases import compiled_run, reference
 

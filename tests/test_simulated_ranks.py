@@ -5,7 +5,6 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ddlc
 from ddlc.runtime import collective_sequence, lower
