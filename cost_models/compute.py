@@ -1,6 +1,9 @@
 """Time of one operator at its local shapes: a roofline over the hardware profile.
 
-``time = max(flops / profile.flops_for(dtype), bytes / profile.memory_bandwidth)``
+``time = max(flops / profile.flops_for(dtype), bytes / bandwidth)``, where the
+bandwidth is the profile's cache bandwidth when the op's bytes fit its cache
+(profiles that model one, e.g. those measured by ``python -m ddlc calibrate``),
+else its memory bandwidth,
 with FLOPs from PyTorch's own formula registry (``torch.utils.flop_counter``:
 mm, addmm, bmm, baddbmm, convolution and its backward, SDPA and its backward,
 ...; 0 for operators it has no formula for, which are memory-bound; CPU variants
@@ -54,4 +57,6 @@ def op_time(target, args, kwargs, out, profile: HardwareProfile) -> float:
         return 0.0
     dtype = (_tensors((args, kwargs)) or outs)[0].dtype
     flop_time = op_flops(target, args, kwargs, out) / profile.flops_for(str(dtype))
-    return max(flop_time, op_bytes(args, kwargs, out) / profile.memory_bandwidth)
+    nbytes = op_bytes(args, kwargs, out)
+    cached = profile.cache_bandwidth > 0 and nbytes <= profile.cache_bytes
+    return max(flop_time, nbytes / (profile.cache_bandwidth if cached else profile.memory_bandwidth))

@@ -1,7 +1,8 @@
 """Measure a hardware profile on the machine at hand (``python -m ddlc calibrate``).
 
 Per device: achievable float32 matmul FLOP/s (one thread per rank, as the
-workers run) and memory bandwidth (a large copy). Per link: an all-reduce of
+workers run), memory bandwidth (a 64 MiB copy) and cache bandwidth (a copy
+whose working set is CACHE_BYTES, which the roofline uses for ops that small). Per link: an all-reduce of
 sizes from 4 KiB to 16 MiB on ``world_size`` local gloo processes, fitted by
 non-negative least squares (relative error) to the ring model ``t = 2(p-1)·α + 2(p-1)/p · n/bandwidth``.
 Prints the profile as JSON (``--out`` writes it), ready for ``Mesh(...,
@@ -33,13 +34,24 @@ def _median_seconds(fn, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
-def measure_compute(n: int = 512) -> tuple[float, float]:
-    """(float32 matmul FLOP/s, memory bandwidth in bytes/s) of this process."""
+CACHE_BYTES = 2**20  # working set of the "fits in cache" measurement (read + write)
+
+
+def _copy_bandwidth(elements: int, repeats: int = 1) -> float:
+    x = torch.randn(elements)
+    out = torch.empty_like(x)
+
+    def copy():
+        for _ in range(repeats):
+            out.copy_(x)
+    return 2 * repeats * x.numel() * x.element_size() / _median_seconds(copy)
+
+
+def measure_compute(n: int = 512) -> tuple[float, float, float]:
+    """(float32 matmul FLOP/s, DRAM bandwidth, cache bandwidth for CACHE_BYTES) in bytes/s."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     flops = 2 * n**3 / _median_seconds(lambda: a @ b)
-    big = torch.randn(2**24)
-    bandwidth = 2 * big.numel() * big.element_size() / _median_seconds(big.clone)
-    return flops, bandwidth
+    return flops, _copy_bandwidth(2**24), _copy_bandwidth(CACHE_BYTES // 8, repeats=50)
 
 
 def _all_reduce_times(rank: int, repeats: int = 10) -> list:
@@ -53,8 +65,7 @@ def _all_reduce_times(rank: int, repeats: int = 10) -> list:
                 dist.all_reduce(t)
         dist.barrier()
         times.append(_median_seconds(run, 3) / repeats)
-    flops, bandwidth = measure_compute()
-    return [times, flops, bandwidth]
+    return [times, *measure_compute()]
 
 
 def fit_ring_all_reduce(sizes, times, p: int) -> tuple[float, float]:
@@ -66,18 +77,18 @@ def fit_ring_all_reduce(sizes, times, p: int) -> tuple[float, float]:
 
 
 def measure_link(world_size: int) -> tuple[float, float, float, float]:
-    """(α seconds, bandwidth bytes/s, FLOP/s, memory bytes/s) from ``world_size`` gloo ranks."""
+    """(α seconds, bandwidth bytes/s, FLOP/s, memory and cache bytes/s) from ``world_size``
+    gloo ranks measuring at the same time."""
     from .launch import spawn
     results = spawn(_all_reduce_times, world_size, timeout=120, deadline=600)
     times = [max(r[0][i] for r in results) for i in range(len(SIZES))]
     alpha, bandwidth = fit_ring_all_reduce(SIZES, times, world_size)
-    flops = statistics.median(r[1] for r in results)
-    memory = statistics.median(r[2] for r in results)
-    return alpha, bandwidth, flops, memory
+    flops, memory, cache = (statistics.median(r[i] for r in results) for i in (1, 2, 3))
+    return alpha, bandwidth, flops, memory, cache
 
 
 def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
-    alpha, bandwidth, flops, memory = measure_link(world_size)
+    alpha, bandwidth, flops, memory, cache = measure_link(world_size)
     link = {"latency": alpha, "bandwidth": bandwidth}
     return {"name": name,
             "description": f"measured by `python -m ddlc calibrate` with {world_size} local gloo "
@@ -86,6 +97,7 @@ def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
             "devices_per_node": 64, "flops": {"float32": flops, "bfloat16": flops / 2,
                                                "float16": flops / 2},
             "memory_bandwidth": memory, "memory_capacity": 8.0e9,
+            "cache": {"bytes": CACHE_BYTES, "bandwidth": cache},
             "links": {"intra_node": link, "inter_node": link}}
 
 

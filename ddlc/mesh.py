@@ -50,6 +50,8 @@ class HardwareProfile:
     intra_node: LinkModel
     inter_node: LinkModel
     description: str = ""
+    cache_bytes: float = 0.0                  # an op whose bytes fit here runs at cache_bandwidth
+    cache_bandwidth: float = 0.0              # bytes/s (0: no cache level modeled)
     source: str = field(default="", compare=False)
 
     def flops_for(self, dtype: str) -> float:
@@ -66,7 +68,9 @@ class HardwareProfile:
                 memory_capacity=float(d["memory_capacity"]),
                 intra_node=LinkModel(**d["links"]["intra_node"]),
                 inter_node=LinkModel(**d["links"]["inter_node"]),
-                description=d.get("description", ""), source=d.get("source", ""))
+                description=d.get("description", ""), source=d.get("source", ""),
+                cache_bytes=float(d.get("cache", {}).get("bytes", 0.0)),
+                cache_bandwidth=float(d.get("cache", {}).get("bandwidth", 0.0)))
         except (KeyError, TypeError) as e:
             raise MeshError(f"hardware profile is missing or mistypes field {e}") from None
 

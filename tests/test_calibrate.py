@@ -16,8 +16,8 @@ def test_fit_recovers_alpha_and_bandwidth_from_ring_times():
 
 
 def test_measured_compute_is_positive_and_profile_loads(tmp_path):
-    flops, memory = measure_compute(n=128)
-    assert flops > 1e6 and memory > 1e6
+    flops, memory, cache = measure_compute(n=128)
+    assert flops > 1e6 and memory > 1e6 and cache > 1e6
     profile = {"name": "here", "devices_per_node": 64, "flops": {"float32": flops},
                "memory_bandwidth": memory, "memory_capacity": 8e9,
                "links": {"intra_node": {"latency": 1e-4, "bandwidth": 1e9},
@@ -26,3 +26,21 @@ def test_measured_compute_is_positive_and_profile_loads(tmp_path):
     path.write_text(json.dumps(profile))
     mesh = ddlc.Mesh((2, 2), profile=str(path))
     assert mesh.profile.flops_for("float32") == flops and mesh.links[0].latency == 1e-4
+
+
+def test_roofline_uses_the_cache_bandwidth_for_small_ops():
+    import torch
+
+    from cost_models.compute import op_time
+    from ddlc.mesh import HardwareProfile, LinkModel
+    link = LinkModel(1e-5, 1e9)
+    base = dict(name="c", devices_per_node=8, flops=(("float32", 1e12),), memory_bandwidth=1e9,
+                memory_capacity=1e9, intra_node=link, inter_node=link)
+    flat = HardwareProfile(**base)
+    cached = HardwareProfile(**base, cache_bytes=2**20, cache_bandwidth=1e10)
+    small, large = (torch.empty(n, device="meta") for n in (1024, 2**20))
+    add = torch.ops.aten.add.Tensor
+    # 3 tensors of 4 KiB fit the cache: 10x faster; 3 x 4 MiB do not
+    assert op_time(add, (small, small), {}, small, cached) == pytest.approx(
+        op_time(add, (small, small), {}, small, flat) / 10)
+    assert op_time(add, (large, large), {}, large, cached) == op_time(add, (large, large), {}, large, flat)
