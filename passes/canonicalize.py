@@ -30,6 +30,15 @@ def _with_val(node: fx.Node, fn, *args) -> fx.Node:
     return node
 
 
+def _emit(graph: fx.Graph, target, args: tuple, like: fx.Node) -> fx.Node:
+    """A new ``target(*args)`` node at the insertion point, with its fake value and the
+    origin of the node it replaces (``like``)."""
+    node = graph.call_function(target, args)
+    _with_val(node, target, *args)
+    _copy_origin(node, like)
+    return node
+
+
 def _copy_origin(dst: fx.Node, src: fx.Node) -> None:
     for key in ("ddlc_origin", "stack_trace"):
         if key in src.meta:
@@ -53,9 +62,7 @@ def _rewrite_nll_mean(graph: fx.Graph, node: fx.Node) -> None:
         getter.meta["val"] = node.meta["val"][0]
         anchor = max(getter, total, key=lambda n: _position(graph, n))
         with graph.inserting_after(anchor):
-            mean = graph.call_function(aten.div.Tensor, (getter, total))
-        _with_val(mean, aten.div.Tensor, getter, total)
-        _copy_origin(mean, node)
+            mean = _emit(graph, aten.div.Tensor, (getter, total), node)
         getter.replace_all_uses_with(mean, delete_user_cb=lambda u: u is not mean)
 
 
@@ -67,12 +74,8 @@ def _rewrite_mean_dim(graph: fx.Graph, node: fx.Node) -> None:
     shape = x.meta["val"].shape
     count = math.prod(shape[d] for d in (dims if dims else range(len(shape))))
     with graph.inserting_before(node):
-        total = graph.call_function(aten.sum.dim_IntList, (x, dims, keepdim))
-        _with_val(total, aten.sum.dim_IntList, x, dims, keepdim)
-        mean = graph.call_function(aten.div.Scalar, (total, count))
-        _with_val(mean, aten.div.Scalar, total, count)
-    for new in (total, mean):
-        _copy_origin(new, node)
+        total = _emit(graph, aten.sum.dim_IntList, (x, dims, keepdim), node)
+        mean = _emit(graph, aten.div.Scalar, (total, count), node)
     node.replace_all_uses_with(mean)
     graph.erase_node(node)
 
@@ -86,9 +89,7 @@ def _rewrite_mse_mean(graph: fx.Graph, node: fx.Node) -> None:
     _with_val(node, aten.mse_loss.default, *node.args)
     count = x.meta["val"].numel()
     with graph.inserting_after(node):
-        mean = graph.call_function(aten.div.Scalar, (node, count))
-    _with_val(mean, aten.div.Scalar, node, count)
-    _copy_origin(mean, node)
+        mean = _emit(graph, aten.div.Scalar, (node, count), node)
     node.replace_all_uses_with(mean, delete_user_cb=lambda u: u is not mean)
 
 
@@ -99,9 +100,7 @@ def _rewrite_mse_backward_mean(graph: fx.Graph, node: fx.Node) -> None:
         return
     count = x.meta["val"].numel()
     with graph.inserting_before(node):
-        scaled = graph.call_function(aten.div.Scalar, (grad, count))
-    _with_val(scaled, aten.div.Scalar, grad, count)
-    _copy_origin(scaled, node)
+        scaled = _emit(graph, aten.div.Scalar, (grad, count), node)
     node.args = (scaled, x, y, SUM)
 
 

@@ -37,6 +37,7 @@ from ddlc.mesh import Mesh
 from ddlc.plan import NodeSharding
 from ddlc.sbp import NdSBP, S
 from passes.rules import NdSignature, signatures_nd, tensor_inputs
+from passes.sharding_problem import compute_seconds
 
 __all__ = ["decouple", "update_chain"]
 
@@ -207,7 +208,6 @@ def layer_profile(gm: fx.GraphModule, mesh: Mesh, axis: int = 0) -> dict:
     parameters, in forward order, with their parameter counts and the compute model's
     forward and backward times at the plan's local shapes; the all-reduce fit is the
     ring on mesh ``axis`` (4-byte elements)."""
-    from passes.sharding_problem import compute_seconds
     sig = gm.meta["ddlc_step"]
     owners: dict[str, list[str]] = {}
     for key, _ in sig.optimizer or [(i.key, None) for i in sig.inputs if i.role == "param"]:

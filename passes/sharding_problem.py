@@ -144,7 +144,7 @@ def _local(val: torch.Tensor, sbp: NdSBP | None, mesh: Mesh) -> torch.Tensor:
     return torch.empty(shape, dtype=val.dtype, device="meta")
 
 
-def _compute_seconds(node: fx.Node, sig: NdSignature, mesh: Mesh) -> float:
+def compute_seconds(node: fx.Node, sig: NdSignature, mesh: Mesh) -> float:
     """Roofline time of ``node`` at the local shapes ``sig`` gives it."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
@@ -269,7 +269,7 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
     compute, memory = [], []
     for v, group in enumerate(members):
         compute.append(prices.cached(("compute", kinds[v]), lambda: np.array(
-            [sum(_compute_seconds(n, c, mesh) for n in group) for c in candidates[v]])))
+            [sum(compute_seconds(n, c, mesh) for n in group) for c in candidates[v]])))
         memory.append(prices.cached(("memory", kinds[v]), lambda: np.array(
             [_resident_bytes(group, c, training, prices) for c in candidates[v]])))
 
@@ -455,7 +455,3 @@ def reduce_costs(unary_in: Sequence[np.ndarray], memory: Sequence[np.ndarray], e
         return choice
 
     return keep, [unary[v] for v in keep], new_edges, expand, fixed_memory
-
-
-#: The compute model at a signature's local shapes (public name for other passes).
-compute_seconds = _compute_seconds

@@ -19,7 +19,7 @@ from ddlc.zoo import CNN, GPT, MLP, lm_loss
 from passes.canonicalize import canonicalize
 from passes.rules import NdSignature, selected_leaf, tensor_inputs
 from passes.sharding import mesh_shapes, search_mesh_shapes, shard
-from passes.sharding_problem import _compute_seconds, build_problem
+from passes.sharding_problem import compute_seconds, build_problem
 
 
 def _step(model, batch, loss_fn, optimizer=torch.optim.SGD, **kw):
@@ -46,7 +46,7 @@ def _recomputed_objective(gm, mesh) -> float:
         if n.op != "call_function":
             continue
         sig = n.meta["ddlc"]
-        total += _compute_seconds(n, NdSignature(sig.inputs, sig.outputs), mesh)
+        total += compute_seconds(n, NdSignature(sig.inputs, sig.outputs), mesh)
         for j, arg in enumerate(tensor_inputs(n)):
             leaf = selected_leaf(n) if n.target is operator.getitem else 0
             val = tree_leaves(arg.meta["val"])[leaf]
@@ -80,7 +80,7 @@ def test_large_batch_small_weights_is_data_parallel():
     assert plan.objective == pytest.approx(shard(gm, mesh, solver="exact").objective, rel=1e-9)
     # the compute is split about 4 ways (the weight-sized ops are tiny)
     whole = NdSBP((B,))
-    replicated = sum(_compute_seconds(n, NdSignature(tuple(whole for _ in n.meta["ddlc"].inputs),
+    replicated = sum(compute_seconds(n, NdSignature(tuple(whole for _ in n.meta["ddlc"].inputs),
                                                      tuple(whole for _ in n.meta["ddlc"].outputs)), mesh)
                      for n in gm.graph.nodes if n.op == "call_function")
     assert plan.compute < replicated / 3.5

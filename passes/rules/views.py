@@ -83,11 +83,6 @@ def squeeze(call: Call) -> Labels:
     return Labels({"self": src}, [dst], linear=SELF)
 
 
-def identity(call: Call) -> Labels:
-    labels = letters(call["self"].ndim)
-    return Labels({"self": labels}, [labels], linear=SELF)
-
-
 def slice_(call: Call) -> Labels:
     """The sliced dim stays whole unless the slice takes all of it."""
     meta = call["self"]
