@@ -1,5 +1,6 @@
 """Sharding search: hand-checkable optima, coordinate descent against the exact solver,
 memory budgets, pinned inputs, determinism, mesh-shape search."""
+import math
 import operator
 import os
 import subprocess
@@ -98,6 +99,50 @@ def test_small_batch_large_weights_is_tensor_parallel():
     dp = shard(gm, mesh, fixed={"input0": NdSBP((S(0),)), "p_0_weight": NdSBP((B,)),
                                 "p_1_weight": NdSBP((B,))})
     assert plan.objective < dp.objective
+
+
+#: A roofline with free memory traffic and free message start-ups: only matmul FLOPs and
+#: link bytes cost time, so the optimum's cost can be written down by hand.
+_FLOPS, _BANDWIDTH = 1e10, 2e9
+
+
+def _flops_and_bytes_mesh():
+    from ddlc.mesh import HardwareProfile
+    link = {"latency": 0.0, "bandwidth": _BANDWIDTH}
+    profile = HardwareProfile.from_dict({
+        "name": "flops-and-bytes", "devices_per_node": 8, "flops": {"float32": _FLOPS},
+        "memory_bandwidth": math.inf, "memory_capacity": 1e12,
+        "links": {"intra_node": link, "inter_node": link}})
+    return ddlc.Mesh((4,), profile=profile)
+
+
+def test_objective_equals_closed_form():
+    """Two bias-free linear layers, SGD, 4 devices. The step runs 5 matmuls (2 forward; in
+    backward the second layer's input gradient and both weight gradients) of 2·m·k·n FLOPs.
+    On a ring of p = 4 a reduce-scatter moves (p-1)/p·n bytes, an all-reduce 2(p-1)/p·n."""
+    mesh = _flops_and_bytes_mesh()
+    reduce_scatter = lambda nbytes: 0.75 * nbytes / _BANDWIDTH  # noqa: E731
+    all_reduce = lambda nbytes: 1.5 * nbytes / _BANDWIDTH  # noqa: E731
+
+    # data parallel: every matmul on a quarter of the 4096 rows; all-reduce the 4-byte loss
+    # and the two 16x16 weight gradients
+    gm = _two_layer(batch=4096, width=16, hidden=16)
+    plan = shard(gm, mesh)
+    assert _sbp(gm, "mm", "inputs", 0) == NdSBP((S(0),))
+    dp = 5 * 2 * 1024 * 16 * 16 / _FLOPS + all_reduce(4) + 2 * all_reduce(16 * 16 * 4)
+    assert plan.objective == pytest.approx(dp, rel=1e-12)
+
+    # Megatron: first weight split by output rows, second by input columns, every matmul a
+    # quarter of 2·8·1024·4096 FLOPs; the second layer's partial-sum output (8x1024) is
+    # reduce-scattered into row shards for the loss (whose 4-byte partial sums are then
+    # all-reduced) and all-reduced for its backward
+    gm = _two_layer(batch=8, width=1024, hidden=4096)
+    plan = shard(gm, mesh)
+    assert _sbp(gm, "p_0_weight") == NdSBP((S(0),)) and _sbp(gm, "p_1_weight") == NdSBP((S(1),))
+    megatron = (5 * 2 * 8 * 1024 * 4096 / 4 / _FLOPS + reduce_scatter(8 * 1024 * 4) + all_reduce(4)
+                + all_reduce(8 * 1024 * 4))
+    assert plan.objective == pytest.approx(megatron, rel=1e-12)
+    assert plan.objective == pytest.approx(shard(gm, mesh, solver="exact").objective, rel=1e-9)
 
 
 def _example(name):
