@@ -5,7 +5,8 @@ channel named after its process group) runs its tasks one at a time in issue ord
 a task starts when its stream is free and every task it depends on has ended. A task
 can only depend on tasks issued before it, so issue order is a topological order and
 one pass over it yields exactly the times an event-driven simulation would, with no
-ties left to break and no possibility of deadlock.
+ties left to break and no possibility of deadlock. The pass runs as tasks are added, so
+a builder (the scheduler) can ask when a stream becomes free before deciding what to add.
 
 :meth:`Timeline.run` returns a :class:`TimelineResult`: makespan, exposed
 communication, peak memory, a lower bound and a Chrome trace (open it in Perfetto).
@@ -42,10 +43,14 @@ class Timeline:
     """An ordered list of tasks; build it with :meth:`add`, simulate it with :meth:`run`."""
 
     tasks: list[Task] = field(default_factory=list)
+    start: list[float] = field(default_factory=list)
+    end: list[float] = field(default_factory=list)
+    _free: dict[str, float] = field(default_factory=dict, repr=False)
 
     def add(self, label: str, stream: str, duration: float, deps=(), *,
             alloc: int = 0, free: int = 0, category: str = "") -> int:
-        """Issue a task after all previously issued ones; returns its id for later ``deps``."""
+        """Issue a task after all previously issued ones; returns its id for later ``deps``.
+        It starts at max(end of its stream's previous task, end of its dependencies)."""
         task_id = len(self.tasks)
         if not (math.isfinite(duration) and duration >= 0):
             raise ValueError(f"task {label!r}: duration must be a finite number >= 0, got {duration}")
@@ -56,21 +61,19 @@ class Timeline:
             if not 0 <= d < task_id:
                 raise ValueError(f"task {label!r}: dependency {d} is not an earlier task id")
         self.tasks.append(Task(label, stream, float(duration), deps, alloc, free, category))
+        t = max([self.free_at(stream)] + [self.end[d] for d in deps])
+        self.start.append(t)
+        self.end.append(t + float(duration))
+        self._free[stream] = self.end[-1]
         return task_id
 
+    def free_at(self, stream: str) -> float:
+        """When ``stream``'s last task so far ends (0 if it has none)."""
+        return self._free.get(stream, 0.0)
+
     def run(self) -> "TimelineResult":
-        """Start each task at max(end of its stream's previous task, end of its dependencies)."""
-        stream_free: dict[str, float] = {}
-        start: list[float] = []
-        end: list[float] = []
-        for task in self.tasks:
-            t = stream_free.get(task.stream, 0.0)
-            for d in task.deps:
-                t = max(t, end[d])
-            start.append(t)
-            end.append(t + task.duration)
-            stream_free[task.stream] = end[-1]
-        return TimelineResult(tuple(self.tasks), tuple(start), tuple(end))
+        """The start and end times of every task (computed as they were added)."""
+        return TimelineResult(tuple(self.tasks), tuple(self.start), tuple(self.end))
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@ These run inside compiled per-rank graphs (``call_function`` targets) next to
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["local_chunk", "keep_on_first", "all_to_all_dims", "moved"]
+from .sbp import chunk_bounds
+
+__all__ = ["local_chunk", "keep_on_first", "all_to_all_dims", "moved", "padded", "narrowed"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -19,8 +22,22 @@ def moved(x: torch.Tensor, source: int, destination: int) -> torch.Tensor:
 
 
 def local_chunk(x: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
-    """``B -> S(dim)``: this rank's piece ``index`` of ``parts`` along ``dim`` (a copy)."""
-    return x.chunk(parts, dim)[index].contiguous()
+    """``B -> S(dim)``: this rank's piece ``index`` of ``parts`` along ``dim`` (a copy;
+    torch.chunk's bounds, so trailing pieces of an uneven dim are short or empty)."""
+    start, stop = chunk_bounds(x.shape[dim], parts, index)
+    return x.narrow(dim, start, stop - start).contiguous()
+
+
+def padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with zero rows appended along dim 0 up to ``rows`` (the even size a
+    collective on an uneven shard needs)."""
+    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0]))
+
+
+def narrowed(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``x``: a collective's padded result, unpadded (a
+    contiguous view when ``x`` is contiguous)."""
+    return x.narrow(0, 0, rows)
 
 
 def keep_on_first(x: torch.Tensor, is_first: bool) -> torch.Tensor:

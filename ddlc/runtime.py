@@ -16,12 +16,13 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch.utils._pytree import tree_leaves
 
 from .errors import MeshError, RuntimeMismatchError, UnsupportedInputError
 from .mesh import Mesh
 from .plan import Plan
 from .printing import format_graph
-from .sbp import NdSBP, local_slices, parse_sbp
+from .sbp import NdSBP, divides, local_shape, local_slices, parse_sbp
 from .trace import trace
 
 __all__ = ["compile", "lower", "CompiledStep", "collective_sequence"]
@@ -94,26 +95,58 @@ def _plan_on_rank0(gm: fx.GraphModule, mesh: Mesh, make_plan) -> Plan:
     return plan
 
 
+def _even(gm: fx.GraphModule, mesh: Mesh) -> bool:
+    """Whether every planned tensor splits into equal pieces (then every rank's local
+    shapes are the same)."""
+    for node in gm.graph.nodes:
+        info = node.meta.get("ddlc")
+        leaves = tree_leaves(node.meta.get("val"))
+        if info is not None and any(isinstance(v, torch.Tensor) and x is not None
+                                    and not divides(tuple(v.shape), x, mesh.shape)
+                                    for v, x in zip(leaves, info.outputs)):
+            return False
+    return True
+
+
 def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str], *,
-          schedule: bool = True, fuse: bool | float = True,
-          max_inflight_bytes: float = float("inf")) -> fx.GraphModule:
+          schedule: bool = True, fuse: bool | float = True, partition: bool | float = True,
+          max_inflight_bytes: float = float("inf"),
+          max_live_bytes: float | None = None) -> fx.GraphModule:
     """The lowering passes for one rank of a sharded graph (annotated by the plan):
     insert collectives on the per-axis process groups ``groups``, localize shapes,
     fuse small collectives (``fuse``: True lets the timeline model choose the bucket cap,
-    a number fixes it in bytes), order collectives. Needs no process group, so tests can
+    a number fixes it in bytes), split large ones (``partition``: likewise, the piece
+    size), order collectives. Needs no process group, so tests can
     lower every rank in one process."""
     from passes.collectives import insert_collectives
     from passes.fuse import fuse as fuse_with_cap, fuse_best
     from passes.localize import localize
-    from passes.schedule import schedule as schedule_collectives
+    from passes.partition import partition as partition_with_size, partition_best
+    from passes.schedule import follow, schedule as schedule_collectives
+    leader = None
+    if any(coord) and not _even(gm, mesh):
+        # local shapes differ by rank, and so may the modeled timelines: every rank takes the
+        # bucket cap, piece size and order that mesh coordinate 0 (the largest pieces) chooses
+        leader = lower(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, groups, schedule=schedule,
+                       fuse=fuse, partition=partition, max_inflight_bytes=max_inflight_bytes,
+                       max_live_bytes=max_live_bytes)
+        fuse = leader.meta.get("ddlc_bucket_cap", fuse)
+        partition = leader.meta.get("ddlc_piece_bytes", partition)
     insert_collectives(gm, mesh, groups, coord)
-    localize(gm, mesh)
-    order = (lambda g: schedule_collectives(g, max_inflight_bytes)) if schedule else None
+    localize(gm, mesh, coord)
+    order = (lambda g: schedule_collectives(g, max_inflight_bytes, max_live_bytes, mesh.profile)) \
+        if schedule else None
     if fuse is True:
         gm.meta["ddlc_bucket_cap"] = fuse_best(gm, mesh, order)
     elif fuse:
         fuse_with_cap(gm, mesh, fuse)
-    if order:
+    if partition is True:
+        gm.meta["ddlc_piece_bytes"] = partition_best(gm, mesh, order)
+    elif partition:
+        partition_with_size(gm, mesh, partition)
+    if leader is not None and schedule:
+        follow(gm, [n.name for n in leader.graph.nodes])
+    elif order:
         order(gm)
     return gm
 
@@ -123,7 +156,8 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
             placements: Mapping[str, object] | None = None, batch: str = "global",
             profile: str | None = None, decouple: bool = True, ag_placement: str = "auto",
             schedule: bool = True, fuse: bool = True,
-            max_inflight_bytes: float = float("inf")) -> "CompiledStep":
+            max_inflight_bytes: float = float("inf"),
+            max_live_bytes: float | None = None) -> "CompiledStep":
     """Compile ``model``'s training step (or forward pass without ``loss_fn``) for ``mesh``.
 
     ``mesh``: a :class:`ddlc.Mesh`, shape tuple, string like ``"2x2"`` or a
@@ -135,7 +169,8 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     all-gather, the all-gather placed per ``ag_placement`` ("forward", "backward" or
     "auto": :mod:`passes.decouple`). ``fuse`` buckets small collectives (:mod:`passes.fuse`).
     ``schedule`` reorders collectives for overlap (:mod:`passes.schedule`), keeping at
-    most ``max_inflight_bytes`` in flight.
+    most ``max_inflight_bytes`` in flight and, with ``max_live_bytes``, not issuing a
+    collective early where that would take the live bytes above it.
     """
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -168,7 +203,8 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     plan = _plan_on_rank0(gm, mesh, make_plan)
     coord = tuple(device_mesh.get_coordinate())
     groups = [device_mesh.get_group(i).group_name for i in range(mesh.ndim)]
-    lower(gm, mesh, coord, groups, schedule=schedule, fuse=fuse, max_inflight_bytes=max_inflight_bytes)
+    lower(gm, mesh, coord, groups, schedule=schedule, fuse=fuse, max_inflight_bytes=max_inflight_bytes,
+          max_live_bytes=max_live_bytes)
     fingerprint = _check_fingerprint(gm)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
@@ -205,13 +241,19 @@ class CompiledStep:
         return tensor.detach()[index].clone().to(self.device)
 
     def _gather(self, key: str, local: torch.Tensor) -> torch.Tensor:
-        """The full tensor from every rank's piece (a collective: every rank must call it)."""
-        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(pieces, local.contiguous())
-        shape = self._global_shape(key)
+        """The full tensor from every rank's piece (a collective: every rank must call it).
+        Pieces of an uneven split differ in size: each is zero-padded to the largest
+        (coordinate 0's) for the all-gather, and placed without its padding."""
+        shape, sbp = self._global_shape(key), self._sbp(key)
+        largest = local_shape(shape, sbp, self.mesh.shape)
+        padded = torch.zeros(largest, dtype=local.dtype, device=local.device)
+        padded[tuple(slice(0, n) for n in local.shape)] = local
+        pieces = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
+        dist.all_gather(pieces, padded)
         full = torch.empty(shape, dtype=local.dtype, device=local.device)
         for rank, piece in enumerate(pieces):
-            full[local_slices(shape, self._sbp(key), self.mesh.shape, self.mesh.coordinate(rank))] = piece
+            where = local_slices(shape, sbp, self.mesh.shape, self.mesh.coordinate(rank))
+            full[where] = piece[tuple(slice(0, s.stop - s.start) for s in where)]
         return full
 
     @property
@@ -226,8 +268,8 @@ class CompiledStep:
             raise UnsupportedInputError(f"the compiled step takes {len(keys)} batch tensor(s), "
                                         f"got {len(batch)}")
         out = []
-        for key, t, local_shape in zip(keys, batch, self.local_input_shapes):
-            want = self._global_shape(key) if self.batch_mode == "global" else local_shape
+        for key, t, mine in zip(keys, batch, self.local_input_shapes):
+            want = self._global_shape(key) if self.batch_mode == "global" else mine
             if tuple(t.shape) != want:
                 raise UnsupportedInputError(
                     f"{key} has shape {tuple(t.shape)} but the program was compiled for "

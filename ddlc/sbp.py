@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 from .errors import SBPError
 
 __all__ = ["SBP", "S", "B", "P", "NdSBP", "parse_sbp", "local_shape", "local_slices",
-           "divides", "from_placements"]
+           "chunk_bounds", "divides", "padded_shape", "from_placements"]
 
 
 @dataclass(frozen=True, order=True)
@@ -160,7 +160,7 @@ def parse_sbp(text: str) -> NdSBP:
     return NdSBP(tuple(_parse_one(p) for p in parts))
 
 
-def _chunk_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
+def chunk_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
     """torch.chunk's [start, stop) of piece ``index`` of ``parts`` over ``n``."""
     size = -(-n // parts)
     start = min(index * size, n)
@@ -181,7 +181,7 @@ def local_slices(shape: Sequence[int], sbp: NdSBP, mesh_shape: Sequence[int],
     for axis, x in enumerate(sbp):
         if x.is_split:
             lo, hi = bounds[x.dim]
-            a, b = _chunk_bounds(hi - lo, mesh_shape[axis], coord[axis])
+            a, b = chunk_bounds(hi - lo, mesh_shape[axis], coord[axis])
             bounds[x.dim] = (lo + a, lo + b)
     return tuple(slice(a, b) for a, b in bounds)
 
@@ -203,3 +203,21 @@ def divides(shape: Sequence[int], sbp: NdSBP, mesh_shape: Sequence[int]) -> bool
                 return False
             sizes[x.dim] //= mesh_shape[axis]
     return True
+
+
+def padded_shape(shape: Sequence[int], sbp: NdSBP, axis: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` with the dim ``d`` that ``sbp`` splits on mesh ``axis`` zero-padded so that
+    ``axis`` cuts it evenly (DTensor's padding for a collective on an uneven shard): each of
+    the ``f`` equal pieces the other axes cut ``d`` into grows from ``m`` to
+    ``ceil(m / p) * p``, ``p`` the axis size. The other axes must cut ``d`` evenly."""
+    _check(shape, sbp, mesh_shape)
+    d, p = sbp[axis].dim, mesh_shape[axis]
+    if not sbp[axis].is_split:
+        raise SBPError(f"{sbp} does not split a dim on mesh axis {axis}")
+    f = sbp.split_factor(d, mesh_shape) // p
+    if shape[d] % f:
+        raise SBPError(f"{sbp} splits dim {d} of {tuple(shape)} unevenly on a mesh axis other "
+                       f"than {axis}: no padding makes axis {axis}'s pieces equal")
+    padded = list(shape)
+    padded[d] = f * -(-(shape[d] // f) // p) * p
+    return tuple(padded)

@@ -3,7 +3,8 @@
 For tests of meshes larger than the local machine can host as processes. The
 per-rank graphs come from :func:`ddlc.runtime.lower` with process-group names
 ``"axis0"``, ``"axis1"``, ...; they have the same nodes in the same order (only
-rank-specific constants differ), so they run in lockstep: node ``i`` of every
+rank-specific constants differ, e.g. chunk bounds and padding sizes; local shapes
+differ where a split is uneven), so they run in lockstep: node ``i`` of every
 rank, then node ``i + 1``. A collective node combines the values of its axis
 group (ranks that share every other mesh coordinate, in axis order).
 """

@@ -8,7 +8,14 @@ carries its SBP, so :mod:`passes.localize` can size it like any other node):
 - ``S(d)->B`` all-gather, ``P->S(d)`` reduce-scatter, ``P->B`` all-reduce: a
   ``torch.ops._c10d_functional`` collective and its ``wait_tensor``, on the
   process group of the step's mesh axis; a split dim other than 0 is moved to
-  dim 0 around the collective (:func:`ddlc.comm.moved`);
+  dim 0 around the collective (:func:`ddlc.comm.moved`). Splits follow
+  ``torch.chunk`` (:mod:`ddlc.sbp`); when the axis cuts the dim unevenly, the
+  collective runs on a zero-padded copy, DTensor's way: each rank pads its
+  piece to the even size (:func:`ddlc.sbp.padded_shape`, :func:`ddlc.comm.padded`),
+  and keeps its own rows of the result (:func:`ddlc.comm.narrowed`) -- after a
+  reduce-scatter its chunk, after an all-gather the first ``n`` rows, which are
+  the whole tensor because only trailing chunks are short. The padded sizes are
+  the same on every rank of the group;
 - ``S(i)->S(j)`` all-to-all: :func:`ddlc.comm.all_to_all_dims`;
 - ``B->S(d)`` and ``B->P``: local (:func:`ddlc.comm.local_chunk`,
   :func:`ddlc.comm.keep_on_first`) with this rank's mesh coordinate.
@@ -20,6 +27,7 @@ outputs ``B``. Each collective node records a :class:`CollectiveInfo`.
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Sequence
@@ -30,11 +38,12 @@ from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from cost_models.boxing import BoxingStep, boxing_cost
+from cost_models.collectives import collective_time
 from ddlc import comm
 from ddlc.errors import LoweringError
 from ddlc.mesh import Mesh
 from ddlc.plan import NodeSharding
-from ddlc.sbp import NdSBP, S
+from ddlc.sbp import B, NdSBP, S, local_shape, padded_shape
 from passes.rules import selected_leaf
 
 __all__ = ["CollectiveInfo", "insert_collectives", "output_targets"]
@@ -136,10 +145,11 @@ class _Emitter:
                                origin, info)
             return self.node(c10d.wait_tensor.default, (issued,), val, step.after, origin)
         dim = (step.src_sbp if step.kind == "all_gather" else step.dst_sbp).dim
-        return self._on_dim0(x, step, dim, info, origin)
+        return self._on_dim0(x, step, dim, origin)
 
-    def _on_dim0(self, x, step, dim, info, origin) -> fx.Node:
-        """All-gather or reduce-scatter along ``dim`` through dim 0 of a moved copy."""
+    def _on_dim0(self, x, step, dim, origin) -> fx.Node:
+        """All-gather or reduce-scatter along ``dim`` through dim 0 of a moved copy, padded
+        to an even split when the axis cuts ``dim`` unevenly."""
         p, group = self.mesh.shape[step.axis], self.groups[step.axis]
         before, after, cur = step.before, step.after, x
         if dim:
@@ -147,16 +157,42 @@ class _Emitter:
                 moved_val = x.meta["val"].movedim(dim, 0)
             before, after = _moved(before, dim, 0), _moved(after, dim, 0)
             cur = self.node(comm.moved, (x, dim, 0), moved_val, before, origin)
-        info = CollectiveInfo(info.kind, info.axis, info.axis_name, p, info.nbytes, info.seconds,
-                              before, after)
+        unpadded = cur.meta["val"]
+        shape = padded_shape(tuple(unpadded.shape), after if step.kind == "reduce_scatter" else before,
+                             step.axis, self.mesh.shape)
+        pad = shape != tuple(unpadded.shape)
+        if pad:
+            cur = self._padded(cur, shape, before, origin)
+        info = self._info(step, shape, unpadded.element_size(), before, after)
         target, args = ((c10d.all_gather_into_tensor.default, (cur, p, group))
                         if step.kind == "all_gather"
                         else (c10d.reduce_scatter_tensor.default, (cur, "sum", p, group)))
         issued = self.node(target, args, cur.meta["val"], after, origin, info)
         done = self.node(c10d.wait_tensor.default, (issued,), cur.meta["val"], after, origin)
+        if pad:
+            rows = local_shape(tuple(unpadded.shape), after, self.mesh.shape, self.coord)[0]
+            done = self.node(comm.narrowed, (done, rows), unpadded, after, origin)
         if not dim:
             return done
         return self.node(comm.moved, (done, 0, dim), x.meta["val"], step.after, origin)
+
+    def _padded(self, x: fx.Node, shape: tuple[int, ...], sbp: NdSBP, origin) -> fx.Node:
+        """``x`` zero-padded on dim 0 to the global ``shape`` (this rank's rows of it)."""
+        with detect_fake_mode([x.meta["val"]]):
+            val = x.meta["val"].new_zeros(shape)
+        rows = local_shape(shape, sbp, self.mesh.shape, self.coord)[0]
+        return self.node(comm.padded, (x, rows), val, sbp, origin)
+
+    def _info(self, step: BoxingStep, shape, itemsize: int, before: NdSBP,
+              after: NdSBP) -> CollectiveInfo:
+        """The record of ``step`` run on the (moved, maybe padded) global ``shape``, placed
+        ``before`` -> ``after``: padding adds to its bytes and seconds."""
+        p, link = self.mesh.shape[step.axis], self.mesh.links[step.axis]
+        nbytes = itemsize * math.prod(local_shape(shape, before.replace(step.axis, B), self.mesh.shape))
+        seconds = step.seconds if nbytes == step.nbytes else \
+            collective_time(step.kind, nbytes, p, link, step.algorithm)
+        return CollectiveInfo(step.kind, step.axis, self.mesh.axis_names[step.axis], p, nbytes,
+                              seconds, before, after)
 
 
 def output_targets(gm: fx.GraphModule, ndim: int) -> list[NdSBP | None]:

@@ -6,11 +6,21 @@ reduce-scatter and an all-gather), and every rank then runs the whole optimizer
 update. This pass re-annotates that
 update so it runs on a shard (DeAR; ZeRO-style sharded optimizer state): every
 parameter-shaped tensor of the update (gradient, parameter, optimizer state)
-becomes ``S(d)`` on ``a``, ``d`` the dim the gradient is already split along or
-else the first dim that splits evenly. The collectives pass then emits a
-reduce-scatter for the gradient instead of the all-reduce (or nothing, if it is
-already split); each rank updates ``1/p`` of the parameter and keeps ``1/p`` of its
-optimizer state between steps.
+becomes ``S(d)`` on ``a``, ``d`` the dim the gradient is already split along, else
+the first dim that splits evenly, else the dim that needs the least zero padding.
+The collectives pass then emits a reduce-scatter for the gradient instead of the
+all-reduce (or nothing, if it is already split); each rank updates its piece of
+the parameter and keeps only that piece of its optimizer state between steps.
+
+When no dim splits evenly (a bias of 10 on 4 ranks), the pieces are uneven, with
+``torch.chunk`` bounds as everywhere in :mod:`ddlc.sbp` (10 = 3 + 3 + 3 + 1;
+6 = 2 + 2 + 2 + 0): local shapes then differ by rank, and the collectives pass
+pads each piece with zeros to the even size for the reduce-scatter / all-gather
+and cuts the padding off after them (DTensor's and ZeRO's padding), so the update
+and the state only ever hold real elements. Such a split is only taken where the
+outer mesh axes cut the dim evenly, and only with signatures whose split dims all
+have the parameter's size (:func:`_uneven_candidates`): those cut every tensor of
+the update alike.
 
 Where the parameter's all-gather goes is decided per parameter:
 
@@ -23,20 +33,22 @@ Where the parameter's all-gather goes is decided per parameter:
   built from the plan: PipeDAP's merge and piggy-back moves mean "backward").
 
 Only signatures that the rules list for an operator are used; a parameter whose
-update cannot run on a shard keeps its all-reduce.
+update cannot run on a shard (or a 0-d one) keeps its all-reduce.
 """
 from __future__ import annotations
 
 import logging
 import math
+import operator
 
+import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
 from ddlc.mesh import Mesh
 from ddlc.plan import NodeSharding
-from ddlc.sbp import NdSBP, S
-from passes.rules import NdSignature, signatures_nd, tensor_inputs
+from ddlc.sbp import NdSBP, S, divides, padded_shape
+from passes.rules import NdSignature, signatures_1d, signatures_nd, tensor_inputs
 from passes.sharding_problem import compute_seconds
 
 __all__ = ["decouple", "update_chain"]
@@ -85,17 +97,30 @@ def update_chain(gm: fx.GraphModule, key: str) -> tuple[list[fx.Node], list[fx.N
     return [n for n in gm.graph.nodes if n in chain], states
 
 
+def _update_sbp(chain: list[fx.Node], shape) -> NdSBP:
+    """The placement of an update's parameter-shaped values (its last such node's output;
+    with the all-gather in "backward" it differs from the parameter's)."""
+    return next(_sbp(n) for n in reversed(chain) if tuple(n.meta["val"].shape) == shape)
+
+
 def _split_dim(shape, sbp: NdSBP, axis: int, mesh: Mesh, prefer: int | None = None) -> int | None:
-    """The dim ``axis`` splits: ``prefer`` if it can, else the first that can (even pieces,
-    and no inner axis splitting it)."""
-    order = ([prefer] if prefer is not None and prefer < len(shape) else []) + list(range(len(shape)))
-    for d in order:
-        if any(x.is_split and x.dim == d for x in sbp.per_axis[axis + 1:]):
-            continue
-        size = shape[d] // sbp.split_factor(d, mesh.shape)
-        if shape[d] % sbp.split_factor(d, mesh.shape) == 0 and size % mesh.shape[axis] == 0:
-            return d
-    return None
+    """The dim ``axis`` splits, among those no inner axis splits and the outer axes split
+    evenly: ``prefer`` if the pieces come out even, else the first dim whose do, else the
+    dim that needs the least zero padding (uneven ``torch.chunk`` pieces); None if none
+    (a 0-d tensor, or every dim taken)."""
+    def free(d: int) -> bool:
+        return not any(x.is_split and x.dim == d for x in sbp.per_axis[axis + 1:]) \
+            and shape[d] % sbp.split_factor(d, mesh.shape) == 0
+
+    def padded_numel(d: int) -> int:
+        split = sbp.replace(axis, S(d))
+        return math.prod(padded_shape(shape, split, axis, mesh.shape))
+
+    dims = [d for d in range(len(shape)) if free(d)]
+    even = [d for d in dims if padded_numel(d) == math.prod(shape)]
+    if prefer in even:
+        return prefer
+    return even[0] if even else min(dims, key=padded_numel, default=None)
 
 
 def _sharded(entry: NdSBP | None, val, shape, axis: int, d: int) -> NdSBP | None:
@@ -104,11 +129,39 @@ def _sharded(entry: NdSBP | None, val, shape, axis: int, d: int) -> NdSBP | None
     return entry.replace(axis, S(d))
 
 
-def _reannotate(node: fx.Node, shape, axis: int, d: int, mesh: Mesh) -> NodeSharding | None:
+def _entry_shapes(node: fx.Node) -> list[tuple[int, ...] | None]:
+    """The global shape of each signature entry (tensor inputs, then output leaves)."""
+    outs = [tuple(v.shape) if isinstance(v, torch.Tensor) else None
+            for v in tree_leaves(node.meta.get("val"))]
+    ins = outs if node.target is operator.getitem else \
+        [tuple(a.meta["val"].shape) for a in tensor_inputs(node)]
+    return ins + outs
+
+
+def _uneven_candidates(node: fx.Node, axis: int, size: int) -> list[NdSignature]:
+    """The node's current signature with each of its 1-D signatures on ``axis`` that split
+    only dims of ``size`` elements. The rules' dim labels make every tensor holding a
+    split dim split it alike, so with equal sizes ``torch.chunk`` gives each rank the same
+    index range in all of them: the local op stays correct on uneven pieces (a reshape
+    that merges that dim with others would not be, and is excluded by its other size)."""
+    current, shapes = node.meta["ddlc"], _entry_shapes(node)
+    found = []
+    for sig in signatures_1d(node):
+        entries = sig.inputs + sig.outputs
+        if any(x is not None and x.is_split and shape[x.dim] != size for x, shape in zip(entries, shapes)):
+            continue
+        found.append(NdSignature(
+            tuple(c if c is None else c.replace(axis, x) for c, x in zip(current.inputs, sig.inputs)),
+            tuple(c if c is None else c.replace(axis, x) for c, x in zip(current.outputs, sig.outputs))))
+    return found
+
+
+def _reannotate(node: fx.Node, shape, axis: int, d: int, mesh: Mesh, even: bool) -> NodeSharding | None:
     """The node's signature with its parameter-shaped outputs ``S(d)`` on ``axis``: the
     first listed signature that gives those outputs, keeps every other axis as it is and
     splits the parameter-shaped inputs the same way (other inputs as the rule allows,
-    e.g. the pre-reshape gradient of a view)."""
+    e.g. the pre-reshape gradient of a view). Signatures come from the rules' n-D list
+    (even splits) or, when ``axis`` cuts ``d`` unevenly, :func:`_uneven_candidates`."""
     current = node.meta["ddlc"]
     inputs = tensor_inputs(node)
     outs = tuple(_sharded(x, v, shape, axis, d)
@@ -126,7 +179,8 @@ def _reannotate(node: fx.Node, shape, axis: int, d: int, mesh: Mesh) -> NodeShar
                 return False
         return True
 
-    for cand in signatures_nd(node, mesh.shape):
+    candidates = signatures_nd(node, mesh.shape) if even else _uneven_candidates(node, axis, shape[d])
+    for cand in candidates:
         if fits(cand):
             return NodeSharding(cand.inputs, cand.outputs)
     return None
@@ -150,16 +204,18 @@ def _gradient_dim(chain: list[fx.Node], axis: int, shape) -> int | None | bool:
     return found
 
 
-def _gatherable(param: fx.Node, chain: list[fx.Node], axis: int) -> bool:
+def _gatherable(param: fx.Node, chain: list[fx.Node], axis: int, even: bool) -> bool:
     """Whether every reader of the parameter outside its update can take it from a shard
     (an all-gather); a reader wanting a partial sum (e.g. a bias added to a partial
-    matmul) could not, so such a parameter stays whole between steps."""
+    matmul) could not, nor, from uneven pieces, one wanting a split on ``axis`` (no
+    uneven all-to-all; its op was planned for even pieces), so such a parameter stays
+    whole between steps."""
     inside = set(chain)
     for user in param.users:
         if user in inside or "ddlc" not in user.meta:
             continue
         for x, a in zip(user.meta["ddlc"].inputs, tensor_inputs(user)):
-            if a is param and x is not None and x[axis].is_partial:
+            if a is param and x is not None and (x[axis].is_partial or (x[axis].is_split and not even)):
                 return False
     return True
 
@@ -185,8 +241,10 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
             arrives = _gradient_dim(chain, axis, shape)
             if mesh.shape[axis] == 1 or not _sbp(param)[axis].is_broadcast or arrives is False:
                 continue
-            d = _split_dim(shape, _sbp(param), axis, mesh, prefer=arrives)
-            new = {n: _reannotate(n, shape, axis, d, mesh) for n in chain} if d is not None else {}
+            placed = _update_sbp(chain, shape)
+            d = _split_dim(shape, placed, axis, mesh, prefer=arrives)
+            even = d is not None and divides(shape, placed.replace(axis, S(d)), mesh.shape)
+            new = {n: _reannotate(n, shape, axis, d, mesh, even) for n in chain} if d is not None else {}
             if d is None or any(v is None for v in new.values()):
                 log.info("parameter %s keeps its all-reduce on axis %d (no shardable update)", key, axis)
                 continue
@@ -196,7 +254,7 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
                 if tuple(state.meta["val"].shape) == shape:
                     state.meta["ddlc"] = NodeSharding((), (_sbp(state).replace(axis, S(d)),))
             where = ag_placement if isinstance(ag_placement, str) else ag_placement.get(key, "forward")
-            if where == "forward" and param.name not in pinned and _gatherable(param, chain, axis):
+            if where == "forward" and param.name not in pinned and _gatherable(param, chain, axis, even):
                 param.meta["ddlc"] = NodeSharding((), (_sbp(param).replace(axis, S(d)),))
             done.append(key)
     return done

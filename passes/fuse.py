@@ -14,7 +14,8 @@ read (so no dependency is reordered) and the bucket stays under a byte cap:
 Fusing saves one start-up latency per member and costs waiting for the
 bucket's last input; :func:`fuse_best` tries a ladder of caps and keeps the one
 whose program timeline (:mod:`cost_models.program`) is shortest, so the choice
-comes from the model, never from measured timing.
+comes from the model, never from measured timing (:func:`choose_by_timeline`,
+which :mod:`passes.partition` shares to choose its piece size).
 """
 from __future__ import annotations
 
@@ -29,14 +30,26 @@ from torch import fx
 from cost_models.collectives import collective_time
 from ddlc.mesh import Mesh
 
-__all__ = ["fuse", "fuse_best", "pack", "unpack", "CAPS"]
+__all__ = ["fuse", "fuse_best", "choose_by_timeline", "fake_mode", "issue_args", "pack", "unpack", "CAPS",
+           "KIND"]
 
 _c10d = torch.ops._c10d_functional
-_KIND = {_c10d.all_reduce.default: "all_reduce", _c10d.reduce_scatter_tensor.default: "reduce_scatter",
-         _c10d.all_gather_into_tensor.default: "all_gather"}
+#: The collectives fused (and split, :mod:`passes.partition`) -> their kind.
+KIND = {_c10d.all_reduce.default: "all_reduce", _c10d.reduce_scatter_tensor.default: "reduce_scatter",
+        _c10d.all_gather_into_tensor.default: "all_gather"}
 
 #: Bucket byte caps tried by :func:`fuse_best` (0 = no fusion).
 CAPS = (0, 2**16, 2**20, 2**24, math.inf)
+
+#: kind -> the arguments of that collective of tensor ``x`` on ``p`` ranks of ``group``.
+_ARGS = {"all_reduce": lambda x, p, group: (x, "sum", group),
+         "reduce_scatter": lambda x, p, group: (x, "sum", p, group),
+         "all_gather": lambda x, p, group: (x, p, group)}
+
+
+def issue_args(kind: str, x, group_size: int, group: str) -> tuple:
+    """The arguments of the ``_c10d_functional`` op of ``kind`` on ``x`` (:data:`_ARGS`)."""
+    return _ARGS[kind](x, group_size, group)
 
 
 def pack(kind: str, tensors: Sequence[torch.Tensor], group_size: int) -> torch.Tensor:
@@ -61,7 +74,7 @@ def _members(gm: fx.GraphModule, cap: float) -> list[list[fx.Node]]:
     pos = {n: i for i, n in enumerate(nodes)}
     buckets, current, key, first_read, bytes_ = [], [], None, math.inf, 0
     for node in nodes:
-        if node.op != "call_function" or node.target not in _KIND:
+        if node.op != "call_function" or node.target not in KIND:
             continue
         (wait,) = node.users
         reads = min((pos[u] for u in wait.users), default=math.inf)
@@ -85,7 +98,7 @@ def fuse(gm: fx.GraphModule, mesh: Mesh, cap: float) -> fx.GraphModule:
     from passes.collectives import CollectiveInfo
     graph = gm.graph
     for bucket in _members(gm, cap):
-        kind, info = _KIND[bucket[0].target], bucket[0].meta["ddlc"]
+        kind, info = KIND[bucket[0].target], bucket[0].meta["ddlc"]
         group, p = bucket[0].args[-1], info.group_size
         inputs = [n.args[0] for n in bucket]
         waits = [next(iter(n.users)) for n in bucket]
@@ -94,11 +107,10 @@ def fuse(gm: fx.GraphModule, mesh: Mesh, cap: float) -> fx.GraphModule:
         seconds = collective_time(kind, nbytes, p, mesh.links[info.axis], "ring")
         pos = {n: i for i, n in enumerate(graph.nodes)}
         first_reader = min((u for w in waits for u in w.users), key=pos.__getitem__)
-        with graph.inserting_before(first_reader), _fake(inputs[0]):
+        with graph.inserting_before(first_reader), fake_mode(inputs[0]):
             packed = graph.call_function(pack, (kind, inputs, p))
             packed.meta["val"] = pack(kind, [a.meta["val"] for a in inputs], p)
-            args = {"all_reduce": (packed, "sum", group), "reduce_scatter": (packed, "sum", p, group),
-                    "all_gather": (packed, p, group)}[kind]
+            args = issue_args(kind, packed, p, group)
             issued = graph.call_function(bucket[0].target, args)
             issued.meta["val"] = bucket[0].target(*[a.meta["val"] if isinstance(a, fx.Node) else a
                                                     for a in args])
@@ -120,7 +132,8 @@ def fuse(gm: fx.GraphModule, mesh: Mesh, cap: float) -> fx.GraphModule:
     return gm
 
 
-def _fake(node: fx.Node):
+def fake_mode(node: fx.Node):
+    """The fake mode of ``node``'s value (to build new values alike), or a no-op context."""
     from contextlib import nullcontext
     from torch._guards import detect_fake_mode
     return detect_fake_mode([node.meta["val"]]) or nullcontext()
@@ -129,14 +142,27 @@ def _fake(node: fx.Node):
 def fuse_best(gm: fx.GraphModule, mesh: Mesh, schedule_fn=None) -> float:
     """Fuse ``gm`` in place with the cap of :data:`CAPS` whose scheduled program timeline
     is shortest (ties: the smaller cap); returns that cap."""
+    return choose_by_timeline(gm, mesh, CAPS, lambda g, cap: fuse(g, mesh, cap), schedule_fn)
+
+
+def choose_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, schedule_fn=None):
+    """Apply ``transform(gm, option)`` in place for the option of ``options`` whose program
+    (after ``schedule_fn``) has the shortest modeled makespan; ties go to the earlier
+    option, and an option giving the same collectives as an earlier one is not re-timed.
+    Returns the option. Deterministic: the same graph gives the same choice on every rank."""
     from cost_models.program import program_timeline
-    best = None
-    for cap in CAPS:
-        trial = fuse(copy.deepcopy(gm), mesh, cap)
+    from ddlc.runtime import collective_sequence
+    best, seen = None, set()
+    for option in options:
+        trial = transform(copy.deepcopy(gm), option)
+        key = tuple(collective_sequence(trial))
+        if key in seen:
+            continue
+        seen.add(key)
         if schedule_fn is not None:
             schedule_fn(trial)
         makespan = program_timeline(trial, mesh.profile).makespan
         if best is None or makespan < best[0] - 1e-12:
-            best = (makespan, cap)
-    fuse(gm, mesh, best[1])
+            best = (makespan, option)
+    transform(gm, best[1])
     return best[1]

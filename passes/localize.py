@@ -1,17 +1,20 @@
 """Rewrite a global-shape graph into the per-rank program on local shards.
 
-Every node's local output shape follows from its global value and its SBP
-(``node.meta["ddlc"]``). Placeholders become local-shaped; each operator gets
-its shape arguments rewritten by the rules' :func:`passes.rules.localize_args`
-(view sizes, expand sizes, factory sizes, ...), then is re-run on fake local
-inputs; the result must have exactly the local shape its SBP predicts, so a
-rule or localization error stops compilation instead of producing wrong numbers.
+Every node's local output shape follows from its global value, its SBP
+(``node.meta["ddlc"]``) and the rank's mesh coordinate (``torch.chunk`` pieces:
+where a split is uneven, e.g. a padded decoupled parameter, shapes differ by
+rank). Placeholders become local-shaped; each operator gets its shape arguments
+rewritten by the rules' :func:`passes.rules.localize_args` (view sizes, expand
+sizes, factory sizes, ...), then is re-run on fake local inputs; the result must
+have exactly the local shape its SBP predicts, so a rule or localization error
+stops compilation instead of producing wrong numbers.
 Afterwards ``meta["val"]`` holds local values and ``meta["global_val"]`` the
 global ones.
 """
 from __future__ import annotations
 
 import operator
+from typing import Sequence
 
 import torch
 from torch import fx
@@ -32,15 +35,16 @@ def _where(node: fx.Node) -> str:
     return f"{node.name} [{origin.module}] {origin.source}" if origin else node.name
 
 
-def _expected(val, sbps, mesh: Mesh) -> list:
+def _expected(val, sbps, mesh: Mesh, coord: Sequence[int]) -> list:
     leaves = tree_leaves(val)
     sbps = list(sbps) + [None] * (len(leaves) - len(sbps))
-    return [local_shape(tuple(v.shape), x, mesh.shape) if isinstance(v, torch.Tensor) and x is not None
-            else None for v, x in zip(leaves, sbps)]
+    return [local_shape(tuple(v.shape), x, mesh.shape, coord)
+            if isinstance(v, torch.Tensor) and x is not None else None for v, x in zip(leaves, sbps)]
 
 
-def localize(gm: fx.GraphModule, mesh: Mesh) -> fx.GraphModule:
-    """Turn every shape in ``gm`` (annotated by sharding and collectives) into local shapes."""
+def localize(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.GraphModule:
+    """Turn every shape in ``gm`` (annotated by sharding and collectives) into the local
+    shapes of the rank at mesh coordinate ``coord``."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     for node in gm.graph.nodes:
         if node.op == "output" or node.meta.get("val") is None:
@@ -49,7 +53,7 @@ def localize(gm: fx.GraphModule, mesh: Mesh) -> fx.GraphModule:
         if info is None:
             raise LoweringError(f"{node.name} has no sharding decision", where=_where(node))
         node.meta["global_val"] = node.meta["val"]
-        expected = _expected(node.meta["val"], info.outputs, mesh)
+        expected = _expected(node.meta["val"], info.outputs, mesh, coord)
         if node.op in ("placeholder", "get_attr"):
             (val,) = tree_leaves(node.meta["val"])
             with mode:

@@ -1,4 +1,5 @@
-"""Collective ordering: issue early, wait late, same sequence on every rank, static checks."""
+"""Collective ordering: issue early, wait late, same sequence on every rank, static checks,
+a cap on live bytes."""
 import copy
 import itertools
 
@@ -7,12 +8,16 @@ import torch
 import torch.nn.functional as F
 
 import ddlc
+from cost_models.program import live_bytes
 from ddlc.errors import LoweringError
 from ddlc.runtime import collective_sequence, lower
+from ddlc.simulate import axis_group_names, simulate_steps
 from ddlc.zoo import GPT, MLP, lm_loss
 from passes.canonicalize import canonicalize
+from passes.decouple import decouple
 from passes.schedule import _eager, check_waits, is_issue, is_wait, schedule
 from passes.sharding import shard
+from test_decouple import _replicate_updates
 
 DP_GPT = {"input0": "(S0, S0)", "input1": "(S0, S0)"}
 
@@ -120,3 +125,60 @@ def test_scheduling_hides_communication_in_the_modeled_timeline(planned):
     assert scheduled.makespan < plain.makespan
     assert scheduled.exposed_communication < plain.exposed_communication
     assert scheduled.makespan >= scheduled.lower_bound - 1e-12
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+
+
+@pytest.fixture(scope="module")
+def prefetching():
+    """A decoupled data-parallel MLP: its next-forward all-gathers, issued early, hold every
+    layer's full weight at once, which raises the peak. Also the single-device losses and
+    parameters of two steps."""
+    torch.manual_seed(0)
+    model = MLP(64, 128, 64, depth=3)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)) for _ in range(2)]
+    gm = canonicalize(ddlc.trace(model, data[0], F.mse_loss, _adamw(model)))
+    names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
+    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-7, 1e10)])
+    pins = dict.fromkeys(["input0", "input1"], "(S0)") | {k: "(B)" for k, _ in model.named_parameters()}
+    shard(gm, mesh, fixed={names[k]: ddlc.sbp.parse_sbp(v) for k, v in pins.items()})
+    _replicate_updates(gm, mesh)
+    decouple(gm, mesh, "forward")
+    single = copy.deepcopy(model)
+    opt, losses = _adamw(single), []
+    for x, y in data:
+        opt.zero_grad()
+        loss = F.mse_loss(single(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return gm, mesh, model, data, losses, dict(single.named_parameters())
+
+
+def _peak(gm):
+    return max(live_bytes(list(gm.graph.nodes)))
+
+
+def test_memory_cap_keeps_issue_early_from_raising_the_peak(prefetching):
+    from cost_models.program import program_timeline
+    gm, mesh, model, data, losses, expected = prefetching
+
+    def lowered(coord=(0,), **kw):
+        return lower(copy.deepcopy(gm), mesh, coord, axis_group_names(mesh), **kw)
+    cap = _peak(lowered(schedule=False))
+    free, capped = lowered(), lowered(max_live_bytes=cap)
+    assert _peak(free) > cap >= _peak(capped)
+    assert program_timeline(free, mesh.profile).peak_memory > cap >= program_timeline(capped, mesh.profile).peak_memory
+    check_waits(capped)
+    assert max(_gaps(capped).values()) > 1  # still issued early where memory allows
+    sequences = [collective_sequence(lowered((r,), max_live_bytes=cap)) for r in range(4)]
+    assert all(s == sequences[0] for s in sequences)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    got, params, _ = simulate_steps(gm, mesh, params, {}, data, max_live_bytes=cap)
+    for a, b in zip(got, losses):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name, value in expected.items():
+        torch.testing.assert_close(params[name], value.detach(), rtol=1e-4, atol=1e-5)

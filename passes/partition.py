@@ -1,0 +1,138 @@
+"""Split very large collectives into pieces, the piece size chosen by the timeline model.
+
+A collective of more than ``size`` bytes on its group (all-reduce, and
+reduce-scatter and all-gather on dim 0) becomes ``k = min(ceil(bytes / size),
+MAX_PIECES)`` collectives of about equal size on the same group, each with its
+own issue and wait, whose results are put back together exactly:
+
+- all-reduce: the flat input cut into ``k`` contiguous chunks, the results
+  concatenated;
+- reduce-scatter: the input viewed as ``(p, n / p)`` (row ``r`` is what rank
+  ``r`` receives), cut into ``k`` column blocks, each copied contiguous; on every
+  rank the results concatenated are its shard;
+- all-gather: the flat shard cut into ``k`` chunks; result ``i`` viewed as
+  ``(p, m_i)``, and the blocks concatenated along dim 1 are the ``(p, n / p)``
+  gathered layout.
+
+Each piece pays its own start-up (its ``CollectiveInfo.seconds`` is the α-β time
+of its bytes) and is marked ``meta["ddlc_piece"] = (name of the split
+collective, index, k)``, so that the scheduler can put urgent collectives
+between pieces; the reader waits for the last piece. :func:`partition_best`
+tries :data:`SIZES` and keeps the size whose scheduled program timeline is
+shortest, so the choice comes from the model, never from measured timing.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import fx
+
+from cost_models.collectives import collective_time
+from ddlc.mesh import Mesh
+
+from .fuse import KIND, choose_by_timeline, fake_mode, issue_args
+
+__all__ = ["partition", "partition_best", "SIZES", "MAX_PIECES"]
+
+aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+
+#: Piece sizes in bytes tried by :func:`partition_best` (inf = no split).
+SIZES = (math.inf, 2**24, 2**20, 2**16)
+#: Most pieces one collective is split into.
+MAX_PIECES = 16
+
+
+def _chunks(total: int, k: int) -> list[tuple[int, int]]:
+    """``k`` contiguous ``[start, end)`` ranges of about equal length covering ``range(total)``."""
+    bounds = [total * i // k for i in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
+    node = graph.call_function(target, args, kwargs)
+    vals = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
+    node.meta["val"] = target(*vals[0], **vals[1])
+    return node
+
+
+def _split(graph, kind: str, x: fx.Node, p: int, k: int) -> list[fx.Node]:
+    """The inputs of the ``k`` pieces (see the module docstring)."""
+    if kind == "reduce_scatter":
+        grid = _call(graph, aten.view.default, x, [p, -1])
+        return [_call(graph, aten.view.default,
+                      _call(graph, aten.clone.default, _call(graph, aten.slice.Tensor, grid, 1, a, b),
+                            memory_format=torch.contiguous_format), [-1])
+                for a, b in _chunks(grid.meta["val"].shape[1], k)]
+    flat = _call(graph, aten.view.default, x, [-1])
+    return [_call(graph, aten.slice.Tensor, flat, 0, a, b) for a, b in _chunks(flat.meta["val"].numel(), k)]
+
+
+def _merge(graph, kind: str, results: list[fx.Node], p: int, shape) -> fx.Node:
+    """The split collective's result from its pieces' results."""
+    if kind == "all_gather":
+        grids = [_call(graph, aten.view.default, r, [p, -1]) for r in results]
+        return _call(graph, aten.view.default, _call(graph, aten.cat.default, grids, 1), list(shape))
+    return _call(graph, aten.view.default, _call(graph, aten.cat.default, results), list(shape))
+
+
+def _pieces(node: fx.Node, size: float) -> int:
+    """How many pieces ``node`` is split into under ``size`` (1: it stays whole)."""
+    if node.target not in KIND or not node.args[0].meta["val"].is_contiguous():
+        return 1
+    info, x = node.meta["ddlc"], node.args[0]
+    wanted = math.ceil(info.nbytes / size)
+    return max(1, min(wanted, MAX_PIECES, x.meta["val"].numel() // info.group_size))
+
+
+def _split_one(graph: fx.Graph, node: fx.Node, k: int, mesh: Mesh) -> None:
+    """Replace collective ``node`` (and its wait) by ``k`` pieces and their merge."""
+    from passes.collectives import CollectiveInfo
+    kind, info, x = KIND[node.target], node.meta["ddlc"], node.args[0]
+    (wait,) = node.users
+    p, group = info.group_size, node.args[-1]
+    with graph.inserting_before(node), fake_mode(x):
+        inputs = _split(graph, kind, x, p, k)
+        total = sum(i.meta["val"].numel() for i in inputs)
+        waits = []
+        for index, piece in enumerate(inputs):
+            nbytes = info.nbytes * piece.meta["val"].numel() // total
+            issued = _call(graph, node.target, *issue_args(kind, piece, p, group))
+            issued.meta["ddlc"] = CollectiveInfo(
+                kind, info.axis, info.axis_name, p, nbytes,
+                collective_time(kind, nbytes, p, mesh.links[info.axis], "ring"), info.before, info.after)
+            issued.meta["ddlc_piece"] = (node.name, index, k)
+            waits.append(_call(graph, _c10d.wait_tensor.default, issued))
+    with graph.inserting_before(wait), fake_mode(x):
+        merged = _merge(graph, kind, waits, p, wait.meta["val"].shape)
+    wait.replace_all_uses_with(merged)
+    graph.erase_node(wait)
+    graph.erase_node(node)
+
+
+def _splits(gm: fx.GraphModule, size: float) -> list[tuple[fx.Node, int]]:
+    """The collectives split under ``size`` and their numbers of pieces."""
+    found = [(n, _pieces(n, size)) for n in gm.graph.nodes if n.op == "call_function"]
+    return [(n, k) for n, k in found if k > 1]
+
+
+def partition(gm: fx.GraphModule, mesh: Mesh, size: float) -> fx.GraphModule:
+    """Split every collective of more than ``size`` bytes, in place."""
+    splits = _splits(gm, size)
+    for node, k in splits:
+        _split_one(gm.graph, node, k, mesh)
+    if splits:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def partition_best(gm: fx.GraphModule, mesh: Mesh, schedule_fn=None) -> float:
+    """Partition ``gm`` in place with the size of :data:`SIZES` whose scheduled program
+    timeline is shortest (ties: the larger size, fewer pieces); returns that size. Sizes
+    that split nothing are not tried."""
+    sizes = [s for s in SIZES if s == math.inf or _splits(gm, s)]
+    if sizes == [math.inf]:
+        return math.inf
+    return choose_by_timeline(gm, mesh, sizes, lambda g, size: partition(g, mesh, size), schedule_fn)

@@ -1,0 +1,207 @@
+"""Parameters whose dims do not divide the group size decouple too: uneven torch.chunk
+pieces of the update and its optimizer state, zero-padded collectives; the numbers are
+the single device's."""
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ddlc
+from ddlc import comm
+from ddlc.errors import SBPError
+from ddlc.launch import spawn
+from ddlc.plan import NodeSharding
+from ddlc.runtime import collective_sequence, lower
+from ddlc.sbp import B, NdSBP, S, local_shape, local_slices, padded_shape, parse_sbp
+from ddlc.simulate import axis_group_names, simulate_steps
+from ddlc.testing import make_node
+from ddlc.zoo import MLP
+from distributed_cases import optimizer
+from passes.canonicalize import canonicalize
+from passes.decouple import _uneven_candidates, decouple, update_chain
+from passes.rules import tensor_inputs
+from passes.sharding import shard
+from test_decouple import _replicate_updates
+
+STEPS = 3
+BATCH = 240  # divides by every mesh size below, and makes the plan data parallel
+PARAMS = ("layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias")
+WIDE = (6, 10, 6)  # weights (10, 6), (6, 10), biases (10,), (6,): no dim divides by 4
+ODD = (5, 7, 3)    # no dim divides by 2
+
+
+def _model(widths=WIDE):
+    torch.manual_seed(0)
+    return MLP(*widths)
+
+
+def _batches(widths=WIDE):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, widths[0], generator=g), torch.randn(BATCH, widths[-1], generator=g))
+            for _ in range(STEPS)]
+
+
+def _reference(opt_name, widths=WIDE):
+    model = _model(widths)
+    opt = optimizer(opt_name, model)
+    losses = []
+    for x, y in _batches(widths):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    state = {f"{k}:{s}": v.float() for k, p in model.named_parameters() for s, v in opt.state[p].items()}
+    return losses, {k: p.detach() for k, p in model.named_parameters()}, state
+
+
+def _planned(opt_name, mesh_shape):
+    """The data-parallel step: parameters B, updates all-B, fed by all-reduces."""
+    model = _model()
+    gm = canonicalize(ddlc.trace(model, _batches()[0], F.mse_loss, optimizer(opt_name, model)))
+    names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
+    mesh = ddlc.Mesh(mesh_shape, links=[ddlc.LinkModel(1e-7, 1e10)] * len(mesh_shape))
+    batch = NdSBP((S(0),) * mesh.ndim)
+    fixed = {names["input0"]: batch, names["input1"]: batch}
+    fixed.update({names[k]: NdSBP.broadcast(mesh.ndim) for k in PARAMS})
+    shard(gm, mesh, fixed=fixed)
+    _replicate_updates(gm, mesh)
+    return gm, mesh, model
+
+
+def _decoupled(opt_name, mesh_shape, placement="forward"):
+    gm, mesh, model = _planned(opt_name, mesh_shape)
+    return gm, mesh, model, decouple(gm, mesh, placement)
+
+
+def _coords(mesh):
+    return list(itertools.product(*(range(p) for p in mesh.shape)))
+
+
+def test_padded_shape_makes_the_axis_split_even():
+    assert padded_shape((10, 3), parse_sbp("(S0)"), 0, (4,)) == (12, 3)
+    assert padded_shape((12, 3), parse_sbp("(S0)"), 0, (4,)) == (12, 3)
+    # the outer axis cuts 6 into 3 + 3; axis 1 cuts each 3 into 2 + 1: pad each to 4
+    assert padded_shape((6,), parse_sbp("(S0, S0)"), 1, (2, 2)) == (8,)
+    with pytest.raises(SBPError, match="unevenly on a mesh axis other than 1"):
+        padded_shape((5,), parse_sbp("(S0, S0)"), 1, (2, 2))
+
+
+def test_local_chunk_and_padding_follow_torch_chunk():
+    x = torch.arange(12.0).reshape(6, 2)
+    for index in range(4):  # pieces of 2, 2, 2 and 0 rows
+        want = x[local_slices((6, 2), NdSBP((S(0),)), (4,), (index,))]
+        got = comm.local_chunk(x, 0, 4, index)
+        assert torch.equal(got, want)
+        padded = comm.padded(got, 2)
+        assert padded.shape == (2, 2) and torch.equal(comm.narrowed(padded, len(want)), want)
+        assert not padded[len(want):].any()
+
+
+@pytest.mark.parametrize("src,dst,size,splits", [
+    ((1, 10), (10,), 10, ["(S1)->(S0)"]),  # unit dims only: the pieces hold the same elements
+    ((6, 4), (24,), 6, []),  # on 4 ranks 6 = 2+2+2+0 rows are 8+8+8+0 elements, not 6+6+6+6
+    ((24,), (6, 4), 6, [])])
+def test_uneven_splits_of_a_reshape_only_where_the_pieces_match(src, dst, size, splits):
+    node, _ = make_node(torch.ops.aten.view_copy.default, torch.zeros(src), list(dst))
+    node.meta["ddlc"] = NodeSharding((NdSBP((B,)),), (NdSBP((B,)),))
+    candidates = [str(c) for c in _uneven_candidates(node, 0, size)]
+    assert [c for c in candidates if "S" in c] == splits
+
+
+def test_indivisible_parameters_are_decoupled_with_sharded_state():
+    gm, mesh, _, done = _decoupled("adamw", (4,))
+    assert sorted(done) == sorted(PARAMS)
+    states = [n for n in gm.graph.nodes if n.meta.get("ddlc_role") == "opt_state"
+              and n.meta["val"].dim() > 0]
+    assert len(states) == 2 * len(PARAMS)  # exp_avg, exp_avg_sq
+    assert all(n.meta["ddlc"].outputs[0][0].is_split for n in states)
+    sequences = []
+    for coord in _coords(mesh):
+        graph = lower(copy.deepcopy(gm), mesh, coord, axis_group_names(mesh))
+        kinds = [kind for kind, _, _ in collective_sequence(graph)]
+        reduced = [n.args[0].meta["val"].numel() for n in graph.graph.nodes
+                   if n.target is torch.ops._c10d_functional.all_reduce.default]
+        assert reduced == [1], reduced  # only the loss is all-reduced
+        assert "reduce_scatter" in kinds and "all_gather" in kinds
+        assert any(n.target is comm.padded for n in graph.graph.nodes)
+        for n in graph.graph.nodes:  # each rank holds its torch.chunk piece of the state
+            if n.op == "placeholder" and n.meta.get("ddlc_role") == "opt_state":
+                want = local_shape(tuple(n.meta["global_val"].shape), n.meta["ddlc"].outputs[0],
+                                   mesh.shape, coord)
+                assert tuple(n.meta["val"].shape) == want, n.name
+        sequences.append(collective_sequence(graph))
+    assert all(s == sequences[0] for s in sequences)
+    bias_states = [n for n in graph.graph.nodes if n.name == "st_layers_1_bias_exp_avg"]
+    assert tuple(bias_states[0].meta["val"].shape) == (0,)  # 6 = 2 + 2 + 2 + 0 on the last rank
+
+
+def test_a_reader_wanting_a_split_keeps_an_uneven_parameter_whole():
+    gm, mesh, _ = _planned("sgd", (4,))
+    bias = next(n for n in gm.graph.nodes if n.name == "p_layers_1_bias")
+    chain, _ = update_chain(gm, "layers.1.bias")
+    reader = next(u for u in bias.users if u not in chain)
+    # pretend the forward reads the bias split (as a tensor-parallel plan could): an
+    # uneven piece has no all-to-all to that split, so the bias is gathered in the step
+    # that updates it and stays whole between steps; its update is still sharded
+    info = reader.meta["ddlc"]
+    reader.meta["ddlc"] = NodeSharding(
+        tuple(NdSBP((S(0),)) if a is bias else x for x, a in zip(info.inputs, tensor_inputs(reader))),
+        info.outputs)
+    assert "layers.1.bias" in decouple(gm, mesh, "forward")
+    placed = {n.name: str(n.meta["ddlc"].outputs[0]) for n in gm.graph.nodes if n.op == "placeholder"}
+    assert placed["p_layers_1_bias"] == "(B)" and placed["st_layers_1_bias_momentum_buffer"] == "(S0)"
+    assert placed["p_layers_0_bias"] == "(S0)"
+
+
+@pytest.mark.parametrize("mesh_shape,opt_name,placement", [
+    ((4,), "adamw", "forward"), ((4,), "sgd", "backward"), ((2, 2), "sgd", "auto"),
+    ((2, 2), "adamw", "forward"), ((3,), "adamw", "forward")],
+    ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else None)
+def test_padded_updates_match_single_device(mesh_shape, opt_name, placement):
+    gm, mesh, model, done = _decoupled(opt_name, mesh_shape, placement)
+    assert set(done) == set(PARAMS)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    losses, params, state = simulate_steps(gm, mesh, params, {}, _batches())
+    want_losses, want_params, want_state = _reference(opt_name)
+    for got, expected in zip(losses, want_losses):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for name, value in want_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
+    for name, value in want_state.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5)
+
+
+def _compiled_adamw(rank):
+    from ddlc.runtime import compile
+    model, data = _model(ODD), _batches(ODD)
+    placements = {"input0": "(S0)", "input1": "(S0)", **{k: "(B)" for k in PARAMS}}
+    mesh = ddlc.Mesh((2,), links=[ddlc.LinkModel(1e-7, 1e10)])
+    step = compile(model, mesh, data[0], F.mse_loss, optimizer("adamw", model),
+                   placements=placements)
+    losses = [step.step(*b) for b in data]
+    return {"losses": losses, "params": step.state_dict(), "opt_state": step.optimizer_state(),
+            "local_state": {k: (tuple(v.shape), step._sbp(k)) for k, v in step.opt_state.items()},
+            "collectives": collective_sequence(step.gm)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_padded_updates_on_gloo_processes():
+    per_rank = spawn(_compiled_adamw, 2, timeout=60, deadline=80)
+    want_losses, want_params, want_state = _reference("adamw", ODD)
+    for rank, got in enumerate(per_rank):
+        for a, b in zip(got["losses"], want_losses):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for name, value in want_params.items():
+            torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5)
+        for name, value in want_state.items():
+            torch.testing.assert_close(got["opt_state"][name], value, rtol=1e-4, atol=1e-5)
+        for key, (shape, sbp) in got["local_state"].items():  # each rank keeps only its piece
+            if key.endswith(("exp_avg", "exp_avg_sq")):
+                assert sbp[0].is_split, key
+                assert shape == local_shape(tuple(want_state[key].shape), sbp, (2,), (rank,)), key
+        assert [c for c in got["collectives"] if c[0] == "all_reduce"] == [("all_reduce", 0, 4)]
+        assert got["collectives"] == per_rank[0]["collectives"]
