@@ -15,7 +15,11 @@ The default solver is AutoDDL's coordinate descent:
    candidate with all others fixed, (c) block moves: a block's variables jump to
    their jointly optimal candidates with everything outside fixed (exact
    reduction, then min-sum variable elimination, or a node-capped MILP when the
-   memory budget can bind). The blocks are the modules that own parameters
+   memory budget can bind). Where the block's elimination tables would be too
+   large (n-D meshes: a 4-D tensor has 216 candidates on a 3-D mesh), the move
+   is made exactly over the candidates that keep the current signature on all
+   mesh axes but a freed subset, for every subset from large to small that is
+   not inside one already solved. The blocks are the modules that own parameters
    (with their neighbours, deepest first; repeated layers with the same folded
    costs are solved once), except when the budget cannot bind and the whole
    (already reduced) problem is small: it fits the elimination's table limit
@@ -31,6 +35,7 @@ go to the lowest candidate index, so the result depends only on the graph.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -84,6 +89,16 @@ class _Search:
 
     def __post_init__(self):
         self.memory = self.problem.memory_of(self.choice) if self.choice else 0.0
+        self._rest_keys: dict = {}
+
+    def rest_keys(self, v: int, free: tuple[int, ...]) -> np.ndarray:
+        """Per candidate of ``v``, an id of its signature on the mesh axes not in ``free``."""
+        if (v, free) not in self._rest_keys:
+            fixed = [a for a in range(self.problem.mesh.ndim) if a not in free]
+            ids: dict = {}
+            self._rest_keys[v, free] = np.array([ids.setdefault(tuple(c.axis(a) for a in fixed), len(ids))
+                                                 for c in self.problem.candidates[v]])
+        return self._rest_keys[v, free]
 
     def best_response(self, v: int) -> bool:
         """Move ``v`` to its cheapest affordable candidate; True if it moved."""
@@ -250,8 +265,8 @@ def _descend(problem: ShardingProblem, choice: list[int], budget: float,
             _solve_path(search, path)
         for v in range(problem.num_vars):
             search.best_response(v)
-        for _, region in regions:
-            _solve_block(search, region, cache)
+        for name, region in regions:
+            _solve_block(search, region, cache, milp=name == "<all>")
         if problem.objective(search.choice) >= before - 1e-12 * max(1.0, before):
             break
     return search.choice, sweeps
@@ -304,11 +319,11 @@ def _fold(search: _Search, block: list[int]):
     return unary, edges
 
 
-def _block_optimum(unary, memory, edges, room: float) -> list[int] | None:
+def _block_optimum(unary, memory, edges, room: float, milp: bool) -> list[int] | None:
     """Jointly optimal candidates of a folded block: exact reduction, then variable
     elimination when ``room`` cannot bind and the tables stay within MAX_TABLE, else (up
-    to MAX_BLOCK variables) a MILP capped at BLOCK_NODE_LIMIT nodes (its best find);
-    None when neither applies."""
+    to MAX_BLOCK variables, when ``room`` can bind or ``milp`` is set) a MILP capped at
+    BLOCK_NODE_LIMIT nodes (its best find); None when neither applies."""
     keep, core_unary, core_edges, expand, fixed = reduce_costs(unary, memory, edges, room)
     if not keep:
         return expand([])
@@ -316,7 +331,7 @@ def _block_optimum(unary, memory, edges, room: float) -> list[int] | None:
         order = elimination_order([len(u) for u in core_unary], core_edges)
         if order is not None:
             return expand(solve_elimination(core_unary, core_edges, order[0]))
-    if len(keep) > MAX_BLOCK:
+    if len(keep) > MAX_BLOCK or not (milp or np.isfinite(room)):
         return None
     try:
         core, _ = solve_milp(core_unary, [memory[v] for v in keep], core_edges, room - fixed,
@@ -326,11 +341,22 @@ def _block_optimum(unary, memory, edges, room: float) -> list[int] | None:
     return expand(core)
 
 
-def _solve_block(search: _Search, block: list[int], cache: dict) -> None:
+def _axis_subsets(ndim: int) -> list[tuple[int, ...]]:
+    """The mesh-axis sets a block move may free: all axes, then ever smaller subsets
+    (within a size, lexicographic)."""
+    return [s for k in range(ndim, 0, -1) for s in itertools.combinations(range(ndim), k)]
+
+
+def _solve_block(search: _Search, block: list[int], cache: dict, milp: bool = False) -> None:
     """Set the variables of ``block`` to their jointly optimal candidates with every other
-    variable fixed; applied if it lowers the objective. Blocks with the same folded costs
-    (repeated layers under the same neighbours) are solved once, via ``cache``; the memory
-    room is part of the key only when it can bind."""
+    variable fixed. When that block problem is too large to solve exactly (elimination
+    tables over MAX_TABLE, and no MILP: the memory room cannot bind and ``milp`` is not
+    set), solve it restricted to the candidates that agree with the
+    current choice on every mesh axis but a freed subset, for each subset in
+    :func:`_axis_subsets` order that is not inside one already solved. Each solution is
+    applied if it lowers the objective. Identical restricted problems (repeated layers
+    under the same neighbours) are solved once, via ``cache``; the memory room is part of
+    the key only when it can bind."""
     p = search.problem
     unary, edges = _fold(search, block)
     outside = search.memory - sum(p.memory[v][search.choice[v]] for v in block)
@@ -338,24 +364,34 @@ def _solve_block(search: _Search, block: list[int], cache: dict) -> None:
     room = search.budget - outside
     if sum(float(m.max()) for m in memory) <= room:
         room = float("inf")
-    key = hashlib.sha1(b"".join([u.tobytes() for u in unary] + [m.tobytes() for m in memory]
-                                + [f"{e.src},{e.dst}".encode() + e.cost.tobytes() for e in edges]
-                                + [repr(room).encode()])).digest()
-    if key not in cache:
-        cache[key] = _block_optimum(unary, memory, edges, room)
-    picks = cache[key]
-    if picks is None:
-        return
+    solved: list[set[int]] = []
+    for free in _axis_subsets(p.mesh.ndim):
+        if any(set(free) <= s for s in solved):
+            continue
+        current = [search.choice[v] for v in block]
+        allowed = [np.flatnonzero(search.rest_keys(v, free) == search.rest_keys(v, free)[k])
+                   for v, k in zip(block, current)]
+        sub_unary = [u[a] for u, a in zip(unary, allowed)]
+        sub_memory = [m[a] for m, a in zip(memory, allowed)]
+        sub_edges = [_Edge(e.src, e.dst, e.cost[np.ix_(allowed[e.src], allowed[e.dst])]) for e in edges]
+        key = hashlib.sha1(b"".join([u.tobytes() for u in sub_unary] + [m.tobytes() for m in sub_memory]
+                                    + [f"{e.src},{e.dst}".encode() + e.cost.tobytes() for e in sub_edges]
+                                    + [repr(room).encode()])).digest()
+        if key not in cache:
+            cache[key] = _block_optimum(sub_unary, sub_memory, sub_edges, room, milp)
+        if cache[key] is None:
+            continue
+        solved.append(set(free))
+        picks = [int(a[k]) for a, k in zip(allowed, cache[key])]
 
-    def cost(c):
-        return sum(float(u[k]) for u, k in zip(unary, c)) + sum(
-            float(e.cost[c[e.src], c[e.dst]]) for e in edges)
+        def cost(c):
+            return sum(float(u[k]) for u, k in zip(unary, c)) + sum(
+                float(e.cost[c[e.src], c[e.dst]]) for e in edges)
 
-    current = [search.choice[v] for v in block]
-    if cost(picks) < cost(current) - 1e-12 * max(1.0, cost(current)):
-        for v, k in zip(block, picks):
-            search.choice[v] = k
-        search.memory = outside + sum(p.memory[v][k] for v, k in zip(block, picks))
+        if cost(picks) < cost(current) - 1e-12 * max(1.0, cost(current)):
+            for v, k in zip(block, picks):
+                search.choice[v] = k
+            search.memory = outside + sum(p.memory[v][k] for v, k in zip(block, picks))
 
 
 @dataclass
