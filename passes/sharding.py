@@ -25,7 +25,10 @@ The default solver is AutoDDL's coordinate descent:
    (already reduced) problem is small: it fits the elimination's table limit
    (then the one block is the whole problem and the result is the exact
    optimum) or has at most MAX_BLOCK variables (its node-capped MILP); see
-   ``stats["whole_block"]``.
+   ``stats["whole_block"]``. On n-D meshes the module blocks are followed by the
+   whole problem as one more block, which in practice moves one or two mesh
+   axes of every variable at once (the axis-subset moves above): e.g. replicating the whole
+   forward pass on one axis, which no module block can reach alone.
 
 Every move respects the memory budget. Ties keep the incumbent and otherwise
 go to the lowest candidate index, so the result depends only on the graph.
@@ -173,10 +176,11 @@ def _regions(problem: ShardingProblem, memory_budget: float) -> list[tuple[str, 
     node-capped MILP); else the module regions."""
     unconstrained = sum(float(m.max()) for m in problem.memory) <= memory_budget
     small = problem.num_vars <= MAX_BLOCK and MAX_TABLE_WHOLE > 0
+    everything = list(range(problem.num_vars))
     if unconstrained and (small or elimination_order([len(u) for u in problem.unary],
                                                      problem.edges, MAX_TABLE_WHOLE)):
-        return [("<all>", list(range(problem.num_vars)))]
-    return _module_regions(problem)
+        return [("<all>", everything)]
+    return _module_regions(problem) + ([("<all axes>", everything)] if problem.mesh.ndim > 1 else [])
 
 
 def _path_blocks(problem: ShardingProblem) -> list[list[int]]:

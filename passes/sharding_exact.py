@@ -7,7 +7,10 @@ indicator that the source's SBP is ``a`` and column sums equal to the
 indicator that the destination's is ``b``. With binary ``x`` the only feasible
 ``y`` is the single pair chosen, so the model is exact, and it needs
 ``|A|·|B|`` columns per edge instead of ``|K_src|·|K_dst|``. Memory is one
-linear constraint.
+linear constraint. Forbidden choices (cost >= FORBIDDEN) get an upper bound of 0
+instead of their stand-in cost, and the objective is in microseconds, so HiGHS'
+absolute gap tolerance (1e-6) cannot hide differences between step times of a
+few hundred microseconds.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from scipy.sparse import coo_matrix
 
 from ddlc.errors import ShardingError
 
-from .sharding_problem import ShardingProblem
+from .sharding_problem import FORBIDDEN, ShardingProblem
 
 __all__ = ["solve_exact", "solve_milp", "elimination_order", "solve_elimination"]
 
@@ -97,8 +100,10 @@ def solve_milp(unary: Sequence[np.ndarray], memory: Sequence[np.ndarray], edges:
         constraints.append(LinearConstraint(mem.reshape(1, -1), -np.inf, memory_budget))
     integrality = np.zeros(n)
     integrality[:n_x] = 1
-    res = milp(np.concatenate(cost), constraints=constraints, integrality=integrality,
-               bounds=Bounds(0, 1), options={"time_limit": time_limit, "disp": False,
+    cost = np.concatenate(cost)
+    allowed = cost < FORBIDDEN
+    res = milp(np.where(allowed, cost * 1e6, 0.0), constraints=constraints, integrality=integrality,
+               bounds=Bounds(0, allowed.astype(float)), options={"time_limit": time_limit, "disp": False,
                                              **({"node_limit": node_limit} if node_limit else {})})
     if res.x is None:
         raise ShardingError(f"the exact solver found no solution ({res.message})")

@@ -16,6 +16,10 @@ with candidate ``k``:
   signature requires (:mod:`cost_models.boxing`). Updated parameters and
   optimizer state feed the next step, so each has a *loop edge* to its
   placeholder: the step must end in the placement it started from.
+  Parameter traffic (reads of parameters and optimizer state from their
+  placeholders, gradients entering the update, loop edges) is priced without
+  start-up latency: :mod:`passes.fuse` buckets those collectives, so a start-up
+  is shared by many tensors instead of paid per tensor.
 
 The objective of an assignment is the sum of unary and edge costs: the modeled
 step time without overlap (the scheduling pass hides what it can later).
@@ -36,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from cost_models.boxing import boxing_table
 from cost_models.compute import op_time
 from ddlc.errors import ShardingError
-from ddlc.mesh import Mesh
+from ddlc.mesh import LinkModel, Mesh
 from ddlc.sbp import B, NdSBP, S, divides, local_shape
 from passes.rules import NdSignature, call_key, selected_leaf, signatures_nd, tensor_inputs
 
@@ -170,6 +174,8 @@ class _Prices:
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
+        self.bucketed = Mesh(mesh.shape, mesh.axis_names, mesh.profile,
+                             links=tuple(LinkModel(0.0, link.bandwidth) for link in mesh.links))
         self.kinds: dict = {}
         self.vectors: dict = {}
         self.nbytes: dict = {}
@@ -192,12 +198,14 @@ class _Prices:
         return self.nbytes[key]
 
     def edge_matrix(self, val: torch.Tensor, src_sbps: Sequence[NdSBP],
-                    dst_sbps: Sequence[NdSBP]) -> np.ndarray:
+                    dst_sbps: Sequence[NdSBP], bucketed: bool = False) -> np.ndarray:
         """Boxing seconds for every (src candidate, dst candidate), priced once per
-        distinct pair (:func:`cost_models.boxing.boxing_table`)."""
+        distinct pair (:func:`cost_models.boxing.boxing_table`); without start-up
+        latency when the collectives are ``bucketed``."""
         src_ids = {x: i for i, x in enumerate(dict.fromkeys(src_sbps))}
         dst_ids = {x: i for i, x in enumerate(dict.fromkeys(dst_sbps))}
-        table = boxing_table(tuple(val.shape), val.element_size(), list(src_ids), list(dst_ids), self.mesh)
+        table = boxing_table(tuple(val.shape), val.element_size(), list(src_ids), list(dst_ids),
+                             self.bucketed if bucketed else self.mesh)
         table[~np.isfinite(table)] = FORBIDDEN
         return table[np.ix_([src_ids[x] for x in src_sbps], [dst_ids[x] for x in dst_sbps])]
 
@@ -284,10 +292,11 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
             leaf = selected_leaf(n) if n.target is operator.getitem else None
             if leaf is not None and not isinstance(tree_leaves(arg.meta["val"])[leaf], torch.Tensor):
                 continue  # a getitem of a None output (e.g. an input gradient nobody needs)
+            bucketed = _parameter_traffic(arg, n)
             edges.append(Edge(u, v, prices.cached(
-                ("edge", kinds[u], leaf, kinds[v], j),
+                ("edge", kinds[u], leaf, kinds[v], j, bucketed),
                 lambda: _edge_matrix(arg, leaf, candidates[u], [c.inputs[j] for c in candidates[v]],
-                                     prices)), f"{arg.name} -> {n.name}"))
+                                     prices, bucketed)), f"{arg.name} -> {n.name}"))
 
     output = next(n for n in gm.graph.nodes if n.op == "output")
     specs = sig.outputs if sig is not None else ()
@@ -308,7 +317,7 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
             edges.append(Edge(u, t, prices.cached(
                 ("loop", kinds[u], kinds[t]),
                 lambda: _edge_matrix(arg, None, candidates[u], [c.outputs[0] for c in candidates[t]],
-                                     prices)), f"{arg.name} -> next step's {target.name}"))
+                                     prices, True)), f"{arg.name} -> next step's {target.name}"))
         else:
             sink[u] = sink[u] + prices.cached(("sink", kinds[u]), lambda: _edge_matrix(
                 arg, None, candidates[u], [NdSBP.broadcast(mesh.ndim)], prices)[:, 0])
@@ -330,14 +339,25 @@ def _resident_bytes(group: list[fx.Node], cand: NdSignature, training: bool, pri
     return total
 
 
+def _parameter_traffic(arg: fx.Node, user: fx.Node) -> bool:
+    """Whether the edge ``arg -> user`` carries parameter traffic that gets bucketed: a
+    parameter or optimizer state read from its placeholder, or a gradient (a
+    backward-phase value) entering the optimizer update."""
+    if arg.op == "placeholder":
+        return arg.meta.get("ddlc_role") in ("param", "opt_state")
+    phase = lambda n: getattr(n.meta.get("ddlc_origin"), "phase", None)  # noqa: E731
+    return phase(arg) == "backward" and phase(user) == "optimizer"
+
+
 def _edge_matrix(arg: fx.Node, leaf: int | None, src_cands: Sequence[NdSignature],
-                 dst_sbps: Sequence[NdSBP], prices: _Prices) -> np.ndarray:
+                 dst_sbps: Sequence[NdSBP], prices: _Prices, bucketed: bool = False) -> np.ndarray:
     """Boxing matrix of the tensor ``arg`` produces (its output ``leaf`` when read
     through getitem) from each producer candidate to each required input SBP."""
     if leaf is not None:
         return prices.edge_matrix(tree_leaves(arg.meta["val"])[leaf],
-                                  [c.outputs[leaf] for c in src_cands], dst_sbps)
-    return prices.edge_matrix(arg.meta["val"], [_output_sbp(c, arg) for c in src_cands], dst_sbps)
+                                  [c.outputs[leaf] for c in src_cands], dst_sbps, bucketed)
+    return prices.edge_matrix(arg.meta["val"], [_output_sbp(c, arg) for c in src_cands], dst_sbps,
+                              bucketed)
 
 
 def _output_sbp(cand: NdSignature, arg: fx.Node) -> NdSBP:

@@ -38,7 +38,16 @@ def _two_layer(batch: int, width: int, hidden: int):
 def _recomputed_objective(gm, mesh) -> float:
     """The modeled step time of the signatures in node.meta["ddlc"], summed straight from
     the cost models: roofline compute of every op at its local shapes, the boxing on
-    every edge, the loss gathered to B, and updated parameters back to their placement."""
+    every edge, the loss gathered to B, and updated parameters back to their placement;
+    parameter traffic (parameter reads, gradients entering the update, updated state) is
+    bucketed at run time, so it is priced without start-up latency."""
+    from ddlc.mesh import LinkModel
+    bucketed = ddlc.Mesh(mesh.shape, mesh.axis_names, mesh.profile,
+                         links=[LinkModel(0.0, link.bandwidth) for link in mesh.links])
+
+    def phase(node):
+        return node.meta["ddlc_origin"].phase if "ddlc_origin" in node.meta else None
+
     def out_sbp(node, leaf=0):
         return node.meta["ddlc"].outputs[leaf]
 
@@ -51,17 +60,20 @@ def _recomputed_objective(gm, mesh) -> float:
         for j, arg in enumerate(tensor_inputs(n)):
             leaf = selected_leaf(n) if n.target is operator.getitem else 0
             val = tree_leaves(arg.meta["val"])[leaf]
+            traffic = (arg.op == "placeholder" and arg.meta["ddlc_role"] in ("param", "opt_state")
+                       or (phase(arg), phase(n)) == ("backward", "optimizer"))
             total += boxing_seconds(tuple(val.shape), val.element_size(), out_sbp(arg, leaf),
-                                    sig.inputs[j], mesh)
+                                    sig.inputs[j], bucketed if traffic else mesh)
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     step = gm.meta["ddlc_step"]
     name_of = {(i.role, i.key): i.name for i in step.inputs}
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for spec, arg in zip(step.outputs, tree_leaves(output.args[0])):
         val = arg.meta["val"]
-        dst = (out_sbp(placeholders[name_of[(spec.role, spec.key)]]) if spec.role == "param"
-               else NdSBP.broadcast(mesh.ndim))
-        total += boxing_seconds(tuple(val.shape), val.element_size(), out_sbp(arg), dst, mesh)
+        loop = spec.role in ("param", "opt_state")
+        dst = out_sbp(placeholders[name_of[(spec.role, spec.key)]]) if loop else NdSBP.broadcast(mesh.ndim)
+        total += boxing_seconds(tuple(val.shape), val.element_size(), out_sbp(arg), dst,
+                                bucketed if loop else mesh)
     return total
 
 
