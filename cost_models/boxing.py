@@ -75,6 +75,7 @@ class BoxingStep:
     nbytes: int             # bytes on this axis' group: the tensor after the other axes' splits
     seconds: float
     algorithm: str | None   # "ring" / "tree" for collectives, None for local steps
+    runs_as: str | None = None  # the collective the backend runs instead (priced as that)
 
     @property
     def collective(self) -> str | None:
@@ -83,10 +84,12 @@ class BoxingStep:
     @property
     def formula(self) -> sympy.Expr:
         """The symbolic time (see :mod:`cost_models.collectives`), 0 for local steps."""
-        return collective_expr(self.kind, self.algorithm) if self.collective else sympy.Integer(0)
+        return collective_expr(self.runs_as or self.kind, self.algorithm) if self.collective \
+            else sympy.Integer(0)
 
     def __str__(self) -> str:
         how = f"{self.kind}[{self.algorithm}]" if self.collective else self.kind
+        how += f" as {self.runs_as}" if self.runs_as else ""
         return (f"axis {self.axis}: {self.src_sbp}->{self.dst_sbp} {how} {self.nbytes} B "
                 f"{self.seconds * 1e6:.2f} us   {self.before} -> {self.after}")
 
@@ -120,14 +123,17 @@ def _step(shape: tuple[int, ...], itemsize: int, mesh: Mesh, before: NdSBP, axis
     if any(x.is_split and x.dim in dims for x in before.per_axis[axis + 1:]):
         return None
     nbytes = itemsize * math.prod(local_shape(shape, before.replace(axis, B), mesh.shape))
-    algo, seconds = None, 0.0
+    algo, seconds, runs_as = None, 0.0, None
     if kind in COLLECTIVES:
         group, link = mesh.shape[axis], mesh.links[axis]
+        priced = mesh.profile.runs_as(kind)
+        runs_as = priced if priced != kind else None
         if algorithm == "auto":
-            algo, seconds = cheapest_algorithm(kind, nbytes, group, link)
+            algo, seconds = cheapest_algorithm(priced, nbytes, group, link)
         else:
-            algo, seconds = algorithm, collective_time(kind, nbytes, group, link, algorithm)
-    return BoxingStep(axis, kind, old, new, before, before.replace(axis, new), nbytes, seconds, algo)
+            algo, seconds = algorithm, collective_time(priced, nbytes, group, link, algorithm)
+    return BoxingStep(axis, kind, old, new, before, before.replace(axis, new), nbytes, seconds, algo,
+                      runs_as)
 
 
 @functools.lru_cache(maxsize=256)

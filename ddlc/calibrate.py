@@ -98,6 +98,7 @@ def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
                                                "float16": flops / 2},
             "memory_bandwidth": memory, "memory_capacity": 8.0e9,
             "cache": {"bytes": CACHE_BYTES, "bandwidth": cache},
+            "emulated_collectives": {"reduce_scatter": "all_reduce"},  # gloo: all-reduce + chunk
             "links": {"intra_node": link, "inter_node": link}}
 
 

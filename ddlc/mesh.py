@@ -52,7 +52,13 @@ class HardwareProfile:
     description: str = ""
     cache_bytes: float = 0.0                  # an op whose bytes fit here runs at cache_bandwidth
     cache_bandwidth: float = 0.0              # bytes/s (0: no cache level modeled)
+    emulated: tuple[tuple[str, str], ...] = ()  # collective -> the one the backend runs instead
     source: str = field(default="", compare=False)
+
+    def runs_as(self, collective: str) -> str:
+        """The collective the backend really runs for ``collective`` (gloo runs a
+        reduce-scatter as an all-reduce and keeps its chunk)."""
+        return dict(self.emulated).get(collective, collective)
 
     def flops_for(self, dtype: str) -> float:
         table = dict(self.flops)
@@ -70,7 +76,8 @@ class HardwareProfile:
                 inter_node=LinkModel(**d["links"]["inter_node"]),
                 description=d.get("description", ""), source=d.get("source", ""),
                 cache_bytes=float(d.get("cache", {}).get("bytes", 0.0)),
-                cache_bandwidth=float(d.get("cache", {}).get("bandwidth", 0.0)))
+                cache_bandwidth=float(d.get("cache", {}).get("bandwidth", 0.0)),
+                emulated=tuple(sorted(d.get("emulated_collectives", {}).items())))
         except (KeyError, TypeError) as e:
             raise MeshError(f"hardware profile is missing or mistypes field {e}") from None
 

@@ -190,7 +190,7 @@ class _Emitter:
         p, link = self.mesh.shape[step.axis], self.mesh.links[step.axis]
         nbytes = itemsize * math.prod(local_shape(shape, before.replace(step.axis, B), self.mesh.shape))
         seconds = step.seconds if nbytes == step.nbytes else \
-            collective_time(step.kind, nbytes, p, link, step.algorithm)
+            collective_time(self.mesh.profile.runs_as(step.kind), nbytes, p, link, step.algorithm)
         return CollectiveInfo(step.kind, step.axis, self.mesh.axis_names[step.axis], p, nbytes,
                               seconds, before, after)
 

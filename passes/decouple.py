@@ -33,7 +33,10 @@ Where the parameter's all-gather goes is decided per parameter:
   built from the plan: PipeDAP's merge and piggy-back moves mean "backward").
 
 Only signatures that the rules list for an operator are used; a parameter whose
-update cannot run on a shard (or a 0-d one) keeps its all-reduce.
+update cannot run on a shard (or a 0-d one) keeps its all-reduce, and so does one
+whose reduce-scatter and all-gather are modeled slower than its all-reduce plus the
+update compute saved (on backends that run a reduce-scatter as an all-reduce, such
+as gloo: the profile's ``emulated_collectives``).
 """
 from __future__ import annotations
 
@@ -45,9 +48,10 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
-from ddlc.mesh import Mesh
+from cost_models.collectives import collective_time
+from ddlc.mesh import LinkModel, Mesh
 from ddlc.plan import NodeSharding
-from ddlc.sbp import NdSBP, S, divides, padded_shape
+from ddlc.sbp import B, NdSBP, S, divides, local_shape, padded_shape
 from passes.rules import NdSignature, signatures_1d, signatures_nd, tensor_inputs
 from passes.sharding_problem import compute_seconds
 
@@ -220,13 +224,33 @@ def _gatherable(param: fx.Node, chain: list[fx.Node], axis: int, even: bool) -> 
     return True
 
 
+def _decoupling_pays(chain: list[fx.Node], param: fx.Node, placed: NdSBP, axis: int, mesh: Mesh) -> bool:
+    """Whether a reduce-scatter and an all-gather, priced as the backend runs them (gloo
+    runs a reduce-scatter as an all-reduce), cost no more than the all-reduce they replace
+    plus the update compute that running on a shard saves ((p-1)/p of it). Bandwidth
+    terms only: gradient collectives are bucketed, so start-ups are shared (as in the
+    sharding cost model)."""
+    p, runs_as = mesh.shape[axis], mesh.profile.runs_as
+    link = LinkModel(0.0, mesh.links[axis].bandwidth)
+    val = param.meta["val"]
+    nbytes = val.element_size() * math.prod(local_shape(tuple(val.shape), placed.replace(axis, B), mesh.shape))
+
+    def seconds(kind: str) -> float:
+        return collective_time(runs_as(kind), nbytes, p, link, "ring")
+
+    update = sum(compute_seconds(n, NdSignature(n.meta["ddlc"].inputs, n.meta["ddlc"].outputs), mesh)
+                 for n in chain)
+    return seconds("reduce_scatter") + seconds("all_gather") <= seconds("all_reduce") + update * (p - 1) / p
+
+
 def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward",
-             pinned: frozenset[str] = frozenset()) -> list[str]:
+             pinned: frozenset[str] = frozenset(), always: bool = False) -> list[str]:
     """Re-annotate (in place) every parameter update that an all-reduce feeds so it runs on
     a shard; returns the decoupled parameter names. ``ag_placement``: "forward",
     "backward", "auto", or a dict from parameter name to "forward"/"backward".
     Placeholders named in ``pinned`` keep their placement (their all-gather goes in the
-    step that updates them)."""
+    step that updates them). ``always`` decouples even where the model says it does not
+    pay (for the sharded optimizer state's memory)."""
     sig = gm.meta["ddlc_step"]
     if ag_placement == "auto":
         ag_placement = auto_placement(gm, mesh)
@@ -242,6 +266,10 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
             if mesh.shape[axis] == 1 or not _sbp(param)[axis].is_broadcast or arrives is False:
                 continue
             placed = _update_sbp(chain, shape)
+            if arrives is None and not always and not _decoupling_pays(chain, param, placed, axis, mesh):
+                log.info("parameter %s keeps its all-reduce on axis %d (reduce-scatter + "
+                         "all-gather modeled slower on this backend)", key, axis)
+                continue
             d = _split_dim(shape, placed, axis, mesh, prefer=arrives)
             even = d is not None and divides(shape, placed.replace(axis, S(d)), mesh.shape)
             new = {n: _reannotate(n, shape, axis, d, mesh, even) for n in chain} if d is not None else {}

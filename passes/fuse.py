@@ -104,7 +104,7 @@ def fuse(gm: fx.GraphModule, mesh: Mesh, cap: float) -> fx.GraphModule:
         waits = [next(iter(n.users)) for n in bucket]
         shapes = [tuple(w.meta["val"].shape) for w in waits]
         nbytes = sum(info_.nbytes for info_ in (n.meta["ddlc"] for n in bucket))
-        seconds = collective_time(kind, nbytes, p, mesh.links[info.axis], "ring")
+        seconds = collective_time(mesh.profile.runs_as(kind), nbytes, p, mesh.links[info.axis], "ring")
         pos = {n: i for i, n in enumerate(graph.nodes)}
         first_reader = min((u for w in waits for u in w.users), key=pos.__getitem__)
         with graph.inserting_before(first_reader), fake_mode(inputs[0]):

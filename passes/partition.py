@@ -101,7 +101,8 @@ def _split_one(graph: fx.Graph, node: fx.Node, k: int, mesh: Mesh) -> None:
             issued = _call(graph, node.target, *issue_args(kind, piece, p, group))
             issued.meta["ddlc"] = CollectiveInfo(
                 kind, info.axis, info.axis_name, p, nbytes,
-                collective_time(kind, nbytes, p, mesh.links[info.axis], "ring"), info.before, info.after)
+                collective_time(mesh.profile.runs_as(kind), nbytes, p, mesh.links[info.axis], "ring"),
+                info.before, info.after)
             issued.meta["ddlc_piece"] = (node.name, index, k)
             waits.append(_call(graph, _c10d.wait_tensor.default, issued))
     with graph.inserting_before(wait), fake_mode(x):

@@ -13,8 +13,9 @@ LINK = LinkModel(1e-5, 1e9)
 SLOW, FAST = LinkModel(2e-5, 4e10), LinkModel(1e-5, 3.6e11)
 
 
-def mesh(*shape, links=None):
-    return Mesh(shape, links=links or (LINK,) * len(shape))
+def mesh(*shape, links=None, profile="dgx-h100-ib"):
+    """A mesh whose backend runs every collective natively (NCCL), with test links."""
+    return Mesh(shape, links=links or (LINK,) * len(shape), profile=profile)
 
 
 def cost(shape, src, dst, m, **kw):
@@ -41,6 +42,16 @@ def test_each_one_axis_transition_is_one_step_priced_by_hand(src, dst, kind):
                 "all_reduce": 6e-5 + 6 / 4 * N / 1e9, "all_to_all": 3e-5 + 3 / 16 * N / 1e9,
                 "slice": 0.0, "zero": 0.0}[kind]
     assert plan.seconds == step.seconds == pytest.approx(expected, rel=1e-12)
+
+
+def test_an_emulated_collective_is_priced_as_what_the_backend_runs():
+    """Gloo runs a reduce-scatter as an all-reduce (keeping its chunk): cpu-gloo says so."""
+    plan = cost((8, 16), "P", "S1", mesh(4, profile="cpu-gloo"))
+    (step,) = plan.steps
+    assert (step.kind, step.runs_as) == ("reduce_scatter", "all_reduce")
+    assert plan.seconds == pytest.approx(ring("all_reduce", N, 4), rel=1e-12)
+    assert "reduce_scatter[ring] as all_reduce" in str(step)
+    assert step.formula == collective_expr("all_reduce", "ring")
 
 
 def test_no_change_costs_nothing():

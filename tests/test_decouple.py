@@ -67,7 +67,7 @@ def test_decoupled_updates_match_single_device(opt_name, placement):
     gm, mesh, model, data = _planned(opt_name)
     _replicate_updates(gm, mesh)
     before, before_seconds = _kinds(gm, mesh), _comm_seconds(gm, mesh)
-    done = decouple(gm, mesh, placement)
+    done = decouple(gm, mesh, placement, always=True)
     assert sorted(done) == sorted(k for k, _ in model.named_parameters())
     after = _kinds(gm, mesh)
     # the update now runs on 1/p of every parameter, with no extra traffic
@@ -96,7 +96,25 @@ def test_decoupled_updates_match_single_device(opt_name, placement):
 def test_pinned_parameters_keep_their_placement():
     gm, mesh, model, _ = _planned("sgd")
     pinned = frozenset(n.name for n in gm.graph.nodes if n.meta.get("ddlc_role") == "param")
-    decouple(gm, mesh, "forward", pinned)
+    decouple(gm, mesh, "forward", pinned, always=True)
     for n in gm.graph.nodes:
         if n.name in pinned:
             assert str(n.meta["ddlc"].outputs[0]) == "(B)"
+
+
+@pytest.mark.parametrize("profile, decoupled", [
+    ("dgx-h100-ib", ["layers.0.bias", "layers.0.weight", "layers.1.bias", "layers.1.weight"]),
+    ("cpu-gloo", ["layers.0.weight", "layers.1.weight"])])
+def test_decoupling_only_where_the_backend_makes_it_pay(profile, decoupled):
+    """NCCL's ring reduce-scatter + all-gather costs what the all-reduce does, so the
+    sharded update is a pure gain; gloo runs the reduce-scatter as a whole all-reduce, so
+    on a slow link the all-gather is extra traffic that SGD's cheap update of a bias
+    (whose gradient arrives as a partial sum) cannot pay for. The weights' gradients
+    arrive already reduce-scattered in this plan: their update moves onto the shard
+    at no extra traffic on either backend."""
+    gm, _, model, _ = _planned("sgd")
+    _replicate_updates(gm, ddlc.Mesh((4,)))
+    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-5, 1e8)], profile=profile)
+    done = decouple(copy.deepcopy(gm), mesh, "backward")
+    assert sorted(done) == decoupled
+    assert decouple(gm, mesh, "backward", always=True)  # forced: decoupled all the same

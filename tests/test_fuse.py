@@ -13,13 +13,11 @@ from cost_models.program import program_timeline
 from ddlc.runtime import collective_sequence, lower
 from ddlc.sbp import parse_sbp
 from ddlc.simulate import axis_group_names, simulate_steps
-from ddlc.zoo import MLP
 from distributed_cases import reference
 from passes.canonicalize import canonicalize
 from passes.decouple import decouple
 from passes.fuse import pack, unpack
 from passes.schedule import is_issue
-from passes.sharding import shard
 from test_decouple import BATCH, _planned, _replicate_updates
 
 
@@ -99,7 +97,7 @@ def test_split_collectives_train_like_single_device(ag_placement, kinds):
     for node in lowered[False].graph.nodes:
         if node.name in pieces:
             kind, k = pieces[node.name]
-            startup = collective_time(kind, 0, 4, mesh.links[0], "ring")
+            startup = collective_time(mesh.profile.runs_as(kind), 0, 4, mesh.links[0], "ring")
             assert seconds[node.name] == pytest.approx(node.meta["ddlc"].seconds + (k - 1) * startup)
     params = {k: v.detach() for k, v in model.named_parameters()}
     losses, params, _ = simulate_steps(gm, mesh, params, {}, data, fuse=False, partition=PIECE)
@@ -110,34 +108,82 @@ def test_split_collectives_train_like_single_device(ag_placement, kinds):
         torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
 
 
-def _wide_mlp():
-    """A data-parallel MLP whose 256x256 output layer's gradient is the one large collective."""
+class _HeadFirst(torch.nn.Module):
+    """Linear -> GELU -> Linear whose large output layer is registered, so its parameters
+    come, before the small first layer's."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(256, 256)
+        self.body = torch.nn.Linear(32, 256)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.body(x)))
+
+
+#: The forward and backward of :class:`_HeadFirst` with the batch split: weights read whole
+#: (B), activations split by rows, weight gradients partial sums.
+_BATCH_SPLIT = {
+    "t_copy": "(B) -> (B)", "addmm": "(B), (S0), (B) -> (S0)", "gelu": "(S0) -> (S0)",
+    "t_copy_1": "(B) -> (B)", "addmm_1": "(B), (S0), (B) -> (S0)", "mse_loss": "(S0), (S0) -> (P)",
+    "div_scalar": "(B) -> (B)", "ones_like": "(B) -> (B)", "div_scalar_1": "(B) -> (B)",
+    "mse_loss_backward": "(B), (S0), (S0) -> (S0)", "t_copy_2": "(B) -> (B)", "mm": "(S0), (B) -> (S0)",
+    "t_copy_3": "(S0) -> (S1)", "mm_1": "(S1), (S0) -> (P)", "sum_1": "(S0) -> (P)",
+    "view_copy": "(P) -> (P)", "t_copy_4": "(P) -> (P)", "gelu_backward": "(S0), (S0) -> (S0)",
+    "t_copy_5": "(S0) -> (S1)", "mm_2": "(S1), (S0) -> (P)", "sum_2": "(S0) -> (P)",
+    "view_copy_1": "(P) -> (P)", "t_copy_6": "(P) -> (P)"}
+
+
+def _fsdp_mlp():
+    """:class:`_HeadFirst` planned by hand, FSDP-style: each weight and its optimizer state
+    stay split by rows between steps (gathered for forward and backward, gradient
+    reduce-scattered, updated on the shard), biases replicated, batch of 1024 split. The
+    head's 256x256 weight is the one large all-gather, and it is issued first (parameter
+    order), so the first layer's all-gather, needed earlier, becomes ready while it is in
+    flight."""
+    from ddlc.plan import NodeSharding
+    from passes.rules.core import tensor_inputs
     torch.manual_seed(0)
-    model = MLP(32, 256, 256)
-    batch = (torch.randn(32, 32), torch.randn(32, 256))
+    model = _HeadFirst()
+    batch = (torch.randn(1024, 32), torch.randn(1024, 256))
     gm = canonicalize(ddlc.trace(model, batch, F.mse_loss, torch.optim.AdamW(model.parameters())))
-    names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
-    pins = dict.fromkeys(["input0", "input1"], "(S0)") | {k: "(B)" for k, _ in model.named_parameters()}
-    shard(gm, ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-7, 1e10)]),
-          fixed={names[k]: parse_sbp(v) for k, v in pins.items()})
-    _replicate_updates(gm, ddlc.Mesh((4,)))
+
+    def rows_if_matrix(node):  # weights and their state split by rows, the rest replicated
+        return parse_sbp("(S0)" if node.meta["val"].dim() == 2 else "(B)")
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            sbp = parse_sbp("(S0)") if node.meta["ddlc_role"] == "input" else rows_if_matrix(node)
+            node.meta["ddlc"] = NodeSharding((), (sbp,))
+        elif node.op == "call_function" and node.meta["ddlc_origin"].phase == "optimizer":
+            node.meta["ddlc"] = NodeSharding(tuple(map(rows_if_matrix, tensor_inputs(node))),
+                                             (rows_if_matrix(node),))
+        elif node.op == "call_function":
+            ins, out = _BATCH_SPLIT[node.name].split(" -> ")
+            node.meta["ddlc"] = NodeSharding(tuple(parse_sbp(s) for s in ins.split(", ")),
+                                             (parse_sbp(out),))
     return gm
 
 
 @pytest.mark.parametrize("latency, splits", [(1e-6, True), (1e-3, False)])
 def test_piece_size_is_chosen_by_the_timeline_model(latency, splits):
-    """On a slow link, splitting the large collective lets the optimizer's first, urgent
-    collective go between its pieces, which pays for the extra start-ups unless each
-    start-up costs a millisecond."""
-    gm = _wide_mlp()
+    """On a slow link, splitting the head's large all-gather lets the first layer's urgent
+    all-gather go between its pieces, so the first layer runs while the rest of the head
+    arrives; that pays for the extra start-ups and the merge unless each start-up costs a
+    millisecond. Fusion is off: bucketing, chosen before the pieces, would put both
+    all-gathers in one collective."""
+    gm = _fsdp_mlp()
     mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(latency, 1e8)])
-    chosen = lower(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh))
-    whole = lower(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), partition=False)
+    chosen = lower(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False)
+    whole = lower(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False, partition=False)
     made = program_timeline(chosen, mesh.profile).makespan
     assert (chosen.meta["ddlc_piece_bytes"] < math.inf) == splits == bool(_pieces(chosen))
+    assert [(k, b) for k, _, b in collective_sequence(whole)][:2] == [("all_gather", 256 * 256 * 4),
+                                                                       ("all_gather", 256 * 32 * 4)]
     if splits:
         assert made < program_timeline(whole, mesh.profile).makespan
         issues = [n for n in chosen.graph.nodes if is_issue(n)]
-        split_at = [i for i, n in enumerate(issues) if "ddlc_piece" in n.meta]
-        between = issues[split_at[0]:split_at[-1]]
-        assert any("ddlc_piece" not in n.meta for n in between)  # interleaved between pieces
+        head = issues[0].meta["ddlc_piece"][0]  # the head's all-gather, issued first
+        at = [i for i, n in enumerate(issues) if n.meta.get("ddlc_piece", (None,))[0] == head]
+        between = [n.meta["ddlc"] for n in issues[at[0]:at[-1]] if "ddlc_piece" not in n.meta]
+        assert [(c.kind, c.nbytes) for c in between] == [("all_gather", 32768)]  # the first layer's

@@ -73,7 +73,7 @@ def _planned(opt_name, mesh_shape):
 
 def _decoupled(opt_name, mesh_shape, placement="forward"):
     gm, mesh, model = _planned(opt_name, mesh_shape)
-    return gm, mesh, model, decouple(gm, mesh, placement)
+    return gm, mesh, model, decouple(gm, mesh, placement, always=True)
 
 
 def _coords(mesh):
@@ -150,7 +150,7 @@ def test_a_reader_wanting_a_split_keeps_an_uneven_parameter_whole():
     reader.meta["ddlc"] = NodeSharding(
         tuple(NdSBP((S(0),)) if a is bias else x for x, a in zip(info.inputs, tensor_inputs(reader))),
         info.outputs)
-    assert "layers.1.bias" in decouple(gm, mesh, "forward")
+    assert "layers.1.bias" in decouple(gm, mesh, "forward", always=True)
     placed = {n.name: str(n.meta["ddlc"].outputs[0]) for n in gm.graph.nodes if n.op == "placeholder"}
     assert placed["p_layers_1_bias"] == "(B)" and placed["st_layers_1_bias_momentum_buffer"] == "(S0)"
     assert placed["p_layers_0_bias"] == "(S0)"
