@@ -34,8 +34,8 @@ from ddlc.mesh import HardwareProfile
 from .compute import op_time
 from .timeline import COMPUTE, Timeline, TimelineResult
 
-__all__ = ["ALIASES", "ProgramClock", "allocated_bytes", "live_bytes", "owner", "program_timeline",
-           "reads_until", "releases"]
+__all__ = ["ALIASES", "ProgramClock", "allocated_bytes", "live_bytes", "order_timeline", "owner",
+           "program_timeline", "reads_until", "releases"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -143,6 +143,10 @@ class ProgramClock:
     def free_at(self, stream: str) -> float:
         return self.timeline.free_at(stream)
 
+    def ends(self, node: fx.Node) -> float:
+        """When the task of ``node`` (added already) ends."""
+        return self.timeline.end[self.task_of[node]]
+
     def add(self, node: fx.Node) -> None:
         """Add ``node``'s task (none for placeholders and the output; a wait is an empty
         compute task that ends when its collective does)."""
@@ -163,7 +167,11 @@ class ProgramClock:
 
 def program_timeline(gm: fx.GraphModule, profile: HardwareProfile) -> TimelineResult:
     """Simulate ``gm`` (lowered: local shapes, CollectiveInfo on collectives)."""
-    nodes = list(gm.graph.nodes)
+    return order_timeline(list(gm.graph.nodes), profile)
+
+
+def order_timeline(nodes: list[fx.Node], profile: HardwareProfile) -> TimelineResult:
+    """Simulate the nodes of a lowered graph in the program order ``nodes``."""
     clock = ProgramClock(profile, releases(nodes))
     resident = sum(allocated_bytes(n) for n in nodes if n.op in ("placeholder", "get_attr"))
     clock.timeline.add("inputs (resident)", COMPUTE, 0.0, alloc=resident, category="inputs")

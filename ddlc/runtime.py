@@ -111,13 +111,14 @@ def _even(gm: fx.GraphModule, mesh: Mesh) -> bool:
 def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str], *,
           schedule: bool = True, fuse: bool | float = True, partition: bool | float = True,
           max_inflight_bytes: float = float("inf"),
-          max_live_bytes: float | None = None) -> fx.GraphModule:
+          max_live_bytes: float | None = None, updates: str = "auto") -> fx.GraphModule:
     """The lowering passes for one rank of a sharded graph (annotated by the plan):
     insert collectives on the per-axis process groups ``groups``, localize shapes,
     fuse small collectives (``fuse``: True lets the timeline model choose the bucket cap,
     a number fixes it in bytes), split large ones (``partition``: likewise, the piece
-    size), order collectives. Needs no process group, so tests can
-    lower every rank in one process."""
+    size), order collectives and place optimizer updates (``updates``: "end", "early"
+    inside backward, or "auto": by the timeline model, :func:`passes.schedule.schedule`).
+    Needs no process group, so tests can lower every rank in one process."""
     from passes.collectives import insert_collectives
     from passes.fuse import fuse as fuse_with_cap, fuse_best
     from passes.localize import localize
@@ -129,13 +130,13 @@ def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence
         # bucket cap, piece size and order that mesh coordinate 0 (the largest pieces) chooses
         leader = lower(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, groups, schedule=schedule,
                        fuse=fuse, partition=partition, max_inflight_bytes=max_inflight_bytes,
-                       max_live_bytes=max_live_bytes)
+                       max_live_bytes=max_live_bytes, updates=updates)
         fuse = leader.meta.get("ddlc_bucket_cap", fuse)
         partition = leader.meta.get("ddlc_piece_bytes", partition)
     insert_collectives(gm, mesh, groups, coord)
     localize(gm, mesh, coord)
-    order = (lambda g: schedule_collectives(g, max_inflight_bytes, max_live_bytes, mesh.profile)) \
-        if schedule else None
+    order = (lambda g: schedule_collectives(g, max_inflight_bytes, max_live_bytes, mesh.profile,
+                                            updates)) if schedule else None
     if fuse is True:
         gm.meta["ddlc_bucket_cap"] = fuse_best(gm, mesh, order)
     elif fuse:
@@ -154,10 +155,10 @@ def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence
 def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None, *,
             num_targets: int = 1, solver: str = "cd", memory_budget: float | None = None,
             placements: Mapping[str, object] | None = None, batch: str = "global",
-            profile: str | None = None, decouple: bool = True, ag_placement: str = "auto",
+            profile: str | None = None, decouple: bool | str = True, ag_placement: str = "auto",
             schedule: bool = True, fuse: bool = True,
             max_inflight_bytes: float = float("inf"),
-            max_live_bytes: float | None = None) -> "CompiledStep":
+            max_live_bytes: float | None = None, updates: str = "auto") -> "CompiledStep":
     """Compile ``model``'s training step (or forward pass without ``loss_fn``) for ``mesh``.
 
     ``mesh``: a :class:`ddlc.Mesh`, shape tuple, string like ``"2x2"`` or a
@@ -166,11 +167,14 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     ``step`` receives the whole batch and each rank takes its part; ``"local"``
     means each rank passes its own part (shape: see ``CompiledStep.local_input_shapes``).
     ``decouple`` turns gradient all-reduces into reduce-scatter + update on the shard +
-    all-gather, the all-gather placed per ``ag_placement`` ("forward", "backward" or
+    all-gather where the cost model says it pays (``"always"``: wherever it can), the
+    all-gather placed per ``ag_placement`` ("forward", "backward" or
     "auto": :mod:`passes.decouple`). ``fuse`` buckets small collectives (:mod:`passes.fuse`).
     ``schedule`` reorders collectives for overlap (:mod:`passes.schedule`), keeping at
     most ``max_inflight_bytes`` in flight and, with ``max_live_bytes``, not issuing a
-    collective early where that would take the live bytes above it.
+    collective early where that would take the live bytes above it. ``updates``: optimizer
+    updates at the end of the step ("end"), inside backward as their reduce-scatters land
+    ("early"), or whichever the timeline model predicts faster ("auto").
     """
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -197,14 +201,15 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     def make_plan():
         plan = shard(gm, mesh, solver=solver, memory_budget=memory_budget, fixed=fixed)
         if decouple:
-            plan.stats["decoupled"] = len(decouple_updates(gm, mesh, ag_placement, frozenset(fixed)))
+            plan.stats["decoupled"] = len(decouple_updates(gm, mesh, ag_placement, frozenset(fixed),
+                                                           always=decouple == "always"))
         return plan
 
     plan = _plan_on_rank0(gm, mesh, make_plan)
     coord = tuple(device_mesh.get_coordinate())
     groups = [device_mesh.get_group(i).group_name for i in range(mesh.ndim)]
     lower(gm, mesh, coord, groups, schedule=schedule, fuse=fuse, max_inflight_bytes=max_inflight_bytes,
-          max_live_bytes=max_live_bytes)
+          max_live_bytes=max_live_bytes, updates=updates)
     fingerprint = _check_fingerprint(gm)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")

@@ -20,14 +20,31 @@ order:
   the same link, or when something reads it; so a collective that becomes ready
   meanwhile goes between pieces instead of behind all of them;
 - a ``wait_tensor`` is emitted only right before the first node that reads it;
+- with ``updates="early"`` (PipeDAP's all-gather "moved into backward"), an
+  optimizer update runs inside backward: an optimizer-phase operator that
+  depends on the batch (through its gradient) is emitted, ahead of the
+  remaining backward, once its inputs exist and the collectives whose results
+  it reads are modeled (by the program clock) to have finished by the compute
+  stream's current time, so its wait does not stall; when nothing else is left,
+  the update whose collectives finish first goes next. The update's operators
+  that depend on parameters and optimizer state alone (step count, bias
+  corrections, a parameter's shard) are emitted just before the first early
+  operator that reads them, and the update's all-gather is then issued at once;
+  nodes after that all-gather's wait stay late. Early operators and what they
+  pull in count as one hoist for ``max_live_bytes`` (refused: the operator
+  keeps its original place);
 - everything else keeps its original relative order.
 
 So a gradient's reduce-scatter starts the moment backward produces the
-gradient and is waited just before the optimizer update reads it, and a
-parameter's all-gather for the forward pass starts ahead of the layers before
-it. The order depends on the graph alone (ties go to the original position),
-so every rank computes the same collective sequence. :func:`check_waits`
-verifies statically that no collective output is read except through its wait.
+gradient and is waited just before the optimizer update reads it (at the end
+of backward, or inside it with early updates), and a parameter's all-gather
+for the forward pass starts ahead of the layers before it. ``updates="auto"``
+builds both orders and keeps the one with the shorter modeled makespan
+(:func:`cost_models.program.order_timeline`; ties: "end"). The order depends on
+the graph and the cost model alone, never on measured time (ties go to the
+original position), so every rank computes the same collective sequence.
+:func:`check_waits` verifies statically that no collective output is read
+except through its wait.
 """
 from __future__ import annotations
 
@@ -37,11 +54,16 @@ import numpy as np
 import torch
 from torch import fx
 
-from cost_models.program import ProgramClock, allocated_bytes, live_bytes, owner, reads_until, releases
+from cost_models.program import (ProgramClock, allocated_bytes, live_bytes, order_timeline, owner,
+                                  reads_until, releases)
 from ddlc.errors import LoweringError
 from ddlc.mesh import HardwareProfile
 
-__all__ = ["schedule", "follow", "check_waits", "is_issue", "is_wait"]
+__all__ = ["schedule", "follow", "check_waits", "is_issue", "is_wait", "UPDATES"]
+
+#: Where optimizer updates go: "end" (after backward, their original place) or "early"
+#: (inside backward, once their gradient's collective is modeled done).
+UPDATES = ("end", "early")
 
 _c10d = torch.ops._c10d_functional
 ISSUE_OPS = {_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default,
@@ -84,6 +106,48 @@ def _eager(nodes: list[fx.Node]) -> set[fx.Node]:
     return _feeders(nodes, {n for n in nodes if is_issue(n) and not any(is_wait(a) for a in n.all_input_nodes)})
 
 
+def _updates(nodes: list[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """(the update nodes that may run early, the static update nodes they pull in).
+    Update nodes: operators of the optimizer phase other than collectives and waits, and
+    unannotated ones that only they read (a fused or split collective's unpacking). Those
+    after a collective that an update feeds (unpacking a gathered parameter) are not early:
+    their wait stays late. Static ones are computed from the parameters, buffers and
+    optimizer state alone, not from the batch (the step count, a parameter's shard): they
+    run where they are, or when an early update reads them."""
+    update = set()
+    for node in reversed(nodes):
+        if node.op != "call_function" or is_issue(node) or is_wait(node):
+            continue
+        origin = node.meta.get("ddlc_origin")
+        if (origin is not None and origin.phase == "optimizer") or \
+                (origin is None and node.users and all(u in update for u in node.users)):
+            update.add(node)
+    static = _static(nodes)
+    return update - static - _after_updated_collectives(nodes, update), update & static
+
+
+def _static(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The nodes computed from the parameters, buffers and optimizer state alone."""
+    static = set()
+    for node in nodes:
+        state = node.op == "get_attr" or (node.op == "placeholder" and node.meta.get("ddlc_role") != "input")
+        if state or (node.op == "call_function" and all(a in static for a in node.all_input_nodes)):
+            static.add(node)
+    return static
+
+
+def _after_updated_collectives(nodes: list[fx.Node], update: set[fx.Node]) -> set[fx.Node]:
+    """The nodes that read (transitively) the wait of a collective ``update`` feeds."""
+    fed, after = set(), set()
+    for node in nodes:
+        inputs = node.all_input_nodes
+        if any(a in update or a in fed for a in inputs):
+            fed.add(node)
+        if any(a in after or (is_wait(a) and a.args[0] in fed) for a in inputs):
+            after.add(node)
+    return after
+
+
 class _LiveCap:
     """The live bytes of the original order while each node runs, changed by every hoist
     admitted so far; refuses a hoist that would take them above ``cap``."""
@@ -116,14 +180,26 @@ class _LiveCap:
         window += delta[:len(window)]
         return True
 
+    def admit_all(self, nodes: list[fx.Node], frontier: int, position: dict[fx.Node, int],
+                  emitted: set[fx.Node]) -> bool:
+        """:meth:`admit` for each of ``nodes`` in turn (run one after the other at
+        ``frontier``); all or none: if one is refused, the others are undone."""
+        saved, done = self.live.copy(), set(emitted)
+        for node in nodes:
+            if not self.admit(node, frontier, position[node], done):
+                self.live = saved
+                return False
+            done.add(node)
+        return True
+
 
 class _Pieces:
     """Held pieces of split collectives: per split, its pieces after the first (in order)
     once the first is issued, and the program clock that says when their link idles."""
 
-    def __init__(self, nodes: list[fx.Node], profile: HardwareProfile):
+    def __init__(self, nodes: list[fx.Node], clock: ProgramClock):
         position = {n: i for i, n in enumerate(nodes)}
-        self.clock = ProgramClock(profile)
+        self.clock = clock
         issues = [n for n in nodes if "ddlc_piece" in n.meta]
         self.later = {n for n in issues if n.meta["ddlc_piece"][1] > 0}
         self.held = _feeders(nodes, self.later)
@@ -178,14 +254,17 @@ class _Scheduler:
     """One run of the list scheduler over ``nodes`` (see the module docstring)."""
 
     def __init__(self, nodes: list[fx.Node], max_inflight_bytes: float, max_live_bytes: float | None,
-                 profile: HardwareProfile | None):
+                 profile: HardwareProfile | None, updates: str = "end"):
         self.position = {n: i for i, n in enumerate(nodes)}
-        self.eager = _eager(nodes)
+        self.early, self.static = _updates(nodes) if updates == "early" else (set(), set())
+        self.eager = _eager(nodes) - self.early - self.static
         self.max_inflight = max_inflight_bytes
         self.memory = _LiveCap(nodes, max_live_bytes) if max_live_bytes is not None else None
-        split = profile is not None and any("ddlc_piece" in n.meta for n in nodes)
-        self.pieces = _Pieces(nodes, profile) if split else None
-        deps = {n: _depends_on(n) for n in nodes}
+        split = any("ddlc_piece" in n.meta for n in nodes)
+        timed = profile is not None and (split or updates == "early")
+        self.clock = ProgramClock(profile) if timed else None
+        self.pieces = _Pieces(nodes, self.clock) if timed and split else None
+        deps = {n: _depends_on(n) - self.static if n in self.early else _depends_on(n) for n in nodes}
         self.waiting_on = {n: [] for n in nodes}
         for node, inputs in deps.items():
             for a in inputs:
@@ -193,6 +272,8 @@ class _Scheduler:
         self.missing = {n: len(deps[n]) for n in nodes}
         self.ready_eager: list[tuple[int, fx.Node]] = []
         self.ready_other: list[tuple[int, fx.Node]] = []
+        self.gated: list[tuple[float, int, fx.Node]] = []  # early updates by when their inputs arrive
+        self.ready_updates: list[tuple[int, fx.Node]] = []  # early updates whose inputs have arrived
         self.order: list[fx.Node] = []
         self.emitted: set[fx.Node] = set()
         self.inflight: dict[fx.Node, int] = {}  # issued, not yet waited; in issue order
@@ -201,16 +282,34 @@ class _Scheduler:
     def _push(self, node: fx.Node) -> None:
         if is_wait(node) or (self.pieces and node in self.pieces.held):
             return  # emitted on demand
+        if node in self.early:  # waits until its collectives' results arrive (modeled)
+            arrives = max((self.clock.ends(a.args[0]) for a in node.all_input_nodes if is_wait(a)),
+                          default=0.0)
+            heapq.heappush(self.gated, (arrives, self.position[node], node))
+            return
         heapq.heappush(self.ready_eager if node in self.eager else self.ready_other,
                        (self.position[node], node))
 
     def _fits(self, node: fx.Node) -> bool:
         return not self.inflight or sum(self.inflight.values()) + _nbytes(node) <= self.max_inflight
 
-    def _hoist(self, node: fx.Node) -> bool:
-        """Whether ``node`` may go here rather than at its original position (memory cap)."""
-        return self.memory is None or self.memory.admit(node, self.frontier, self.position[node],
-                                                        self.emitted)
+    def _hoist(self, *nodes: fx.Node) -> bool:
+        """Whether ``nodes`` may go here rather than at their original positions (memory cap)."""
+        return self.memory is None or self.memory.admit_all(list(nodes), self.frontier, self.position,
+                                                            self.emitted)
+
+    def _pulled(self, node: fx.Node) -> list[fx.Node]:
+        """The static update nodes not yet emitted that ``node`` reads (transitively), inputs
+        first, then ``node``: what emitting it emits."""
+        out: list[fx.Node] = []
+
+        def visit(n: fx.Node) -> None:
+            for a in n.all_input_nodes:
+                if a in self.static and a not in self.emitted and a not in out:
+                    visit(a)
+            out.append(n)
+        visit(node)
+        return out
 
     def emit(self, node: fx.Node) -> None:
         if node in self.emitted:
@@ -242,8 +341,9 @@ class _Scheduler:
     def _append(self, node: fx.Node) -> None:
         self.order.append(node)
         self.emitted.add(node)
+        if self.clock:
+            self.clock.add(node)
         if self.pieces:
-            self.pieces.clock.add(node)
             if node.meta.get("ddlc_piece", (None, None))[1] == 0:
                 self.pieces.started(node)
         if is_issue(node):
@@ -256,18 +356,39 @@ class _Scheduler:
                 self._push(user)
 
     def _next(self) -> fx.Node | None:
-        """The next node to emit from the ready queues (None: both are empty)."""
-        while self.ready_eager or self.ready_other:
-            if self.ready_eager and (self._fits(self.ready_eager[0][1]) or not self.ready_other):
+        """The next node to emit from the ready queues (None: all are empty): a collective
+        that fits, else an early update whose inputs have arrived by the compute stream's
+        modeled time, else the next node in original order, else (nothing else left) the
+        early update whose inputs arrive first."""
+        while self.ready_eager or self.ready_other or self.gated or self.ready_updates:
+            self._arrived()
+            if self.ready_eager and (self._fits(self.ready_eager[0][1])
+                                     or not (self.ready_other or self.gated or self.ready_updates)):
                 position, node = heapq.heappop(self.ready_eager)
                 if self._hoist(node):
                     return node
                 heapq.heappush(self.ready_other, (position, node))  # not hoisted: stays in place
-                continue
-            position, node = heapq.heappop(self.ready_other)
-            self.frontier = max(self.frontier, position + 1)
-            return node
+            elif self.ready_updates:
+                position, node = heapq.heappop(self.ready_updates)
+                if self._hoist(*self._pulled(node)):
+                    return node
+                heapq.heappush(self.ready_other, (position, node))
+            elif self.ready_other:
+                position, node = heapq.heappop(self.ready_other)
+                if node not in self.emitted:  # else a static node an early update pulled in
+                    self.frontier = max(self.frontier, position + 1)
+                    return node
+            else:
+                _, position, node = heapq.heappop(self.gated)
+                heapq.heappush(self.ready_updates, (position, node))
         return None
+
+    def _arrived(self) -> None:
+        """Early updates whose waited collectives end by the compute stream's modeled time
+        become ready."""
+        while self.gated and self.gated[0][0] <= self.clock.now:
+            _, position, node = heapq.heappop(self.gated)
+            heapq.heappush(self.ready_updates, (position, node))
 
     def run(self, nodes: list[fx.Node]) -> list[fx.Node]:
         for node in nodes:
@@ -286,19 +407,48 @@ class _Scheduler:
 
 
 def schedule(gm: fx.GraphModule, max_inflight_bytes: float = float("inf"),
-             max_live_bytes: float | None = None, profile: HardwareProfile | None = None) -> fx.GraphModule:
+             max_live_bytes: float | None = None, profile: HardwareProfile | None = None,
+             updates: str = "end") -> fx.GraphModule:
     """Reorder ``gm`` in place (see the module docstring) and return it. ``max_live_bytes``
     applies only if the order without it exceeds it (a refused hoist can also keep an input
     alive that the hoist would free). ``profile`` times the program for holding back the
     pieces of split collectives (without it, they are issued as soon as they can be, like
-    any collective)."""
+    any collective) and for early updates. ``updates``: one of :data:`UPDATES`, or "auto":
+    the one whose order has the shorter modeled makespan (ties: "end"); the choice is
+    recorded in ``gm.meta["ddlc_updates"]``."""
+    options = UPDATES if updates == "auto" else (updates,)
+    if updates not in UPDATES + ("auto",):
+        raise ValueError(f"updates must be one of {UPDATES + ('auto',)}, got {updates!r}")
+    if profile is None and "early" in options:
+        raise ValueError(f"updates={updates!r} needs a profile to time the program")
     nodes = list(gm.graph.nodes)
-    order = _Scheduler(nodes, max_inflight_bytes, None, profile).run(nodes)
-    if max_live_bytes is not None and max(live_bytes(order)) > max_live_bytes:
-        order = _Scheduler(nodes, max_inflight_bytes, max_live_bytes, profile).run(nodes)
-    _reorder(gm, order)
+    orders = {u: _order(nodes, max_inflight_bytes, max_live_bytes, profile, u) for u in options}
+    gm.meta["ddlc_updates"] = _shortest(orders, profile)
+    _reorder(gm, orders[gm.meta["ddlc_updates"]])
     check_waits(gm)
     return gm
+
+
+def _order(nodes: list[fx.Node], max_inflight_bytes: float, max_live_bytes: float | None,
+           profile: HardwareProfile | None, updates: str) -> list[fx.Node]:
+    """The scheduled order; again under the live-bytes cap if the first one exceeds it."""
+    order = _Scheduler(nodes, max_inflight_bytes, None, profile, updates).run(nodes)
+    if max_live_bytes is not None and max(live_bytes(order)) > max_live_bytes:
+        order = _Scheduler(nodes, max_inflight_bytes, max_live_bytes, profile, updates).run(nodes)
+    return order
+
+
+def _shortest(orders: dict[str, list[fx.Node]], profile: HardwareProfile | None) -> str:
+    """The key of the order with the shortest modeled makespan; ties go to the earlier key
+    (a single order, or one equal to the best so far, is not timed)."""
+    best = None
+    for key, order in orders.items():
+        if best is not None and order == orders[best[1]]:
+            continue
+        makespan = order_timeline(order, profile).makespan if len(orders) > 1 else 0.0
+        if best is None or makespan < best[0] - 1e-12:
+            best = (makespan, key)
+    return best[1]
 
 
 def follow(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:

@@ -48,7 +48,12 @@ def reference(model_name: str, opt_name: str | None, mode: str = "train", batch:
         loss.backward()
         return {"losses": [loss.detach()],
                 "gradients": {k: p.grad for k, p in model.named_parameters()}}
-    opt = optimizer(opt_name, model)
+    return train(model, loss_fn, optimizer(opt_name, model), data)
+
+
+def train(model, loss_fn, opt, data):
+    """Eager single-device steps of ``model`` with ``opt`` on ``data`` (batches whose last
+    entry is the target): losses, final parameters, optimizer state ("<param>:<state>")."""
     losses = []
     for b in data:
         opt.zero_grad()

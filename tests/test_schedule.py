@@ -1,6 +1,7 @@
 """Collective ordering: issue early, wait late, same sequence on every rank, static checks,
-a cap on live bytes."""
+a cap on live bytes, optimizer updates inside backward."""
 import copy
+import functools
 import itertools
 
 import pytest
@@ -15,8 +16,9 @@ from ddlc.simulate import axis_group_names, simulate_steps
 from ddlc.zoo import GPT, MLP, lm_loss
 from passes.canonicalize import canonicalize
 from passes.decouple import decouple
-from passes.schedule import _eager, check_waits, is_issue, is_wait, schedule
+from passes.schedule import UPDATES, _eager, check_waits, is_issue, is_wait, schedule
 from passes.sharding import shard
+from distributed_cases import train
 from test_decouple import _replicate_updates
 
 DP_GPT = {"input0": "(S0, S0)", "input1": "(S0, S0)"}
@@ -182,3 +184,133 @@ def test_memory_cap_keeps_issue_early_from_raising_the_peak(prefetching):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for name, value in expected.items():
         torch.testing.assert_close(params[name], value.detach(), rtol=1e-4, atol=1e-5)
+
+
+def _single_device(model, loss_fn, data):
+    """Losses, parameters and optimizer state ("<param>:<state>") of AdamW steps on ``data``."""
+    model = copy.deepcopy(model)
+    result = train(model, loss_fn, _adamw(model), data)
+    return result["losses"], result["params"], result["opt_state"]
+
+
+#: CPU-speed compute with a backend that runs reduce-scatter natively (as NCCL does; gloo
+#: emulates it with an all-reduce, which makes decoupling not pay)
+NATIVE_RS = ddlc.mesh.HardwareProfile.from_dict({
+    "name": "cpu-native-rs", "devices_per_node": 64, "flops": {"float32": 2e10},
+    "memory_bandwidth": 1e10, "memory_capacity": 8e9,
+    "links": dict.fromkeys(["intra_node", "inter_node"], {"latency": 1e-7, "bandwidth": 1e10})})
+
+
+@functools.lru_cache(maxsize=None)
+def _decoupled(model_name, link_bandwidth):
+    """A data-parallel AdamW step on (4,) over links of ``link_bandwidth`` bytes/s, updates on
+    shards (reduce-scatter) with their all-gathers in the same step; the model, 3 batches and
+    their single-device results."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if model_name == "mlp":
+        model, loss_fn = MLP(64, 128, 64, depth=3), F.mse_loss
+        data = [(torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)) for _ in range(3)]
+    else:  # "gpt" or "gpt-tied": the embedding is also the LM head, read in both places
+        model, loss_fn = GPT(tied=model_name == "gpt-tied"), lm_loss
+        data = [(torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g))
+                for _ in range(3)]
+    gm = canonicalize(ddlc.trace(model, data[0], loss_fn, _adamw(model)))
+    names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
+    mesh = ddlc.Mesh((4,), profile=NATIVE_RS, links=[ddlc.LinkModel(1e-7, link_bandwidth)])
+    pins = dict.fromkeys(["input0", "input1"], "(S0)") | {k: "(B)" for k, _ in model.named_parameters()}
+    shard(gm, mesh, fixed={names[k]: ddlc.sbp.parse_sbp(v) for k, v in pins.items()})
+    _replicate_updates(gm, mesh)
+    assert decouple(gm, mesh, "backward")
+    return gm, mesh, model, data, _single_device(model, loss_fn, data)
+
+
+#: (model, link bandwidth) where gradients' reduce-scatters end during backward
+INSIDE_BACKWARD = [("mlp", 1e10), ("gpt", 3e8)]
+
+
+def _lower_rank(gm, mesh, coord, **kw):
+    return lower(copy.deepcopy(gm), mesh, coord, axis_group_names(mesh), **kw)
+
+
+def _phase(node):
+    origin = node.meta.get("ddlc_origin")
+    return origin.phase if origin else None
+
+
+def _inside_backward(gm):
+    """(operators, all-gather issues) of the optimizer phase that read a reduce-scatter's
+    result (transitively) and come before the last backward operator."""
+    nodes = list(gm.graph.nodes)
+    last = max(i for i, n in enumerate(nodes) if _phase(n) == "backward" and n.op == "call_function"
+               and not (is_issue(n) or is_wait(n)))
+    after_rs = set()
+    for node in nodes:
+        if any(a in after_rs or (is_wait(a) and a.args[0].meta["ddlc"].kind == "reduce_scatter")
+               for a in node.all_input_nodes):
+            after_rs.add(node)
+    early = [n for n in nodes[:last] if n in after_rs and _phase(n) == "optimizer"]
+    return ([n for n in early if not (is_issue(n) or is_wait(n))],
+            [n for n in early if is_issue(n) and n.meta["ddlc"].kind == "all_gather"])
+
+
+@pytest.mark.parametrize("model_name,link", INSIDE_BACKWARD)
+def test_early_updates_run_inside_backward(model_name, link):
+    gm, mesh, *_ = _decoupled(model_name, link)
+    updates, gathers = _inside_backward(_lower_rank(gm, mesh, (0,), updates="early"))
+    assert updates and gathers
+    assert _inside_backward(_lower_rank(gm, mesh, (0,), updates="end")) == ([], [])
+
+
+@pytest.mark.parametrize("model_name,link", INSIDE_BACKWARD + [("gpt-tied", 3e8)])
+def test_early_updates_match_single_device(model_name, link):
+    gm, mesh, model, data, (losses, expected, state) = _decoupled(model_name, link)
+    assert _inside_backward(_lower_rank(gm, mesh, (0,), updates="early"))[0]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    got, params, opt_state = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data,
+                                            updates="early")
+    for a, b in zip(got, losses):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name, value in expected.items():
+        torch.testing.assert_close(params[name], value.detach(), rtol=1e-4, atol=1e-5)
+    for name, value in state.items():
+        torch.testing.assert_close(opt_state[name], value.to(torch.float32), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_name,link", INSIDE_BACKWARD)
+def test_early_updates_give_every_rank_the_same_collective_sequence(model_name, link):
+    gm, mesh, *_ = _decoupled(model_name, link)
+    ranks = [_lower_rank(gm, mesh, (r,), updates="early") for r in range(4)]
+    sequences = [collective_sequence(g) for g in ranks]
+    assert sequences[0] and all(s == sequences[0] for s in sequences)
+    assert all(_inside_backward(g)[1] for g in ranks)
+
+
+@pytest.mark.parametrize("link,chosen", [(3e8, "early"), (1e10, "end")])
+def test_timeline_model_places_updates(link, chosen):
+    """On a slow link the all-gathers hide behind the rest of backward; on a fast one there
+    is little to hide, and early updates delay the rest of backward and its reduce-scatters."""
+    from cost_models.program import program_timeline
+    gm, mesh, *_ = _decoupled("gpt", link)
+    base = _lower_rank(gm, mesh, (0,), schedule=False)
+    makespan = {}
+    for updates in UPDATES + ("auto",):
+        scheduled = schedule(copy.deepcopy(base), profile=mesh.profile, updates=updates)
+        makespan[updates] = program_timeline(scheduled, mesh.profile).makespan
+        assert scheduled.meta["ddlc_updates"] == (chosen if updates == "auto" else updates)
+    other = "end" if chosen == "early" else "early"
+    assert makespan["auto"] == makespan[chosen] < makespan[other]
+
+
+def test_early_updates_respect_the_caps():
+    gm, mesh, *_ = _decoupled("gpt", 3e8)
+    cap = _peak(_lower_rank(gm, mesh, (0,), schedule=False))
+    assert _peak(_lower_rank(gm, mesh, (0,), updates="early")) > cap
+    capped = _lower_rank(gm, mesh, (0,), updates="early", max_live_bytes=cap)
+    assert _peak(capped) <= cap and _inside_backward(capped)[0]
+    one = _lower_rank(gm, mesh, (0,), updates="early", max_inflight_bytes=1)
+    outstanding = 0
+    for node in one.graph.nodes:
+        outstanding += is_issue(node) - is_wait(node)
+        assert outstanding <= 1
+    assert _inside_backward(one)[0]
