@@ -1,8 +1,11 @@
 """Fuse small collectives into buckets (tensor fusion), sizes chosen by the timeline model.
 
-Collectives of one kind on one process group, consecutive in graph order, are
-fused into one when every member's input exists before any member's result is
-read (so no dependency is reordered) and the bucket stays under a byte cap:
+Collectives of one kind on one process group are fused into one (first fit
+in graph order; other collectives may lie between them) when every member's
+input exists before any member's result is read (so no dependency is
+reordered) and the bucket stays under a byte cap; the local steps that only
+prepare a collective's input (dim moves, padding) are first moved up to just
+after their input, so that positions say when inputs exist:
 
 - all-reduce: flatten and concatenate, one all-reduce, split back;
 - reduce-scatter (dim 0): each input viewed as ``(p, n_i / p)``, concatenated
@@ -28,6 +31,7 @@ import torch
 from torch import fx
 
 from cost_models.collectives import collective_time
+from ddlc import comm
 from ddlc.mesh import Mesh
 
 __all__ = ["fuse", "fuse_best", "choose_by_timeline", "fake_mode", "issue_args", "pack", "unpack", "CAPS",
@@ -69,67 +73,100 @@ def unpack(kind: str, buffer: torch.Tensor, shapes: Sequence[Sequence[int]], gro
 
 
 def _members(gm: fx.GraphModule, cap: float) -> list[list[fx.Node]]:
-    """Buckets (lists of issue nodes, in graph order) to fuse under ``cap`` bytes."""
+    """Buckets (lists of issue nodes, in graph order) to fuse under ``cap`` bytes, first
+    fit in graph order: a collective joins the earliest bucket of its (collective, process
+    group, dtype) whose results are all read after its input exists and that stays under
+    ``cap`` with it, else starts a new one. Collectives in between (of any kind) do not
+    matter: the fused one is issued before the first read of any member's result."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    buckets, current, key, first_read, bytes_ = [], [], None, math.inf, 0
+    buckets: dict[tuple, list[list]] = {}  # key -> [members, first read, bytes] per bucket
     for node in nodes:
-        if node.op != "call_function" or node.target not in KIND:
+        if node.op != "call_function" or node.target not in KIND or "ddlc_fused" in node.meta:
             continue
         (wait,) = node.users
         reads = min((pos[u] for u in wait.users), default=math.inf)
         inputs_at = max(pos[a] for a in node.all_input_nodes)
         size = node.args[0].meta["val"].numel() * node.args[0].meta["val"].element_size()
-        this_key = (node.target, node.args[-1], node.args[0].meta["val"].dtype)
-        if current and this_key == key and inputs_at < min(first_read, reads) and bytes_ + size <= cap:
-            current.append(node)
-            first_read, bytes_ = min(first_read, reads), bytes_ + size
-            continue
-        if len(current) > 1:
-            buckets.append(current)
-        current, key, first_read, bytes_ = [node], this_key, reads, size
-    if len(current) > 1:
-        buckets.append(current)
-    return buckets
+        key = (node.target, node.args[-1], node.args[0].meta["val"].dtype)
+        for bucket in buckets.setdefault(key, []):
+            if inputs_at < bucket[1] and bucket[2] + size <= cap:
+                bucket[0].append(node)
+                bucket[1], bucket[2] = min(bucket[1], reads), bucket[2] + size
+                break
+        else:
+            buckets[key].append([[node], reads, size])
+    fused = [members for per_key in buckets.values() for members, _, _ in per_key if len(members) > 1]
+    return sorted(fused, key=lambda b: pos[b[0]])
+
+
+#: The local steps the collectives pass puts right before a collective (dim moves, padding).
+_PREPARATIONS = (comm.moved, comm.padded)
+
+
+def _hoist_feeders(graph: fx.Graph) -> None:
+    """Move every local step that only prepares a collective's input (:data:`_PREPARATIONS`,
+    inserted right before the collective) up to just after its input, so a collective's
+    position in the graph says when its input really exists."""
+    prepares: set[fx.Node] = set()
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and node.target in _PREPARATIONS and \
+                all(u in prepares or u.target in KIND for u in node.users):
+            prepares.add(node)
+    for node in list(graph.nodes):
+        if node in prepares:
+            (source,) = node.all_input_nodes
+            if source.next is not node:
+                source.append(node)
 
 
 def fuse(gm: fx.GraphModule, mesh: Mesh, cap: float) -> fx.GraphModule:
-    """Fuse the buckets :func:`_members` finds under ``cap`` bytes, in place."""
-    from passes.collectives import CollectiveInfo
-    graph = gm.graph
-    for bucket in _members(gm, cap):
-        kind, info = KIND[bucket[0].target], bucket[0].meta["ddlc"]
-        group, p = bucket[0].args[-1], info.group_size
-        inputs = [n.args[0] for n in bucket]
-        waits = [next(iter(n.users)) for n in bucket]
-        shapes = [tuple(w.meta["val"].shape) for w in waits]
-        nbytes = sum(info_.nbytes for info_ in (n.meta["ddlc"] for n in bucket))
-        seconds = collective_time(mesh.profile.runs_as(kind), nbytes, p, mesh.links[info.axis], "ring")
-        pos = {n: i for i, n in enumerate(graph.nodes)}
-        first_reader = min((u for w in waits for u in w.users), key=pos.__getitem__)
-        with graph.inserting_before(first_reader), fake_mode(inputs[0]):
-            packed = graph.call_function(pack, (kind, inputs, p))
-            packed.meta["val"] = pack(kind, [a.meta["val"] for a in inputs], p)
-            args = issue_args(kind, packed, p, group)
-            issued = graph.call_function(bucket[0].target, args)
-            issued.meta["val"] = bucket[0].target(*[a.meta["val"] if isinstance(a, fx.Node) else a
-                                                    for a in args])
-            issued.meta["ddlc"] = CollectiveInfo(kind, info.axis, info.axis_name, p, nbytes, seconds,
-                                                 info.before, info.after)
-            done = graph.call_function(_c10d.wait_tensor.default, (issued,))
-            done.meta["val"] = issued.meta["val"]
-            parts = graph.call_function(unpack, (kind, done, shapes, p))
-            parts.meta["val"] = unpack(kind, done.meta["val"], shapes, p)
-            for i, wait in enumerate(waits):
-                piece = graph.call_function(operator.getitem, (parts, i))
-                piece.meta["val"] = parts.meta["val"][i]
-                wait.replace_all_uses_with(piece)
-        for wait, node in zip(waits, bucket):
-            graph.erase_node(wait)
-            graph.erase_node(node)
-    graph.lint()
+    """Fuse the buckets :func:`_members` finds under ``cap`` bytes, in place (after
+    :func:`_hoist_feeders`), one at a time in graph order: fusing a bucket moves its
+    results to its first reader, so the buckets after it are found again."""
+    if cap:
+        _hoist_feeders(gm.graph)
+    while buckets := _members(gm, cap):
+        _fuse_bucket(gm.graph, mesh, buckets[0])
+    gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node]) -> None:
+    """Replace the collectives of ``bucket`` by one on their packed inputs, issued and
+    waited right before the first reader of any member's result, and unpacked there."""
+    from passes.collectives import CollectiveInfo
+    kind, info = KIND[bucket[0].target], bucket[0].meta["ddlc"]
+    group, p = bucket[0].args[-1], info.group_size
+    inputs = [n.args[0] for n in bucket]
+    waits = [next(iter(n.users)) for n in bucket]
+    shapes = [tuple(w.meta["val"].shape) for w in waits]
+    nbytes = sum(info_.nbytes for info_ in (n.meta["ddlc"] for n in bucket))
+    seconds = collective_time(mesh.profile.runs_as(kind), nbytes, p, mesh.links[info.axis], "ring")
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    first_reader = min((u for w in waits for u in w.users), key=pos.__getitem__)
+    with graph.inserting_before(first_reader), fake_mode(inputs[0]):
+        packed = graph.call_function(pack, (kind, inputs, p))
+        packed.meta["val"] = pack(kind, [a.meta["val"] for a in inputs], p)
+        args = issue_args(kind, packed, p, group)
+        issued = graph.call_function(bucket[0].target, args)
+        issued.meta["val"] = bucket[0].target(*[a.meta["val"] if isinstance(a, fx.Node) else a
+                                                for a in args])
+        issued.meta["ddlc"] = CollectiveInfo(kind, info.axis, info.axis_name, p, nbytes, seconds,
+                                             info.before, info.after)
+        issued.meta["ddlc_fused"] = len(bucket)
+        done = graph.call_function(_c10d.wait_tensor.default, (issued,))
+        done.meta["val"] = issued.meta["val"]
+        parts = graph.call_function(unpack, (kind, done, shapes, p))
+        parts.meta["val"] = unpack(kind, done.meta["val"], shapes, p)
+        for i, wait in enumerate(waits):
+            piece = graph.call_function(operator.getitem, (parts, i))
+            piece.meta["val"] = parts.meta["val"][i]
+            wait.replace_all_uses_with(piece)
+    for wait, node in zip(waits, bucket):
+        graph.erase_node(wait)
+        graph.erase_node(node)
 
 
 def fake_mode(node: fx.Node):
