@@ -151,6 +151,12 @@ class Mesh:
             profile = "cpu-gloo" if device_mesh.device_type == "cpu" else "dgx-h100-ib"
         return Mesh(tuple(device_mesh.mesh.shape), names, profile)
 
+    def bucketed(self) -> "Mesh":
+        """This mesh with start-up-free links: the price of traffic whose collectives get
+        bucketed (a bucket's one start-up is shared by all its tensors)."""
+        return Mesh(self.shape, self.axis_names, self.profile,
+                    links=tuple(LinkModel(0.0, link.bandwidth) for link in self.links))
+
     def with_(self, **kwargs) -> "Mesh":
         args = dict(shape=self.shape, axis_names=self.axis_names, profile=self.profile)
         args.update(kwargs)

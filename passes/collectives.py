@@ -27,6 +27,7 @@ outputs ``B``. Each collective node records a :class:`CollectiveInfo`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -72,6 +73,13 @@ class CollectiveInfo:
     @property
     def inputs(self) -> tuple[NdSBP]:
         return (self.before,)
+
+    def with_bytes(self, nbytes: int, mesh: Mesh) -> "CollectiveInfo":
+        """The same collective over ``nbytes`` (a fused bucket, a piece), priced as the
+        backend runs it on a ring."""
+        link = mesh.links[self.axis]
+        seconds = collective_time(mesh.profile.runs_as(self.kind), nbytes, self.group_size, link, "ring")
+        return dataclasses.replace(self, nbytes=nbytes, seconds=seconds)
 
     def __str__(self) -> str:
         return (f"{self.kind} on axis {self.axis} ({self.axis_name}, {self.group_size} ranks) "

@@ -49,7 +49,7 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 
 from cost_models.collectives import collective_time
-from ddlc.mesh import LinkModel, Mesh
+from ddlc.mesh import Mesh
 from ddlc.plan import NodeSharding
 from ddlc.sbp import B, NdSBP, S, divides, local_shape, padded_shape
 from passes.rules import NdSignature, signatures_1d, signatures_nd, tensor_inputs
@@ -230,8 +230,7 @@ def _decoupling_pays(chain: list[fx.Node], param: fx.Node, placed: NdSBP, axis: 
     plus the update compute that running on a shard saves ((p-1)/p of it). Bandwidth
     terms only: gradient collectives are bucketed, so start-ups are shared (as in the
     sharding cost model)."""
-    p, runs_as = mesh.shape[axis], mesh.profile.runs_as
-    link = LinkModel(0.0, mesh.links[axis].bandwidth)
+    p, runs_as, link = mesh.shape[axis], mesh.profile.runs_as, mesh.bucketed().links[axis]
     val = param.meta["val"]
     nbytes = val.element_size() * math.prod(local_shape(tuple(val.shape), placed.replace(axis, B), mesh.shape))
 

@@ -30,7 +30,6 @@ from typing import Sequence
 import torch
 from torch import fx
 
-from cost_models.collectives import collective_time
 from ddlc import comm
 from ddlc.mesh import Mesh
 
@@ -136,14 +135,12 @@ def fuse(gm: fx.GraphModule, mesh: Mesh, cap: float) -> fx.GraphModule:
 def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node]) -> None:
     """Replace the collectives of ``bucket`` by one on their packed inputs, issued and
     waited right before the first reader of any member's result, and unpacked there."""
-    from passes.collectives import CollectiveInfo
     kind, info = KIND[bucket[0].target], bucket[0].meta["ddlc"]
     group, p = bucket[0].args[-1], info.group_size
     inputs = [n.args[0] for n in bucket]
     waits = [next(iter(n.users)) for n in bucket]
     shapes = [tuple(w.meta["val"].shape) for w in waits]
-    nbytes = sum(info_.nbytes for info_ in (n.meta["ddlc"] for n in bucket))
-    seconds = collective_time(mesh.profile.runs_as(kind), nbytes, p, mesh.links[info.axis], "ring")
+    nbytes = sum(n.meta["ddlc"].nbytes for n in bucket)
     pos = {n: i for i, n in enumerate(graph.nodes)}
     first_reader = min((u for w in waits for u in w.users), key=pos.__getitem__)
     with graph.inserting_before(first_reader), fake_mode(inputs[0]):
@@ -153,8 +150,7 @@ def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node]) -> None:
         issued = graph.call_function(bucket[0].target, args)
         issued.meta["val"] = bucket[0].target(*[a.meta["val"] if isinstance(a, fx.Node) else a
                                                 for a in args])
-        issued.meta["ddlc"] = CollectiveInfo(kind, info.axis, info.axis_name, p, nbytes, seconds,
-                                             info.before, info.after)
+        issued.meta["ddlc"] = info.with_bytes(nbytes, mesh)
         issued.meta["ddlc_fused"] = len(bucket)
         done = graph.call_function(_c10d.wait_tensor.default, (issued,))
         done.meta["val"] = issued.meta["val"]

@@ -28,7 +28,6 @@ import math
 import torch
 from torch import fx
 
-from cost_models.collectives import collective_time
 from ddlc.mesh import Mesh
 
 from .fuse import KIND, choose_by_timeline, fake_mode, issue_args
@@ -88,7 +87,6 @@ def _pieces(node: fx.Node, size: float) -> int:
 
 def _split_one(graph: fx.Graph, node: fx.Node, k: int, mesh: Mesh) -> None:
     """Replace collective ``node`` (and its wait) by ``k`` pieces and their merge."""
-    from passes.collectives import CollectiveInfo
     kind, info, x = KIND[node.target], node.meta["ddlc"], node.args[0]
     (wait,) = node.users
     p, group = info.group_size, node.args[-1]
@@ -99,10 +97,7 @@ def _split_one(graph: fx.Graph, node: fx.Node, k: int, mesh: Mesh) -> None:
         for index, piece in enumerate(inputs):
             nbytes = info.nbytes * piece.meta["val"].numel() // total
             issued = _call(graph, node.target, *issue_args(kind, piece, p, group))
-            issued.meta["ddlc"] = CollectiveInfo(
-                kind, info.axis, info.axis_name, p, nbytes,
-                collective_time(mesh.profile.runs_as(kind), nbytes, p, mesh.links[info.axis], "ring"),
-                info.before, info.after)
+            issued.meta["ddlc"] = info.with_bytes(nbytes, mesh)
             issued.meta["ddlc_piece"] = (node.name, index, k)
             waits.append(_call(graph, _c10d.wait_tensor.default, issued))
     with graph.inserting_before(wait), fake_mode(x):

@@ -368,16 +368,25 @@ def _solve_block(search: _Search, block: list[int], cache: dict, milp: bool = Fa
     room = search.budget - outside
     if sum(float(m.max()) for m in memory) <= room:
         room = float("inf")
+
+    def cost(c):
+        return sum(float(u[k]) for u, k in zip(unary, c)) + sum(
+            float(e.cost[c[e.src], c[e.dst]]) for e in edges)
+
     solved: list[set[int]] = []
     for free in _axis_subsets(p.mesh.ndim):
         if any(set(free) <= s for s in solved):
             continue
         current = [search.choice[v] for v in block]
-        allowed = [np.flatnonzero(search.rest_keys(v, free) == search.rest_keys(v, free)[k])
-                   for v, k in zip(block, current)]
-        sub_unary = [u[a] for u, a in zip(unary, allowed)]
-        sub_memory = [m[a] for m, a in zip(memory, allowed)]
-        sub_edges = [_Edge(e.src, e.dst, e.cost[np.ix_(allowed[e.src], allowed[e.dst])]) for e in edges]
+        if len(free) == p.mesh.ndim:  # every axis free: the whole block problem
+            allowed = [np.arange(len(u)) for u in unary]
+            sub_unary, sub_memory, sub_edges = unary, memory, edges
+        else:
+            allowed = [np.flatnonzero(keys == keys[k])
+                       for keys, k in zip((search.rest_keys(v, free) for v in block), current)]
+            sub_unary = [u[a] for u, a in zip(unary, allowed)]
+            sub_memory = [m[a] for m, a in zip(memory, allowed)]
+            sub_edges = [_Edge(e.src, e.dst, e.cost[np.ix_(allowed[e.src], allowed[e.dst])]) for e in edges]
         key = hashlib.sha1(b"".join([u.tobytes() for u in sub_unary] + [m.tobytes() for m in sub_memory]
                                     + [f"{e.src},{e.dst}".encode() + e.cost.tobytes() for e in sub_edges]
                                     + [repr(room).encode()])).digest()
@@ -387,11 +396,6 @@ def _solve_block(search: _Search, block: list[int], cache: dict, milp: bool = Fa
             continue
         solved.append(set(free))
         picks = [int(a[k]) for a, k in zip(allowed, cache[key])]
-
-        def cost(c):
-            return sum(float(u[k]) for u, k in zip(unary, c)) + sum(
-                float(e.cost[c[e.src], c[e.dst]]) for e in edges)
-
         if cost(picks) < cost(current) - 1e-12 * max(1.0, cost(current)):
             for v, k in zip(block, picks):
                 search.choice[v] = k

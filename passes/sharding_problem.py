@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from cost_models.boxing import boxing_table
 from cost_models.compute import op_time
 from ddlc.errors import ShardingError
-from ddlc.mesh import LinkModel, Mesh
+from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, divides, local_shape
 from passes.rules import NdSignature, call_key, selected_leaf, signatures_nd, tensor_inputs
 
@@ -174,8 +174,7 @@ class _Prices:
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
-        self.bucketed = Mesh(mesh.shape, mesh.axis_names, mesh.profile,
-                             links=tuple(LinkModel(0.0, link.bandwidth) for link in mesh.links))
+        self.bucketed = mesh.bucketed()
         self.kinds: dict = {}
         self.vectors: dict = {}
         self.nbytes: dict = {}

@@ -41,9 +41,7 @@ def _recomputed_objective(gm, mesh) -> float:
     every edge, the loss gathered to B, and updated parameters back to their placement;
     parameter traffic (parameter reads, gradients entering the update, updated state) is
     bucketed at run time, so it is priced without start-up latency."""
-    from ddlc.mesh import LinkModel
-    bucketed = ddlc.Mesh(mesh.shape, mesh.axis_names, mesh.profile,
-                         links=[LinkModel(0.0, link.bandwidth) for link in mesh.links])
+    bucketed = mesh.bucketed()
 
     def phase(node):
         return node.meta["ddlc_origin"].phase if "ddlc_origin" in node.meta else None
