@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import fx
 
 import ddlc
 from cost_models.collectives import collective_time
@@ -187,3 +188,50 @@ def test_piece_size_is_chosen_by_the_timeline_model(latency, splits):
         at = [i for i, n in enumerate(issues) if n.meta.get("ddlc_piece", (None,))[0] == head]
         between = [n.meta["ddlc"] for n in issues[at[0]:at[-1]] if "ddlc_piece" not in n.meta]
         assert [(c.kind, c.nbytes) for c in between] == [("all_gather", 32768)]  # the first layer's
+
+
+def _collective_graph(kinds_and_reads):
+    """A graph of collectives on placeholders: for each (kind, early), an issue and its wait,
+    read at once by a ``neg`` when ``early``, else by one ``add`` of every late result at
+    the end."""
+    from passes.fuse import issue_args
+    graph = fx.Graph()
+    late, c10d = [], torch.ops._c10d_functional
+    target = {"all_reduce": c10d.all_reduce.default, "reduce_scatter": c10d.reduce_scatter_tensor.default}
+    for i, (kind, early) in enumerate(kinds_and_reads):
+        x = graph.placeholder(f"x{i}")
+        x.meta["val"] = torch.zeros(8)
+        issued = graph.call_function(target[kind], issue_args(kind, x, 4, "g"))
+        wait = graph.call_function(c10d.wait_tensor.default, (issued,))
+        if early:
+            graph.call_function(torch.ops.aten.neg.default, (wait,))
+        else:
+            late.append(wait)
+    graph.output(graph.call_function(torch.ops.aten.cat.default, (late,)))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_buckets_span_collectives_of_other_kinds():
+    """An all-reduce between two late-read reduce-scatters does not keep them apart; a
+    reduce-scatter whose result is read before the next one's input exists does."""
+    from passes.fuse import _members
+    gm = _collective_graph([("reduce_scatter", False), ("all_reduce", False), ("reduce_scatter", False)])
+    assert [[n.args[0].name for n in b] for b in _members(gm, math.inf)] == [["x0", "x2"]]
+    assert _members(gm, 31) == []  # two 32-byte inputs exceed a 31-byte cap
+    gm = _collective_graph([("reduce_scatter", True), ("reduce_scatter", False), ("reduce_scatter", False)])
+    assert [[n.args[0].name for n in b] for b in _members(gm, math.inf)] == [["x1", "x2"]]
+
+
+def test_dim_moves_go_up_to_their_input():
+    """The copy that moves a collective's dim to 0 is inserted right before the collective;
+    fusion first moves it up to just after its input, where the input really exists."""
+    from ddlc import comm
+    from passes.fuse import _hoist_feeders
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    later = graph.call_function(torch.ops.aten.neg.default, (x,))
+    moved = graph.call_function(comm.moved, (x, 1, 0))
+    issued = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (moved, "sum", "g"))
+    graph.output((graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (issued,)), later))
+    _hoist_feeders(graph)
+    assert list(graph.nodes)[:3] == [x, moved, later]
