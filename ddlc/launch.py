@@ -2,7 +2,9 @@
 
 ``spawn(fn, world_size, *args)`` runs ``fn(rank, *args)`` on ``world_size``
 fresh processes that have joined one gloo group, returns their results in rank
-order, re-raises the first worker failure with its traceback, and never hangs:
+order, re-raises the first worker failure with its traceback (a worker that dies
+tearing gloo down after every rank has written its result does not fail the job: gloo's
+destructors can abort there), and never hangs:
 collectives time out after ``timeout`` seconds and the whole job is killed at
 ``deadline`` seconds.
 """
@@ -69,6 +71,8 @@ def spawn(fn, world_size: int, *args, timeout: float = 60.0, deadline: float = 3
                     if ctx.join(timeout=0.2):
                         break
                 except mp.ProcessExitedException as e:
+                    if _all_ok(outdir, world_size):  # died tearing gloo down, its work done
+                        break
                     raise WorkerError(_first_error(outdir, world_size) or f"a worker died: {e}") from None
                 error = _first_error(outdir, world_size)
                 if error:
@@ -98,6 +102,13 @@ def _load(outdir: str, rank: int):
             return pickle.load(f)
     except (EOFError, pickle.UnpicklingError):  # still being written
         return None
+
+
+def _all_ok(outdir: str, world_size: int) -> bool:
+    """Whether every rank has written a successful result (a worker writes it, and passes a
+    barrier with the others, before it tears the process group down)."""
+    return all((value := _load(outdir, rank)) is not None and value[0] == "ok"
+               for rank in range(world_size))
 
 
 def _first_error(outdir: str, world_size: int) -> str | None:

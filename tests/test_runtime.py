@@ -109,3 +109,15 @@ def _die_before_collective(rank):
 def test_dead_rank_fails_fast_instead_of_hanging():
     with pytest.raises(WorkerError, match="died|failed|exited"):
         spawn(_die_before_collective, 2, timeout=20, deadline=60)
+
+
+def _abort_in_teardown(rank):
+    import torch.distributed as dist
+    dist.destroy_process_group = lambda: os.abort()  # the worker tears down through this
+    return rank * 10
+
+
+def test_abort_in_teardown_after_every_result_is_not_a_failure():
+    """gloo's destructors can abort a worker after it has written its result: the job's
+    work is done, so spawn returns the results (a rank dying earlier still fails it)."""
+    assert spawn(_abort_in_teardown, 2, timeout=20, deadline=60) == [0, 10]
