@@ -102,7 +102,7 @@ def compile_variant(name, kwargs, batch0, schedule, replicate_params=False):
     compiled = ddlc.compile(model, (dist.get_world_size(),), batch0, loss_fn, opt,
                             placements=placements, profile=PROFILE, schedule=schedule)
     compile_s = time.perf_counter() - start
-    from ddlc.runtime import collective_sequence
+    from ddlc.ir import collective_sequence
     seq = collective_sequence(compiled.gm)
     kinds = Counter(k for k, _, _ in seq)
     try:

@@ -27,14 +27,16 @@ A group of one device costs nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import sympy
 
-from ddlc.mesh import LinkModel
+from ddlc.ir import CollectiveInfo
+from ddlc.mesh import LinkModel, Mesh
 
 __all__ = ["COLLECTIVES", "ALGORITHMS", "SYMBOLS", "ceil_log2", "collective_expr",
-           "collective_time", "cheapest_algorithm"]
+           "collective_time", "cheapest_algorithm", "affine_fit", "axis_time", "repriced"]
 
 n, p, alpha, beta = SYMBOLS = sympy.symbols("n p alpha beta", positive=True)
 
@@ -104,3 +106,25 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: LinkModel,
         return 0.0
     return float(f(nbytes, group_size, link.latency, link.beta))
 
+
+def axis_time(kind: str, nbytes: float, mesh: Mesh, axis: int, algorithm: str = "ring") -> float:
+    """Seconds of ``kind`` over ``nbytes`` on mesh ``axis``, priced as the backend runs it
+    (a profile's ``emulated_collectives``: gloo runs a reduce-scatter as an all-reduce)."""
+    return collective_time(mesh.profile.runs_as(kind), nbytes, mesh.shape[axis], mesh.links[axis],
+                           algorithm)
+
+
+def repriced(info: CollectiveInfo, nbytes: int, mesh: Mesh) -> CollectiveInfo:
+    """The same collective over ``nbytes`` (a fused bucket, a piece), priced as the backend
+    runs it on a ring."""
+    return dataclasses.replace(info, nbytes=nbytes, seconds=axis_time(info.kind, nbytes, mesh, info.axis))
+
+
+def affine_fit(kind: str, group_size: int, link: LinkModel, itemsize: int = 4,
+               algorithm: str = "ring") -> tuple[float, float]:
+    """``(a, b)`` with ``time(elements) = a + b * elements`` for ``kind`` of ``itemsize``-byte
+    elements (every α-β form is affine in the bytes)."""
+    a = collective_time(kind, 0, group_size, link, algorithm)
+    elements = 2**30
+    b = (collective_time(kind, elements * itemsize, group_size, link, algorithm) - a) / elements
+    return a, b

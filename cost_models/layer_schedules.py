@@ -21,7 +21,7 @@ window repeats exactly (``iterations=k`` builds k chained windows, k times as lo
 forward+backward iteration is the same period shifted. The optimizer update runs on the
 shard between a layer's RS and AG and is not in the profile (taken as 0 s).
 
-Strategies: :func:`no_overlap`, :func:`wfbp`, :func:`dear`, :func:`pipedap`, :func:`ddlc`;
+Strategies: :func:`no_overlap`, :func:`wfbp`, :func:`dear`, :func:`pipedap`, :func:`search_schedule` (ddlc's);
 :func:`lower_bound`; :func:`compare` runs them all.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .timeline import COMPUTE, Timeline, TimelineResult
 
 __all__ = ["Layer", "LayerProfile", "Collective", "Schedule", "Window", "Choice", "PLACEMENTS",
            "START_UPS", "ELEMENT_PASSES", "CHANNEL", "simulate", "no_overlap", "wfbp", "dear",
-           "pipedap", "ddlc", "lower_bound", "STRATEGIES", "schedules", "compare"]
+           "pipedap", "search_schedule", "lower_bound", "STRATEGIES", "schedules", "compare"]
 
 CHANNEL = "dp"
 START_UPS = {"rs": 1, "ag": 1, "ar": 2}        # start-ups of a/2 when the kind is sent alone
@@ -391,7 +391,7 @@ def _forward_waits(result: TimelineResult, window: Window) -> list[float]:
     return [result.start[f] - result.end[p] for f, p in zip(window.forward, previous)]
 
 
-def ddlc(profile: LayerProfile, max_sweeps: int = 50) -> Schedule:
+def search_schedule(profile: LayerProfile, max_sweeps: int = 50) -> Schedule:
     """ddlc's search over AG placements and fusion buckets, priced by the timeline.
 
     Local search by coordinate descent from three starts: DeAR's choices, PipeDAP's, and the
@@ -488,7 +488,7 @@ def lower_bound(profile: LayerProfile) -> float:
     return bound
 
 
-STRATEGIES = {"no_overlap": no_overlap, "wfbp": wfbp, "dear": dear, "pipedap": pipedap, "ddlc": ddlc}
+STRATEGIES = {"no_overlap": no_overlap, "wfbp": wfbp, "dear": dear, "pipedap": pipedap, "ddlc": search_schedule}
 
 
 def schedules(profile: LayerProfile) -> dict[str, Schedule]:

@@ -29,6 +29,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
+from ddlc.ir import COLLECTIVE, is_collective
 from ddlc.mesh import HardwareProfile
 
 from .compute import op_time
@@ -41,8 +42,6 @@ _c10d = torch.ops._c10d_functional
 
 #: Operators whose output is (part of) an argument's buffer -> index of that argument.
 ALIASES = {_c10d.wait_tensor.default: 0, operator.getitem: 0}
-_ISSUES = {_c10d.all_reduce.default, _c10d.reduce_scatter_tensor.default,
-           _c10d.all_gather_into_tensor.default, _c10d.all_to_all_single.default}
 
 
 def _bytes(value) -> int:
@@ -67,7 +66,7 @@ def allocated_bytes(node: fx.Node) -> int:
 
 def reads_until(node: fx.Node) -> fx.Node:
     """Where ``node`` stops reading its inputs: a collective at its wait."""
-    if node.op == "call_function" and node.target in _ISSUES and len(node.users) == 1:
+    if is_collective(node) and len(node.users) == 1:
         return next(iter(node.users))
     return node
 
@@ -116,9 +115,8 @@ class ProgramClock:
 
     def channel(self, node: fx.Node) -> str | None:
         """The stream a collective runs on; None for work on the compute stream."""
-        from passes.collectives import CollectiveInfo
-        info = node.meta.get("ddlc")
-        if isinstance(info, CollectiveInfo) and info.seconds > 0:
+        info = COLLECTIVE.get(node)
+        if info is not None and info.seconds > 0:
             return f"axis{info.axis}:{info.axis_name}"
         return None
 
@@ -129,7 +127,7 @@ class ProgramClock:
 
     def _duration(self, node: fx.Node) -> float:
         if self.channel(node) is not None:
-            return node.meta["ddlc"].seconds
+            return COLLECTIVE(node).seconds
         if node.target is _c10d.wait_tensor.default:
             return 0.0
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
@@ -159,14 +157,14 @@ class ProgramClock:
         free = sum(allocated_bytes(b) for b in self.released.get(node, ()))
         task = self.timeline.add(node.name, channel or COMPUTE, self.duration(node), sorted(deps),
                                  alloc=allocated_bytes(node), free=free,
-                                 category=node.meta["ddlc"].kind if channel else "compute")
+                                 category=COLLECTIVE(node).kind if channel else "compute")
         self.task_of[node] = task
         if channel is None:
             self.issue_point = task
 
 
 def program_timeline(gm: fx.GraphModule, profile: HardwareProfile) -> TimelineResult:
-    """Simulate ``gm`` (lowered: local shapes, CollectiveInfo on collectives)."""
+    """Simulate ``gm`` (lowered: local shapes, ``ir.COLLECTIVE`` on collectives)."""
     return order_timeline(list(gm.graph.nodes), profile)
 
 

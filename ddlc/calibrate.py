@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from scipy.optimize import nnls
 
+from .launch import spawn
+
 __all__ = ["measure_compute", "measure_link", "fit_ring_all_reduce", "calibrate"]
 
 SIZES = [2**12, 2**16, 2**20, 2**22, 2**24]  # bytes
@@ -79,7 +81,6 @@ def fit_ring_all_reduce(sizes, times, p: int) -> tuple[float, float]:
 def measure_link(world_size: int) -> tuple[float, float, float, float]:
     """(α seconds, bandwidth bytes/s, FLOP/s, memory and cache bytes/s) from ``world_size``
     gloo ranks measuring at the same time."""
-    from .launch import spawn
     results = spawn(_all_reduce_times, world_size, timeout=120, deadline=600)
     times = [max(r[0][i] for r in results) for i in range(len(SIZES))]
     alpha, bandwidth = fit_ring_all_reduce(SIZES, times, world_size)

@@ -12,6 +12,8 @@ import argparse
 import json
 import sys
 
+from cost_models.layer_schedules import LayerProfile, lower_bound, schedules
+
 TRACE_ITERATIONS = 2
 
 
@@ -40,13 +42,12 @@ def main(argv=None) -> int:
 
 
 def _calibrate(args) -> int:
+    # imported when used: calibration starts worker processes, the other commands do not
     from ddlc.calibrate import main as calibrate_main
     return calibrate_main(args)
 
 
 def _schedule(args) -> int:
-    from cost_models.layer_schedules import LayerProfile, lower_bound, schedules
-
     try:
         profile = LayerProfile.load(args.layer_profile)
     except (OSError, ValueError) as e:

@@ -40,3 +40,7 @@ class LoweringError(DDLCError):
 
 class RuntimeMismatchError(DDLCError, RuntimeError):
     """Ranks disagree (world size, collective order) or a worker failed."""
+
+
+class OptionError(DDLCError, ValueError):
+    """An unknown, malformed or contradictory ``compile`` option (the message names it)."""

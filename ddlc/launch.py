@@ -18,6 +18,7 @@ import time
 import traceback
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -39,7 +40,6 @@ def _free_port() -> int:
 def _worker(rank, fn, world_size, port, timeout, outdir, args):
     result_path = os.path.join(outdir, f"rank{rank}.pkl")
     try:
-        import torch
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))

@@ -1,8 +1,8 @@
 """The sharding plan: every node's chosen signature and what it costs.
 
 A :class:`Plan` is plain data (JSON round-trips exactly) plus, when it comes
-straight from the solver, the problem it solved, so ``explain`` can show each
-candidate's costs. It prints as a table; ``diff`` compares two plans.
+straight from the solver (:func:`passes.sharding.shard`), the problem it solved, so
+``explain`` can show each candidate's costs. It prints as a table; ``diff`` compares two plans.
 """
 from __future__ import annotations
 
@@ -10,23 +10,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["NodeSharding", "NodePlan", "Plan", "make_plan"]
+from .printing import format_sbps
 
-
-def _fmt_sbps(sbps) -> str:
-    return ", ".join("-" if x is None else str(x) for x in sbps)
-
-
-@dataclass(frozen=True)
-class NodeSharding:
-    """``node.meta["ddlc"]`` after sharding: the chosen n-D signature."""
-
-    inputs: tuple
-    outputs: tuple
-
-    def __str__(self) -> str:
-        outs = _fmt_sbps(self.outputs)
-        return f"{_fmt_sbps(self.inputs)} -> {outs}" if self.inputs else outs
+__all__ = ["NodePlan", "Plan"]
 
 
 @dataclass(frozen=True)
@@ -120,7 +106,7 @@ class Plan:
             for k in order:
                 cand = p.candidates[v][k]
                 mark = "*" if k == chosen else " "
-                out.append(f"  {mark} {_fmt_sbps(cand.inputs)} -> {_fmt_sbps(cand.outputs)}: "
+                out.append(f"  {mark} {format_sbps(cand.inputs)} -> {format_sbps(cand.outputs)}: "
                            f"compute {p.compute[v][k] * 1e6:.2f} us, boxing and neighbours "
                            f"{(local[k] - p.compute[v][k]) * 1e6:.2f} us, total {local[k] * 1e6:.2f} us, "
                            f"memory {p.memory[v][k] / 1024:.1f} KiB")
@@ -172,30 +158,3 @@ class Plan:
     def load(path: str) -> "Plan":
         with open(path) as f:
             return Plan.from_json(f.read())
-
-
-def make_plan(problem, choice: list[int], solver: str, stats: dict) -> Plan:
-    """Turn a solved problem into a Plan and annotate ``node.meta["ddlc"]``."""
-    from ddlc.printing import op_name
-    incoming = [0.0] * problem.num_vars
-    for e in problem.edges:
-        incoming[e.dst] += float(e.cost[choice[e.src], choice[e.dst]])
-    nodes = []
-    for node in problem.nodes:
-        v = problem.var_of[node]
-        k = choice[v]
-        cand = problem.candidates[v][k]
-        node.meta["ddlc"] = NodeSharding(tuple(cand.inputs), tuple(cand.outputs))
-        first = problem.members[v][0] is node
-        origin = node.meta.get("ddlc_origin")
-        nodes.append(NodePlan(
-            node.name, op_name(node) if node.op == "call_function" else node.op,
-            origin.module if origin else "", origin.phase if origin else "",
-            tuple("-" if x is None else str(x) for x in cand.inputs),
-            tuple("-" if x is None else str(x) for x in cand.outputs),
-            float(problem.compute[v][k]) if first else 0.0,
-            float(incoming[v] + problem.sink[v][k]) if first else 0.0,
-            float(problem.memory[v][k]) if first else 0.0))
-    mesh = problem.mesh
-    return Plan(mesh.shape, mesh.axis_names, mesh.profile.name, solver,
-                float(problem.objective(choice)), nodes, dict(stats), problem, list(choice))

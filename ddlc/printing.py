@@ -1,8 +1,8 @@
 """Readable text forms of traced and transformed graphs.
 
 One line per node: name, operator, global shape, the node's SBP and collective
-details once passes have annotated them (``node.meta["ddlc"]``), and where it
-came from (phase and module path).
+details once passes have annotated them (``ir.SHARDING``, ``ir.COLLECTIVE``), and
+where it came from (``ir.ORIGIN``: phase and module path).
 """
 from __future__ import annotations
 
@@ -12,7 +12,28 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["format_graph", "op_name", "op_summary"]
+from .ir import COLLECTIVE, ORIGIN, SHARDING, NdSignature
+
+__all__ = ["format_graph", "format_sbps", "format_sharding", "op_name", "op_summary"]
+
+
+def format_sbps(sbps) -> str:
+    """``(S0, B), -``: each entry's SBP, ``-`` for a non-tensor entry."""
+    return ", ".join("-" if x is None else str(x) for x in sbps)
+
+
+def format_sharding(sig: NdSignature) -> str:
+    """A node's chosen signature: ``inputs -> outputs``, or just the outputs of an input."""
+    outs = format_sbps(sig.outputs)
+    return f"{format_sbps(sig.inputs)} -> {outs}" if sig.inputs else outs
+
+
+def _annotation(node: fx.Node) -> str:
+    collective = COLLECTIVE.get(node)
+    if collective is not None:
+        return str(collective)
+    sharding = SHARDING.get(node)
+    return format_sharding(sharding) if sharding is not None else ""
 
 
 def op_name(node: fx.Node) -> str:
@@ -36,11 +57,10 @@ def format_graph(gm: fx.GraphModule, limit: int | None = None) -> str:
     """The graph as aligned text; ``limit`` keeps the first N lines."""
     rows = []
     for node in gm.graph.nodes:
-        origin = node.meta.get("ddlc_origin")
+        origin = ORIGIN.get(node)
         where = f"{origin.phase}:{origin.module}" if origin else ""
-        what = node.meta.get("ddlc")
         rows.append((node.name, op_name(node) if node.op == "call_function" else node.op,
-                     _shape(node), str(what) if what is not None else "", where))
+                     _shape(node), _annotation(node), where))
     if limit is not None and len(rows) > limit:
         rows = rows[:limit] + [(f"... {len(rows) - limit} more nodes", "", "", "", "")]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]

@@ -1,7 +1,7 @@
 """Run every rank's lowered program in one process, collectives simulated exactly.
 
 For tests of meshes larger than the local machine can host as processes. The
-per-rank graphs come from :func:`ddlc.runtime.lower` with process-group names
+per-rank graphs come from :func:`ddlc.pipeline.lower` with process-group names
 ``"axis0"``, ``"axis1"``, ...; they have the same nodes in the same order (only
 rank-specific constants differ, e.g. chunk bounds and padding sizes; local shapes
 differ where a split is uneven), so they run in lockstep: node ``i`` of every
@@ -10,15 +10,21 @@ group (ranks that share every other mesh coordinate, in axis order).
 """
 from __future__ import annotations
 
+import copy
+import itertools
 from typing import Sequence
 
 import torch
 from torch import fx
 
 from . import comm
+from .ir import SHARDING, STEP, is_collective, is_wait
 from .mesh import Mesh
+from .options import CompileOptions
+from .pipeline import lower
+from .sbp import local_slices
 
-__all__ = ["axis_group_names", "run_ranks", "simulate_steps"]
+__all__ = ["axis_group_names", "lower_rank", "lower_ranks", "run_ranks", "simulate_steps"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -55,8 +61,10 @@ def _collective(target, args_by_rank: dict[int, tuple], mesh: Mesh) -> dict[int,
     return out
 
 
-SIMULATED = {_c10d.wait_tensor.default, _c10d.all_reduce.default, _c10d.all_gather_into_tensor.default,
-             _c10d.reduce_scatter_tensor.default, comm.all_to_all_dims}
+def _simulated(node: fx.Node) -> bool:
+    """Whether ``node`` communicates (a collective, its wait, or the all-to-all kernel)."""
+    return is_collective(node) or is_wait(node) or (node.op == "call_function"
+                                                    and node.target is comm.all_to_all_dims)
 
 
 def run_ranks(graphs: Sequence[fx.GraphModule], mesh: Mesh, inputs: Sequence[Sequence]) -> list:
@@ -66,7 +74,7 @@ def run_ranks(graphs: Sequence[fx.GraphModule], mesh: Mesh, inputs: Sequence[Seq
     feeds = [iter(x) for x in inputs]
     results = [None] * len(graphs)
     for i, node in enumerate(node_lists[0]):
-        if node.op == "call_function" and node.target in SIMULATED:
+        if _simulated(node):
             args = {r: fx.node.map_arg(nodes[i].args, lambda a: envs[r][a])
                     for r, nodes in enumerate(node_lists)}
             for r, value in _collective(node.target, args, mesh).items():
@@ -76,6 +84,8 @@ def run_ranks(graphs: Sequence[fx.GraphModule], mesh: Mesh, inputs: Sequence[Seq
             n = nodes[i]
             if n.op == "placeholder":
                 envs[r][n] = next(feeds[r])
+            elif n.op == "get_attr":
+                envs[r][n] = getattr(graphs[r], n.target)
             elif n.op == "output":
                 results[r] = fx.node.map_arg(n.args[0], lambda a: envs[r][a])
             else:
@@ -84,24 +94,33 @@ def run_ranks(graphs: Sequence[fx.GraphModule], mesh: Mesh, inputs: Sequence[Seq
     return results
 
 
+def lower_rank(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str] | None = None,
+               **options) -> fx.GraphModule:
+    """:func:`ddlc.pipeline.lower` of a planned graph (in place) for the rank at ``coord``,
+    with :class:`CompileOptions` fields as keywords; groups default to
+    :func:`axis_group_names`."""
+    groups = axis_group_names(mesh) if groups is None else groups
+    return lower(gm, mesh, coord, groups, CompileOptions.from_kwargs(**options))
+
+
+def lower_ranks(gm: fx.GraphModule, mesh: Mesh, **options) -> list[fx.GraphModule]:
+    """Every rank's program of a planned graph, in mesh-coordinate order (``gm`` is not
+    changed); ``options`` as for :func:`lower_rank`."""
+    return [lower_rank(copy.deepcopy(gm), mesh, c, **options)
+            for c in itertools.product(*(range(p) for p in mesh.shape))]
+
+
 def simulate_steps(gm: fx.GraphModule, mesh: Mesh, params: dict, buffers: dict, batches,
                    **lower_options) -> tuple:
     """Train with a sharded (plan-annotated) step graph on every rank of ``mesh`` in one
     process: lower it per rank, cut the global state and each batch into the ranks'
     pieces, run all ranks, and reassemble the new full state. Returns
-    ``(losses, params, optimizer_state)``, all full tensors. ``lower_options`` go to
-    :func:`ddlc.runtime.lower`."""
-    import copy
-    import itertools
-
-    from .runtime import lower
-    from .sbp import local_slices
-
-    sig = gm.meta["ddlc_step"]
+    ``(losses, params, optimizer_state)``, all full tensors. ``lower_options`` are
+    :class:`ddlc.options.CompileOptions` fields for :func:`ddlc.pipeline.lower`."""
+    sig = STEP(gm)
     coords = list(itertools.product(*(range(p) for p in mesh.shape)))
-    graphs = [lower(copy.deepcopy(gm), mesh, c, axis_group_names(mesh), **lower_options)
-              for c in coords]
-    sbp = {n.name: n.meta["ddlc"].outputs[0] for n in gm.graph.nodes if n.op == "placeholder"}
+    graphs = lower_ranks(gm, mesh, **lower_options)
+    sbp = {n.name: SHARDING(n).outputs[0] for n in gm.graph.nodes if n.op == "placeholder"}
     state = {"param": dict(params), "opt_state": sig.init_opt_state(params)}
     input_index = {(i.role, i.key): j for j, i in enumerate(sig.inputs)}
     losses = []

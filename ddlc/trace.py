@@ -4,8 +4,9 @@ Recipe (see TORCH_NOTES.md): ``make_fx(functionalize(step), tracing_mode="fake")
 where ``step`` runs ``torch.func.grad_and_value`` over ``functional_call`` of the
 model and then the functional optimizer update of :mod:`ddlc.optim`. Parameters,
 buffers, optimizer state and batch inputs are flat graph inputs with their role
-recorded in a :class:`StepSignature` (``gm.meta["ddlc_step"]``); every node keeps
-``meta["val"]`` and an :class:`Origin` (phase, module path, user source line).
+recorded in a :class:`ddlc.ir.StepSignature` (``ir.STEP``); every node keeps
+``meta["val"]``, its role (``ir.ROLE``, placeholders) and an :class:`ddlc.ir.Origin`
+(``ir.ORIGIN``: phase, module path, user source line).
 """
 from __future__ import annotations
 
@@ -20,77 +21,13 @@ import torch.fx.traceback as fx_traceback
 from torch import fx, nn
 from torch.func import functional_call, functionalize, grad_and_value
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.modules import module as module_mod
 
 from .errors import TraceError, UnsupportedInputError
-from .optim import OptimizerSpec, optimizer_spec
+from .ir import ORIGIN, ROLE, STEP, InputSpec, Origin, OutputSpec, StepSignature
+from .optim import optimizer_spec
 
-__all__ = ["trace", "StepSignature", "InputSpec", "OutputSpec", "Origin", "origin_of"]
-
-ROLES = ("param", "buffer", "opt_state", "input")
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """One flat graph input: ``role`` in ROLES; ``key`` is the parameter/buffer name,
-    ``"<param>:<state>"`` for optimizer state, or ``"input<i>"`` for batch tensors."""
-
-    name: str
-    role: str
-    key: str
-
-
-@dataclass(frozen=True)
-class OutputSpec:
-    """One flat graph output: role ``loss``, ``param`` (updated), ``opt_state``,
-    ``grad`` (loss without optimizer) or ``output`` (forward only)."""
-
-    role: str
-    key: str
-
-
-@dataclass(frozen=True)
-class Origin:
-    """Where a node came from: ``phase`` in forward/backward/optimizer/input,
-    the module path (``""`` for the root) and the user's source line."""
-
-    phase: str
-    module: str
-    source: str = ""
-
-
-@dataclass(frozen=True)
-class StepSignature:
-    inputs: tuple[InputSpec, ...]
-    outputs: tuple[OutputSpec, ...]
-    optimizer: tuple[tuple[str, OptimizerSpec], ...] = ()
-    num_targets: int = 0
-
-    def keys(self, role: str) -> list[str]:
-        return [i.key for i in self.inputs if i.role == role]
-
-    def flatten(self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-                opt_state: Mapping[str, torch.Tensor], batch: Sequence[torch.Tensor]) -> list:
-        """Arrange named state and the batch as the graph's flat input list."""
-        tables = {"param": params, "buffer": buffers, "opt_state": opt_state,
-                  "input": {f"input{i}": t for i, t in enumerate(batch)}}
-        return [tables[i.role][i.key] for i in self.inputs]
-
-    def init_opt_state(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Fresh optimizer state for ``params``, keyed ``"<param>:<state>"``."""
-        return {f"{k}:{s}": t for k, spec in self.optimizer
-                for s, t in spec.init_state(params[k].detach()).items()}
-
-    def unflatten(self, outputs: Sequence[Any]) -> dict[str, dict[str, Any]]:
-        """Split the flat outputs by role: ``{"loss": {"loss": t}, "param": {...}, ...}``."""
-        result: dict[str, dict[str, Any]] = {}
-        for spec, value in zip(self.outputs, outputs):
-            result.setdefault(spec.role, {})[spec.key] = value
-        return result
-
-
-def origin_of(node: fx.Node) -> Origin | None:
-    return node.meta.get("ddlc_origin")
-
+__all__ = ["trace"]
 
 def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
           optimizer: torch.optim.Optimizer | None = None, *, num_targets: int = 1) -> fx.GraphModule:
@@ -186,8 +123,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     _check_no_input_mutation(gm)
     _annotate_origins(gm, inputs, annotator)
     gm.recompile()
-    gm.meta["ddlc_step"] = StepSignature(tuple(inputs), tuple(outputs),
-                                         tuple((k, specs[k]) for k in specs), n_targets)
+    STEP.set(gm, StepSignature(tuple(inputs), tuple(outputs), tuple((k, specs[k]) for k in specs),
+                               n_targets))
     return gm
 
 
@@ -237,7 +174,6 @@ _DATA_DEPENDENT = re.compile(r"data.dependent|GuardOnDataDependent|DataDependent
 
 
 def _make_fx(fn, flat, annotator: _ModuleAnnotator) -> fx.GraphModule:
-    from torch.nn.modules import module as module_mod
     hooks = [module_mod.register_module_forward_pre_hook(annotator.pre),
              module_mod.register_module_forward_hook(annotator.post)]
     try:
@@ -320,28 +256,28 @@ def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],
         if node.op == "placeholder":
             spec = by_name[node.name]
             module = spec.key.split(":")[0].rpartition(".")[0] if spec.role != "input" else ""
-            node.meta["ddlc_role"] = spec.role
-            node.meta["ddlc_origin"] = Origin("input", module)
+            ROLE.set(node, spec.role)
+            ORIGIN.set(node, Origin("input", module))
             continue
         custom = node.meta.get("custom") or {}
         phase = custom.get("ddlc_phase", "optimizer" if node.op == "output" else "forward")
         module = custom.get("ddlc_module")
         source = _source_from_stack(node.meta.get("stack_trace"))
         if module is None:
-            origins = [origin_of(a) for a in node.all_input_nodes if origin_of(a)]
+            origins = [ORIGIN.get(a) for a in node.all_input_nodes if ORIGIN.get(a)]
             preferred = [o for o in origins if o.phase in ("forward", "input")] or origins
             module = preferred[0].module if preferred else ""
             if phase == "backward":
                 source = source or next((o.source for o in preferred if o.source), "")
-        node.meta["ddlc_origin"] = Origin(phase, module, source)
+        ORIGIN.set(node, Origin(phase, module, source))
     # Weight-gradient chains read only activations of the module *before*; refine a
     # backward node to the one module all its users belong to when that is a submodule.
     for node in reversed(gm.graph.nodes):
-        origin = origin_of(node)
+        origin = ORIGIN.get(node)
         if origin is None or origin.phase != "backward":
             continue
-        users = {origin_of(u).module for u in node.users if u.op != "output" and origin_of(u)}
+        users = {ORIGIN.get(u).module for u in node.users if u.op != "output" and ORIGIN.get(u)}
         if len(users) == 1:
             (module,) = users
             if module != origin.module and (not origin.module or module.startswith(origin.module + ".")):
-                node.meta["ddlc_origin"] = Origin(origin.phase, module, origin.source)
+                ORIGIN.set(node, Origin(origin.phase, module, origin.source))

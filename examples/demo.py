@@ -10,9 +10,8 @@ import sys
 import torch
 
 import ddlc
+from ddlc.ir import COLLECTIVE, collective_sequence
 from ddlc.printing import format_graph
-from ddlc.runtime import collective_sequence
-from passes.collectives import CollectiveInfo
 from ddlc.zoo import GPT, lm_loss
 
 MESH = (2, 2)
@@ -45,8 +44,8 @@ def train_distributed(rank: int):
         print(f"\nRedistribution steps of rank 0: {len(sequence)} collectives per step, the same "
               f"sequence on every rank (fingerprint {compiled.fingerprint}), plus local steps:")
         for node in compiled.gm.graph.nodes:
-            if isinstance(node.meta.get("ddlc"), CollectiveInfo):
-                print(f"  {node.name}: {node.meta['ddlc']}")
+            if COLLECTIVE.has(node):
+                print(f"  {node.name}: {COLLECTIVE(node)}")
         timeline = compiled.timeline()
         timeline.write_chrome_trace("ddlc_demo.trace.json")
         print(f"\nModeled timeline of rank 0's scheduled program: {timeline.makespan * 1e3:.3f} ms, "

@@ -23,14 +23,12 @@ carries its SBP, so :mod:`passes.localize` can size it like any other node):
 A redistribution is emitted once per (tensor, target SBP) and shared by its
 consumers. Graph outputs get the SBP the next step expects: updated
 parameters and optimizer state their placeholder's, the loss and other
-outputs ``B``. Each collective node records a :class:`CollectiveInfo`.
+outputs ``B``. Every new node records its SBP (``ir.SHARDING``); each collective and
+local boxing step also its :class:`ddlc.ir.CollectiveInfo` (``ir.COLLECTIVE``).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import operator
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -39,58 +37,25 @@ from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from cost_models.boxing import BoxingStep, boxing_cost
-from cost_models.collectives import collective_time
+from cost_models.collectives import axis_time
 from ddlc import comm
 from ddlc.errors import LoweringError
+from ddlc.ir import COLLECTIVE, ORIGIN, SHARDING, STEP, CollectiveInfo, NdSignature, is_getitem
 from ddlc.mesh import Mesh
-from ddlc.plan import NodeSharding
 from ddlc.sbp import B, NdSBP, S, local_shape, padded_shape
 from passes.rules import selected_leaf
 
-__all__ = ["CollectiveInfo", "insert_collectives", "output_targets"]
+__all__ = ["insert_collectives", "output_targets"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-@dataclass(frozen=True)
-class CollectiveInfo:
-    """``node.meta["ddlc"]`` of an inserted collective."""
-
-    kind: str
-    axis: int
-    axis_name: str
-    group_size: int
-    nbytes: int
-    seconds: float
-    before: NdSBP
-    after: NdSBP
-
-    @property
-    def outputs(self) -> tuple[NdSBP]:
-        return (self.after,)
-
-    @property
-    def inputs(self) -> tuple[NdSBP]:
-        return (self.before,)
-
-    def with_bytes(self, nbytes: int, mesh: Mesh) -> "CollectiveInfo":
-        """The same collective over ``nbytes`` (a fused bucket, a piece), priced as the
-        backend runs it on a ring."""
-        link = mesh.links[self.axis]
-        seconds = collective_time(mesh.profile.runs_as(self.kind), nbytes, self.group_size, link, "ring")
-        return dataclasses.replace(self, nbytes=nbytes, seconds=seconds)
-
-    def __str__(self) -> str:
-        return (f"{self.kind} on axis {self.axis} ({self.axis_name}, {self.group_size} ranks) "
-                f"{self.nbytes} B {self.seconds * 1e6:.1f} us: {self.before} -> {self.after}")
-
-
 def _out_sbp(node: fx.Node) -> NdSBP:
-    outs = [x for x in node.meta["ddlc"].outputs if x is not None]
-    if len(outs) != 1:
-        raise LoweringError(f"{node.name} has {len(outs)} tensor outputs; read it via getitem")
-    return outs[0]
+    try:
+        return SHARDING(node).output
+    except ValueError:
+        raise LoweringError(f"{node.name} has several tensor outputs; read it via getitem") from None
 
 
 def _moved(sbp: NdSBP, src: int, dst: int) -> NdSBP:
@@ -115,9 +80,13 @@ class _Emitter:
     def node(self, target, args, val, sbp: NdSBP, origin, info=None) -> fx.Node:
         n = self.graph.call_function(target, args)
         n.meta["val"] = val
-        n.meta["ddlc"] = info if info is not None else NodeSharding((), (sbp,))
+        if info is None:
+            SHARDING.set(n, NdSignature((), (sbp,)))
+        else:
+            SHARDING.set(n, NdSignature((info.before,), (info.after,)))
+            COLLECTIVE.set(n, info)
         if origin is not None:
-            n.meta["ddlc_origin"] = origin
+            ORIGIN.set(n, origin)
         return n
 
     def redistribute(self, x: fx.Node, dst: NdSBP) -> fx.Node:
@@ -139,7 +108,7 @@ class _Emitter:
     def step(self, x: fx.Node, step: BoxingStep) -> fx.Node:
         axis, p = step.axis, self.mesh.shape[step.axis]
         group, index = self.groups[axis], self.coord[axis]
-        val, origin = x.meta["val"], x.meta.get("ddlc_origin")
+        val, origin = x.meta["val"], ORIGIN.get(x)
         info = CollectiveInfo(step.kind, axis, self.mesh.axis_names[axis], p, step.nbytes,
                               step.seconds, step.before, step.after)
         local = {"slice": (comm.local_chunk, (x, step.dst_sbp.dim, p, index)),
@@ -195,43 +164,34 @@ class _Emitter:
               after: NdSBP) -> CollectiveInfo:
         """The record of ``step`` run on the (moved, maybe padded) global ``shape``, placed
         ``before`` -> ``after``: padding adds to its bytes and seconds."""
-        p, link = self.mesh.shape[step.axis], self.mesh.links[step.axis]
+        p = self.mesh.shape[step.axis]
         nbytes = itemsize * math.prod(local_shape(shape, before.replace(step.axis, B), self.mesh.shape))
         seconds = step.seconds if nbytes == step.nbytes else \
-            collective_time(self.mesh.profile.runs_as(step.kind), nbytes, p, link, step.algorithm)
+            axis_time(step.kind, nbytes, self.mesh, step.axis, step.algorithm)
         return CollectiveInfo(step.kind, step.axis, self.mesh.axis_names[step.axis], p, nbytes,
                               seconds, before, after)
 
 
 def output_targets(gm: fx.GraphModule, ndim: int) -> list[NdSBP | None]:
     """The SBP each graph output must have: its placeholder's for loop-carried state, else B."""
-    sig = gm.meta.get("ddlc_step")
+    sig = STEP.get(gm)
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    name_of = {(i.role, i.key): i.name for i in sig.inputs} if sig else {}
-    targets = []
-    outputs = sig.outputs if sig else ()
+    loop = sig.loop_inputs() if sig else {}
     n_out = len(tree_flatten(next(n for n in gm.graph.nodes if n.op == "output").args[0])[0])
-    for k in range(n_out):
-        spec = outputs[k] if k < len(outputs) else None
-        role = {"param": "param", "opt_state": "opt_state", "grad": "param"}.get(
-            spec.role if spec else "")
-        if role:
-            targets.append(_out_sbp(placeholders[name_of[(role, spec.key)]]))
-        else:
-            targets.append(NdSBP.broadcast(ndim))
-    return targets
+    return [_out_sbp(placeholders[loop[k]]) if k in loop else NdSBP.broadcast(ndim)
+            for k in range(n_out)]
 
 
 def _box_getitem(node: fx.Node, emit: _Emitter) -> None:
     """A getitem yields its source's leaf as placed; when the plan wants it elsewhere,
     redistribute right after it and let every user read the redistributed value."""
     source, _ = node.args
-    actual = source.meta["ddlc"].outputs[selected_leaf(node)]
-    planned = node.meta["ddlc"].outputs[0]
+    actual = SHARDING(source).outputs[selected_leaf(node)]
+    planned = SHARDING(node).outputs[0]
     if actual == planned:
         return
     users = list(node.users)
-    node.meta["ddlc"] = NodeSharding((actual,), (actual,))
+    SHARDING.set(node, NdSignature((actual,), (actual,)))
     with emit.graph.inserting_before(node.next):
         boxed = emit.redistribute(node, planned)
     for user in users:
@@ -240,17 +200,17 @@ def _box_getitem(node: fx.Node, emit: _Emitter) -> None:
 
 def insert_collectives(gm: fx.GraphModule, mesh: Mesh, groups: Sequence[str],
                        coord: Sequence[int]) -> fx.GraphModule:
-    """Emit every redistribution the plan in ``node.meta["ddlc"]`` needs, for the rank at
+    """Emit every redistribution the plan (``ir.SHARDING``) needs, for the rank at
     mesh coordinate ``coord`` whose per-axis process groups are named ``groups``."""
     emit = _Emitter(gm.graph, mesh, groups, coord)
     for node in list(gm.graph.nodes):
-        if node.target is operator.getitem and isinstance(node.meta.get("val"), torch.Tensor):
+        if is_getitem(node) and isinstance(node.meta.get("val"), torch.Tensor):
             _box_getitem(node, emit)
             continue
         if node.op == "output":
             targets = iter(output_targets(gm, mesh.ndim))
-        elif node.op == "call_function" and isinstance(node.meta.get("ddlc"), NodeSharding):
-            targets = iter(node.meta["ddlc"].inputs)
+        elif node.op == "call_function" and SHARDING.has(node):
+            targets = iter(SHARDING(node).inputs)
         else:
             continue
         leaves, spec = tree_flatten((node.args, node.kwargs))

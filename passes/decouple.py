@@ -29,7 +29,7 @@ Where the parameter's all-gather goes is decided per parameter:
 - ``"backward"``: the updated parameter is gathered at once, in the step that
   produced it (the placeholder stays ``B``);
 - ``"auto"``: per layer, as the timeline model's schedule places that layer's
-  all-gather (:func:`cost_models.layer_schedules.ddlc` on a per-layer profile
+  all-gather (:func:`cost_models.layer_schedules.search_schedule` on a per-layer profile
   built from the plan: PipeDAP's merge and piggy-back moves mean "backward").
 
 Only signatures that the rules list for an operator are used; a parameter whose
@@ -42,17 +42,17 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 
 import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
-from cost_models.collectives import collective_time
+from cost_models.collectives import affine_fit, axis_time
+from cost_models.layer_schedules import LayerProfile, search_schedule
+from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, NdSignature, is_getitem
 from ddlc.mesh import Mesh
-from ddlc.plan import NodeSharding
 from ddlc.sbp import B, NdSBP, S, divides, local_shape, padded_shape
-from passes.rules import NdSignature, signatures_1d, signatures_nd, tensor_inputs
+from passes.rules import signatures_1d, signatures_nd, tensor_inputs
 from passes.sharding_problem import compute_seconds
 
 __all__ = ["decouple", "update_chain"]
@@ -61,21 +61,21 @@ log = logging.getLogger("ddlc.decouple")
 
 
 def _sbp(node: fx.Node) -> NdSBP:
-    return node.meta["ddlc"].outputs[0]
+    return SHARDING(node).outputs[0]
 
 
 def update_chain(gm: fx.GraphModule, key: str) -> tuple[list[fx.Node], list[fx.Node]]:
     """(the nodes that compute parameter ``key``'s new value and state: its optimizer-phase
     nodes and the parameter-shaped reshapes only they read, in graph order; its
     optimizer-state placeholders)."""
-    sig = gm.meta["ddlc_step"]
+    sig = STEP(gm)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     results = [a for spec, a in zip(sig.outputs, output.args[0])
                if spec.key == key or spec.key.startswith(key + ":")]
     chain, stack = set(), list(results)
     while stack:
         node = stack.pop()
-        origin = node.meta.get("ddlc_origin")
+        origin = ORIGIN.get(node)
         if node in chain or node.op != "call_function" or origin is None or origin.phase != "optimizer":
             continue
         chain.add(node)
@@ -96,7 +96,7 @@ def update_chain(gm: fx.GraphModule, key: str) -> tuple[list[fx.Node], list[fx.N
                 chain.add(node)
                 grew = True
     states = [n for n in gm.graph.nodes if n.op == "placeholder"
-              and n.meta.get("ddlc_role") == "opt_state" and n.name in
+              and ROLE.get(n) == "opt_state" and n.name in
               {i.name for i in sig.inputs if i.key.startswith(key + ":")}]
     return [n for n in gm.graph.nodes if n in chain], states
 
@@ -137,7 +137,7 @@ def _entry_shapes(node: fx.Node) -> list[tuple[int, ...] | None]:
     """The global shape of each signature entry (tensor inputs, then output leaves)."""
     outs = [tuple(v.shape) if isinstance(v, torch.Tensor) else None
             for v in tree_leaves(node.meta.get("val"))]
-    ins = outs if node.target is operator.getitem else \
+    ins = outs if is_getitem(node) else \
         [tuple(a.meta["val"].shape) for a in tensor_inputs(node)]
     return ins + outs
 
@@ -148,7 +148,7 @@ def _uneven_candidates(node: fx.Node, axis: int, size: int) -> list[NdSignature]
     split dim split it alike, so with equal sizes ``torch.chunk`` gives each rank the same
     index range in all of them: the local op stays correct on uneven pieces (a reshape
     that merges that dim with others would not be, and is excluded by its other size)."""
-    current, shapes = node.meta["ddlc"], _entry_shapes(node)
+    current, shapes = SHARDING(node), _entry_shapes(node)
     found = []
     for sig in signatures_1d(node):
         entries = sig.inputs + sig.outputs
@@ -160,13 +160,13 @@ def _uneven_candidates(node: fx.Node, axis: int, size: int) -> list[NdSignature]
     return found
 
 
-def _reannotate(node: fx.Node, shape, axis: int, d: int, mesh: Mesh, even: bool) -> NodeSharding | None:
+def _reannotate(node: fx.Node, shape, axis: int, d: int, mesh: Mesh, even: bool) -> NdSignature | None:
     """The node's signature with its parameter-shaped outputs ``S(d)`` on ``axis``: the
     first listed signature that gives those outputs, keeps every other axis as it is and
     splits the parameter-shaped inputs the same way (other inputs as the rule allows,
     e.g. the pre-reshape gradient of a view). Signatures come from the rules' n-D list
     (even splits) or, when ``axis`` cuts ``d`` unevenly, :func:`_uneven_candidates`."""
-    current = node.meta["ddlc"]
+    current = SHARDING(node)
     inputs = tensor_inputs(node)
     outs = tuple(_sharded(x, v, shape, axis, d)
                  for x, v in zip(current.outputs, tree_leaves(node.meta.get("val"))))
@@ -186,7 +186,7 @@ def _reannotate(node: fx.Node, shape, axis: int, d: int, mesh: Mesh, even: bool)
     candidates = signatures_nd(node, mesh.shape) if even else _uneven_candidates(node, axis, shape[d])
     for cand in candidates:
         if fits(cand):
-            return NodeSharding(cand.inputs, cand.outputs)
+            return cand
     return None
 
 
@@ -196,8 +196,8 @@ def _gradient_dim(chain: list[fx.Node], axis: int, shape) -> int | None | bool:
     dim that the parameter-shaped producer is already split along, or None."""
     found = False
     for node in chain:
-        for x, a in zip(node.meta["ddlc"].inputs, tensor_inputs(node)):
-            source = a.meta.get("ddlc")
+        for x, a in zip(SHARDING(node).inputs, tensor_inputs(node)):
+            source = SHARDING.get(a)
             if source is None or x is None or a.op == "placeholder" or not x[axis].is_broadcast:
                 continue
             outs = [y for y in source.outputs if y is not None]
@@ -216,9 +216,9 @@ def _gatherable(param: fx.Node, chain: list[fx.Node], axis: int, even: bool) -> 
     whole between steps."""
     inside = set(chain)
     for user in param.users:
-        if user in inside or "ddlc" not in user.meta:
+        if user in inside or not SHARDING.has(user):
             continue
-        for x, a in zip(user.meta["ddlc"].inputs, tensor_inputs(user)):
+        for x, a in zip(SHARDING(user).inputs, tensor_inputs(user)):
             if a is param and x is not None and (x[axis].is_partial or (x[axis].is_split and not even)):
                 return False
     return True
@@ -230,15 +230,14 @@ def _decoupling_pays(chain: list[fx.Node], param: fx.Node, placed: NdSBP, axis: 
     plus the update compute that running on a shard saves ((p-1)/p of it). Bandwidth
     terms only: gradient collectives are bucketed, so start-ups are shared (as in the
     sharding cost model)."""
-    p, runs_as, link = mesh.shape[axis], mesh.profile.runs_as, mesh.bucketed().links[axis]
+    p, bucketed = mesh.shape[axis], mesh.bucketed()
     val = param.meta["val"]
     nbytes = val.element_size() * math.prod(local_shape(tuple(val.shape), placed.replace(axis, B), mesh.shape))
 
     def seconds(kind: str) -> float:
-        return collective_time(runs_as(kind), nbytes, p, link, "ring")
+        return axis_time(kind, nbytes, bucketed, axis)
 
-    update = sum(compute_seconds(n, NdSignature(n.meta["ddlc"].inputs, n.meta["ddlc"].outputs), mesh)
-                 for n in chain)
+    update = sum(compute_seconds(n, SHARDING(n), mesh) for n in chain)
     return seconds("reduce_scatter") + seconds("all_gather") <= seconds("all_reduce") + update * (p - 1) / p
 
 
@@ -250,7 +249,7 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
     Placeholders named in ``pinned`` keep their placement (their all-gather goes in the
     step that updates them). ``always`` decouples even where the model says it does not
     pay (for the sharded optimizer state's memory)."""
-    sig = gm.meta["ddlc_step"]
+    sig = STEP(gm)
     if ag_placement == "auto":
         ag_placement = auto_placement(gm, mesh)
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -276,13 +275,13 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
                 log.info("parameter %s keeps its all-reduce on axis %d (no shardable update)", key, axis)
                 continue
             for node, sharding in new.items():
-                node.meta["ddlc"] = sharding
+                SHARDING.set(node, sharding)
             for state in states:
                 if tuple(state.meta["val"].shape) == shape:
-                    state.meta["ddlc"] = NodeSharding((), (_sbp(state).replace(axis, S(d)),))
+                    SHARDING.set(state, NdSignature((), (_sbp(state).replace(axis, S(d)),)))
             where = ag_placement if isinstance(ag_placement, str) else ag_placement.get(key, "forward")
             if where == "forward" and param.name not in pinned and _gatherable(param, chain, axis, even):
-                param.meta["ddlc"] = NodeSharding((), (_sbp(param).replace(axis, S(d)),))
+                SHARDING.set(param, NdSignature((), (_sbp(param).replace(axis, S(d)),)))
             done.append(key)
     return done
 
@@ -293,39 +292,36 @@ def layer_profile(gm: fx.GraphModule, mesh: Mesh, axis: int = 0) -> dict:
     parameters, in forward order, with their parameter counts and the compute model's
     forward and backward times at the plan's local shapes; the all-reduce fit is the
     ring on mesh ``axis`` (4-byte elements)."""
-    sig = gm.meta["ddlc_step"]
+    sig = STEP(gm)
     owners: dict[str, list[str]] = {}
     for key, _ in sig.optimizer or [(i.key, None) for i in sig.inputs if i.role == "param"]:
         owners.setdefault(key.rpartition(".")[0], []).append(key)
     times = {m: {"forward": 0.0, "backward": 0.0} for m in owners}
     by_length = sorted(owners, key=len, reverse=True)
     for node in gm.graph.nodes:
-        origin = node.meta.get("ddlc_origin")
-        if origin is None or origin.phase not in ("forward", "backward") or "ddlc" not in node.meta:
+        origin = ORIGIN.get(node)
+        if origin is None or origin.phase not in ("forward", "backward") or not SHARDING.has(node):
             continue
         module = next((m for m in by_length if origin.module == m or origin.module.startswith(m + ".")
                        or not m), None)
         if module is not None:
-            sharding = node.meta["ddlc"]
-            times[module][origin.phase] += compute_seconds(
-                node, NdSignature(sharding.inputs, sharding.outputs), mesh)
+            times[module][origin.phase] += compute_seconds(node, SHARDING(node), mesh)
     by_name = {n.name: n for n in gm.graph.nodes}
     numel = {i.key: math.prod(by_name[i.name].meta["val"].shape) for i in sig.inputs}
-    p, link = mesh.shape[axis], mesh.links[axis]
-    return {"allreduce": {"a": 2 * (p - 1) * link.latency, "b": 2 * (p - 1) / p * 4 * link.beta},
+    a, b = affine_fit("all_reduce", mesh.shape[axis], mesh.links[axis])
+    return {"allreduce": {"a": a, "b": b},
             "layers": [{"name": m or "<root>", "params": sum(numel[k] for k in keys),
                         "forward": times[m]["forward"], "backward": times[m]["backward"]}
                        for m, keys in owners.items()]}
 
 
 def auto_placement(gm: fx.GraphModule, mesh: Mesh) -> dict[str, str]:
-    """Per parameter, "forward" or "backward" as :func:`cost_models.layer_schedules.ddlc`
+    """Per parameter, "forward" or "backward" as :func:`cost_models.layer_schedules.search_schedule`
     places its layer's all-gather on :func:`layer_profile` (deferred to the next forward,
     or merged / piggy-backed into backward, PipeDAP's moves)."""
-    from cost_models.layer_schedules import LayerProfile, ddlc
     profile = LayerProfile.from_dict(layer_profile(gm, mesh))
-    moved = {profile.layers[l].name for c in ddlc(profile).collectives if c.reduced_layers()
+    moved = {profile.layers[l].name for c in search_schedule(profile).collectives if c.reduced_layers()
              for kind, l in c.parts if kind == "ag"}
-    sig = gm.meta["ddlc_step"]
+    sig = STEP(gm)
     return {k: "backward" if (k.rpartition(".")[0] or "<root>") in moved else "forward"
             for k, _ in sig.optimizer}

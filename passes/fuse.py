@@ -25,21 +25,30 @@ from __future__ import annotations
 import copy
 import math
 import operator
+from contextlib import nullcontext
 from typing import Sequence
 
 import torch
 from torch import fx
+from torch._guards import detect_fake_mode
 
+from cost_models.collectives import repriced
+from cost_models.program import program_timeline
 from ddlc import comm
+from ddlc.ir import BUCKETABLE, COLLECTIVE, FUSED, collective_kind, collective_sequence
 from ddlc.mesh import Mesh
 
 __all__ = ["fuse", "fuse_best", "choose_by_timeline", "fake_mode", "issue_args", "pack", "unpack", "CAPS",
-           "KIND"]
+           "bucketable_kind"]
 
 _c10d = torch.ops._c10d_functional
-#: The collectives fused (and split, :mod:`passes.partition`) -> their kind.
-KIND = {_c10d.all_reduce.default: "all_reduce", _c10d.reduce_scatter_tensor.default: "reduce_scatter",
-        _c10d.all_gather_into_tensor.default: "all_gather"}
+
+
+def bucketable_kind(node: fx.Node) -> str | None:
+    """The kind of the collective ``node`` issues if fusion and partition handle it (dim-0
+    all-reduce, reduce-scatter, all-gather), else None."""
+    kind = collective_kind(node)
+    return kind if kind in BUCKETABLE else None
 
 #: Bucket byte caps tried by :func:`fuse_best` (0 = no fusion).
 CAPS = (0, 2**16, 2**20, 2**24, math.inf)
@@ -81,7 +90,7 @@ def _members(gm: fx.GraphModule, cap: float) -> list[list[fx.Node]]:
     pos = {n: i for i, n in enumerate(nodes)}
     buckets: dict[tuple, list[list]] = {}  # key -> [members, first read, bytes] per bucket
     for node in nodes:
-        if node.op != "call_function" or node.target not in KIND or "ddlc_fused" in node.meta:
+        if bucketable_kind(node) is None or FUSED.has(node):
             continue
         (wait,) = node.users
         reads = min((pos[u] for u in wait.users), default=math.inf)
@@ -110,7 +119,7 @@ def _hoist_feeders(graph: fx.Graph) -> None:
     prepares: set[fx.Node] = set()
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and node.target in _PREPARATIONS and \
-                all(u in prepares or u.target in KIND for u in node.users):
+                all(u in prepares or bucketable_kind(u) for u in node.users):
             prepares.add(node)
     for node in list(graph.nodes):
         if node in prepares:
@@ -135,12 +144,12 @@ def fuse(gm: fx.GraphModule, mesh: Mesh, cap: float) -> fx.GraphModule:
 def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node]) -> None:
     """Replace the collectives of ``bucket`` by one on their packed inputs, issued and
     waited right before the first reader of any member's result, and unpacked there."""
-    kind, info = KIND[bucket[0].target], bucket[0].meta["ddlc"]
+    kind, info = bucketable_kind(bucket[0]), COLLECTIVE(bucket[0])
     group, p = bucket[0].args[-1], info.group_size
     inputs = [n.args[0] for n in bucket]
     waits = [next(iter(n.users)) for n in bucket]
     shapes = [tuple(w.meta["val"].shape) for w in waits]
-    nbytes = sum(n.meta["ddlc"].nbytes for n in bucket)
+    nbytes = sum(COLLECTIVE(n).nbytes for n in bucket)
     pos = {n: i for i, n in enumerate(graph.nodes)}
     first_reader = min((u for w in waits for u in w.users), key=pos.__getitem__)
     with graph.inserting_before(first_reader), fake_mode(inputs[0]):
@@ -150,8 +159,8 @@ def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node]) -> None:
         issued = graph.call_function(bucket[0].target, args)
         issued.meta["val"] = bucket[0].target(*[a.meta["val"] if isinstance(a, fx.Node) else a
                                                 for a in args])
-        issued.meta["ddlc"] = info.with_bytes(nbytes, mesh)
-        issued.meta["ddlc_fused"] = len(bucket)
+        COLLECTIVE.set(issued, repriced(info, nbytes, mesh))
+        FUSED.set(issued, len(bucket))
         done = graph.call_function(_c10d.wait_tensor.default, (issued,))
         done.meta["val"] = issued.meta["val"]
         parts = graph.call_function(unpack, (kind, done, shapes, p))
@@ -167,8 +176,6 @@ def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node]) -> None:
 
 def fake_mode(node: fx.Node):
     """The fake mode of ``node``'s value (to build new values alike), or a no-op context."""
-    from contextlib import nullcontext
-    from torch._guards import detect_fake_mode
     return detect_fake_mode([node.meta["val"]]) or nullcontext()
 
 
@@ -183,8 +190,6 @@ def choose_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
     (after ``schedule_fn``) has the shortest modeled makespan; ties go to the earlier
     option, and an option giving the same collectives as an earlier one is not re-timed.
     Returns the option. Deterministic: the same graph gives the same choice on every rank."""
-    from cost_models.program import program_timeline
-    from ddlc.runtime import collective_sequence
     best, seen = None, set()
     for option in options:
         trial = transform(copy.deepcopy(gm), option)

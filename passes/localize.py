@@ -1,19 +1,17 @@
 """Rewrite a global-shape graph into the per-rank program on local shards.
 
 Every node's local output shape follows from its global value, its SBP
-(``node.meta["ddlc"]``) and the rank's mesh coordinate (``torch.chunk`` pieces:
+(``ir.SHARDING``) and the rank's mesh coordinate (``torch.chunk`` pieces:
 where a split is uneven, e.g. a padded decoupled parameter, shapes differ by
 rank). Placeholders become local-shaped; each operator gets its shape arguments
 rewritten by the rules' :func:`passes.rules.localize_args` (view sizes, expand
 sizes, factory sizes, ...), then is re-run on fake local inputs; the result must
 have exactly the local shape its SBP predicts, so a rule or localization error
 stops compilation instead of producing wrong numbers.
-Afterwards ``meta["val"]`` holds local values and ``meta["global_val"]`` the
-global ones.
+Afterwards ``meta["val"]`` holds local values and ``ir.GLOBAL_VAL`` the global ones.
 """
 from __future__ import annotations
 
-import operator
 from typing import Sequence
 
 import torch
@@ -22,17 +20,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ddlc.errors import LoweringError
+from ddlc.ir import COLLECTIVE, GLOBAL_VAL, SHARDING, is_getitem, where
 from ddlc.mesh import Mesh
-from ddlc.plan import NodeSharding
+from ddlc.printing import format_sharding
 from ddlc.sbp import local_shape
 from passes.rules import localize_args, tensor_inputs
 
 __all__ = ["localize"]
-
-
-def _where(node: fx.Node) -> str:
-    origin = node.meta.get("ddlc_origin")
-    return f"{node.name} [{origin.module}] {origin.source}" if origin else node.name
 
 
 def _expected(val, sbps, mesh: Mesh, coord: Sequence[int]) -> list:
@@ -49,17 +43,17 @@ def localize(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.GraphMo
     for node in gm.graph.nodes:
         if node.op == "output" or node.meta.get("val") is None:
             continue  # the output, or a getitem of a None (an unrequested gradient)
-        info = node.meta.get("ddlc")
+        info = SHARDING.get(node)
         if info is None:
-            raise LoweringError(f"{node.name} has no sharding decision", where=_where(node))
-        node.meta["global_val"] = node.meta["val"]
+            raise LoweringError(f"{node.name} has no sharding decision", where=where(node))
+        GLOBAL_VAL.set(node, node.meta["val"])
         expected = _expected(node.meta["val"], info.outputs, mesh, coord)
         if node.op in ("placeholder", "get_attr"):
             (val,) = tree_leaves(node.meta["val"])
             with mode:
                 node.meta["val"] = torch.empty(expected[0], dtype=val.dtype)
             continue
-        if isinstance(info, NodeSharding) and node.target is not operator.getitem:
+        if not (COLLECTIVE.has(node) or is_getitem(node)):
             in_shapes = [tuple(a.meta["val"].shape) for a in tensor_inputs(node)]
             node.args, node.kwargs = localize_args(node, in_shapes, expected)
         args, kwargs = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a,
@@ -69,11 +63,11 @@ def localize(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.GraphMo
                 out = node.target(*args, **kwargs)
         except Exception as e:
             raise LoweringError(f"{node.name} ({node.target}) does not run on its local shards: "
-                                f"{type(e).__name__}: {e}", where=_where(node)) from None
+                                f"{type(e).__name__}: {e}", where=where(node)) from None
         got = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in tree_leaves(out)]
         if any(e is not None and e != g for e, g in zip(expected, got)):
             raise LoweringError(f"{node.name} ({node.target}) computes local shapes {got} but its "
-                                f"SBP {info} needs {expected}", where=_where(node))
+                                f"SBP {format_sharding(info)} needs {expected}", where=where(node))
         node.meta["val"] = out
     gm.recompile()
     return gm

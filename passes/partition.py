@@ -15,8 +15,8 @@ own issue and wait, whose results are put back together exactly:
   gathered layout.
 
 Each piece pays its own start-up (its ``CollectiveInfo.seconds`` is the α-β time
-of its bytes) and is marked ``meta["ddlc_piece"] = (name of the split
-collective, index, k)``, so that the scheduler can put urgent collectives
+of its bytes) and is marked with its :class:`ddlc.ir.Piece` (``ir.PIECE``: the name of
+the split collective, its index, k), so that the scheduler can put urgent collectives
 between pieces; the reader waits for the last piece. :func:`partition_best`
 tries :data:`SIZES` and keeps the size whose scheduled program timeline is
 shortest, so the choice comes from the model, never from measured timing.
@@ -28,9 +28,11 @@ import math
 import torch
 from torch import fx
 
+from cost_models.collectives import repriced
+from ddlc.ir import COLLECTIVE, PIECE, Piece
 from ddlc.mesh import Mesh
 
-from .fuse import KIND, choose_by_timeline, fake_mode, issue_args
+from .fuse import bucketable_kind, choose_by_timeline, fake_mode, issue_args
 
 __all__ = ["partition", "partition_best", "SIZES", "MAX_PIECES"]
 
@@ -78,16 +80,16 @@ def _merge(graph, kind: str, results: list[fx.Node], p: int, shape) -> fx.Node:
 
 def _pieces(node: fx.Node, size: float) -> int:
     """How many pieces ``node`` is split into under ``size`` (1: it stays whole)."""
-    if node.target not in KIND or not node.args[0].meta["val"].is_contiguous():
+    if bucketable_kind(node) is None or not node.args[0].meta["val"].is_contiguous():
         return 1
-    info, x = node.meta["ddlc"], node.args[0]
+    info, x = COLLECTIVE(node), node.args[0]
     wanted = math.ceil(info.nbytes / size)
     return max(1, min(wanted, MAX_PIECES, x.meta["val"].numel() // info.group_size))
 
 
 def _split_one(graph: fx.Graph, node: fx.Node, k: int, mesh: Mesh) -> None:
     """Replace collective ``node`` (and its wait) by ``k`` pieces and their merge."""
-    kind, info, x = KIND[node.target], node.meta["ddlc"], node.args[0]
+    kind, info, x = bucketable_kind(node), COLLECTIVE(node), node.args[0]
     (wait,) = node.users
     p, group = info.group_size, node.args[-1]
     with graph.inserting_before(node), fake_mode(x):
@@ -97,8 +99,8 @@ def _split_one(graph: fx.Graph, node: fx.Node, k: int, mesh: Mesh) -> None:
         for index, piece in enumerate(inputs):
             nbytes = info.nbytes * piece.meta["val"].numel() // total
             issued = _call(graph, node.target, *issue_args(kind, piece, p, group))
-            issued.meta["ddlc"] = info.with_bytes(nbytes, mesh)
-            issued.meta["ddlc_piece"] = (node.name, index, k)
+            COLLECTIVE.set(issued, repriced(info, nbytes, mesh))
+            PIECE.set(issued, Piece(node.name, index, k))
             waits.append(_call(graph, _c10d.wait_tensor.default, issued))
     with graph.inserting_before(wait), fake_mode(x):
         merged = _merge(graph, kind, waits, p, wait.meta["val"].shape)
@@ -109,7 +111,7 @@ def _split_one(graph: fx.Graph, node: fx.Node, k: int, mesh: Mesh) -> None:
 
 def _splits(gm: fx.GraphModule, size: float) -> list[tuple[fx.Node, int]]:
     """The collectives split under ``size`` and their numbers of pieces."""
-    found = [(n, _pieces(n, size)) for n in gm.graph.nodes if n.op == "call_function"]
+    found = [(n, _pieces(n, size)) for n in gm.graph.nodes]
     return [(n, k) for n, k in found if k > 1]
 
 

@@ -57,26 +57,14 @@ from torch import fx
 from cost_models.program import (ProgramClock, allocated_bytes, live_bytes, order_timeline, owner,
                                   reads_until, releases)
 from ddlc.errors import LoweringError
+from ddlc.ir import ORIGIN, PIECE, ROLE, UPDATES as UPDATES_KEY, is_collective as is_issue, is_wait
 from ddlc.mesh import HardwareProfile
 
-__all__ = ["schedule", "follow", "check_waits", "is_issue", "is_wait", "UPDATES"]
+__all__ = ["schedule", "follow", "check_waits", "UPDATES"]
 
 #: Where optimizer updates go: "end" (after backward, their original place) or "early"
 #: (inside backward, once their gradient's collective is modeled done).
 UPDATES = ("end", "early")
-
-_c10d = torch.ops._c10d_functional
-ISSUE_OPS = {_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default,
-             _c10d.all_reduce.default, _c10d.all_to_all_single.default}
-
-
-def is_issue(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in ISSUE_OPS
-
-
-def is_wait(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is _c10d.wait_tensor.default
-
 
 def _nbytes(node: fx.Node) -> int:
     val = node.meta.get("val")
@@ -118,7 +106,7 @@ def _updates(nodes: list[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
     for node in reversed(nodes):
         if node.op != "call_function" or is_issue(node) or is_wait(node):
             continue
-        origin = node.meta.get("ddlc_origin")
+        origin = ORIGIN.get(node)
         if (origin is not None and origin.phase == "optimizer") or \
                 (origin is None and node.users and all(u in update for u in node.users)):
             update.add(node)
@@ -130,7 +118,7 @@ def _static(nodes: list[fx.Node]) -> set[fx.Node]:
     """The nodes computed from the parameters, buffers and optimizer state alone."""
     static = set()
     for node in nodes:
-        state = node.op == "get_attr" or (node.op == "placeholder" and node.meta.get("ddlc_role") != "input")
+        state = node.op == "get_attr" or (node.op == "placeholder" and ROLE.get(node) != "input")
         if state or (node.op == "call_function" and all(a in static for a in node.all_input_nodes)):
             static.add(node)
     return static
@@ -200,21 +188,21 @@ class _Pieces:
     def __init__(self, nodes: list[fx.Node], clock: ProgramClock):
         position = {n: i for i, n in enumerate(nodes)}
         self.clock = clock
-        issues = [n for n in nodes if "ddlc_piece" in n.meta]
-        self.later = {n for n in issues if n.meta["ddlc_piece"][1] > 0}
+        issues = [n for n in nodes if PIECE.has(n)]
+        self.later = {n for n in issues if PIECE(n).index > 0}
         self.held = _feeders(nodes, self.later)
         self.queues: dict[str, list[fx.Node]] = {}
         by_split: dict[str, list[fx.Node]] = {}
         for node in issues:
-            by_split.setdefault(node.meta["ddlc_piece"][0], []).append(node)
-        self.rest = {split: sorted(ns[1:], key=lambda n: n.meta["ddlc_piece"][1])
+            by_split.setdefault(PIECE(node).split, []).append(node)
+        self.rest = {split: sorted(ns[1:], key=lambda n: PIECE(n).index)
                      for split, ns in by_split.items()}
         self.urgency = {n: min((position[u] for w in n.users for u in w.users), default=len(nodes))
                         for n in nodes if is_issue(n)}
 
     def started(self, first: fx.Node) -> None:
         """The first piece of a split was issued: its other pieces wait to be released."""
-        split = first.meta["ddlc_piece"][0]
+        split = PIECE(first).split
         self.queues[split] = list(self.rest[split])
 
     def due(self, node: fx.Node) -> list[fx.Node]:
@@ -238,7 +226,7 @@ class _Pieces:
 
     def earlier(self, piece: fx.Node) -> list[fx.Node]:
         """The held pieces before ``piece`` in its split; they and it leave the queue."""
-        queue = self.queues.get(piece.meta["ddlc_piece"][0], [])
+        queue = self.queues.get(PIECE(piece).split, [])
         if piece not in queue:
             return []
         index = queue.index(piece)
@@ -247,7 +235,7 @@ class _Pieces:
 
     def most_urgent(self) -> fx.Node | None:
         heads = [q[0] for q in self.queues.values() if q]
-        return min(heads, key=lambda n: (self.urgency[n], n.meta["ddlc_piece"])) if heads else None
+        return min(heads, key=lambda n: (self.urgency[n], PIECE(n))) if heads else None
 
 
 class _Scheduler:
@@ -260,7 +248,7 @@ class _Scheduler:
         self.eager = _eager(nodes) - self.early - self.static
         self.max_inflight = max_inflight_bytes
         self.memory = _LiveCap(nodes, max_live_bytes) if max_live_bytes is not None else None
-        split = any("ddlc_piece" in n.meta for n in nodes)
+        split = any(PIECE.has(n) for n in nodes)
         timed = profile is not None and (split or updates == "early")
         self.clock = ProgramClock(profile) if timed else None
         self.pieces = _Pieces(nodes, self.clock) if timed and split else None
@@ -344,7 +332,7 @@ class _Scheduler:
         if self.clock:
             self.clock.add(node)
         if self.pieces:
-            if node.meta.get("ddlc_piece", (None, None))[1] == 0:
+            if PIECE.has(node) and PIECE(node).index == 0:
                 self.pieces.started(node)
         if is_issue(node):
             self.inflight[node] = _nbytes(node)
@@ -415,7 +403,7 @@ def schedule(gm: fx.GraphModule, max_inflight_bytes: float = float("inf"),
     pieces of split collectives (without it, they are issued as soon as they can be, like
     any collective) and for early updates. ``updates``: one of :data:`UPDATES`, or "auto":
     the one whose order has the shorter modeled makespan (ties: "end"); the choice is
-    recorded in ``gm.meta["ddlc_updates"]``."""
+    recorded in ``ir.UPDATES``."""
     options = UPDATES if updates == "auto" else (updates,)
     if updates not in UPDATES + ("auto",):
         raise ValueError(f"updates must be one of {UPDATES + ('auto',)}, got {updates!r}")
@@ -423,8 +411,8 @@ def schedule(gm: fx.GraphModule, max_inflight_bytes: float = float("inf"),
         raise ValueError(f"updates={updates!r} needs a profile to time the program")
     nodes = list(gm.graph.nodes)
     orders = {u: _order(nodes, max_inflight_bytes, max_live_bytes, profile, u) for u in options}
-    gm.meta["ddlc_updates"] = _shortest(orders, profile)
-    _reorder(gm, orders[gm.meta["ddlc_updates"]])
+    chosen = UPDATES_KEY.set(gm, _shortest(orders, profile))
+    _reorder(gm, orders[chosen])
     check_waits(gm)
     return gm
 

@@ -2,7 +2,7 @@
 
 ``shard(gm, mesh)`` builds the :class:`ShardingProblem` (candidates from the
 rules, costs from the cost models), solves it and returns a :class:`Plan`; it
-also records each node's chosen signature in ``node.meta["ddlc"]``.
+also records each node's chosen signature (``ir.SHARDING``).
 
 The default solver is AutoDDL's coordinate descent:
 
@@ -47,18 +47,20 @@ import numpy as np
 from torch import fx
 
 from ddlc.errors import ShardingError
+from ddlc.ir import ORIGIN, ROLE, SHARDING
 from ddlc.mesh import Mesh
-from ddlc.plan import Plan, make_plan
+from ddlc.plan import NodePlan, Plan
+from ddlc.printing import op_name
 from ddlc.sbp import B, NdSBP, S, divides
 
 from .sharding_exact import MAX_TABLE, elimination_order, solve_elimination, solve_exact, solve_milp
 from .sharding_problem import FORBIDDEN, ShardingProblem, build_problem, reduce_costs, reduce_problem
 
-__all__ = ["shard", "coordinate_descent", "search_mesh_shapes", "mesh_shapes", "SEEDS"]
+__all__ = ["shard", "coordinate_descent", "make_plan", "search_mesh_shapes", "mesh_shapes", "SEEDS"]
 
 
 def _seed_data_parallel(node: fx.Node, mesh: Mesh) -> NdSBP:
-    if node.meta.get("ddlc_role") == "input":
+    if ROLE.get(node) == "input":
         shape = tuple(node.meta["val"].shape)
         split = NdSBP((S(0),) * mesh.ndim)
         if shape and divides(shape, split, mesh.shape):
@@ -67,7 +69,7 @@ def _seed_data_parallel(node: fx.Node, mesh: Mesh) -> NdSBP:
 
 
 def _seed_data_parallel_outer(node: fx.Node, mesh: Mesh) -> NdSBP:
-    if node.meta.get("ddlc_role") == "input":
+    if ROLE.get(node) == "input":
         shape = tuple(node.meta["val"].shape)
         split = NdSBP((S(0),) + (B,) * (mesh.ndim - 1))
         if shape and divides(shape, split, mesh.shape):
@@ -146,7 +148,7 @@ def _module_regions(problem: ShardingProblem) -> list[tuple[str, list[int]]]:
     the tensors at its boundary."""
     by_module: dict[str, list[int]] = {}
     for v, group in enumerate(problem.members):
-        origin = group[0].meta.get("ddlc_origin")
+        origin = ORIGIN.get(group[0])
         if origin is None:
             continue
         parts = origin.module.split(".") if origin.module else []
@@ -158,7 +160,7 @@ def _module_regions(problem: ShardingProblem) -> list[tuple[str, list[int]]]:
         neighbours[e.dst].add(e.src)
     regions = []
     for module, region in by_module.items():
-        if any(problem.members[v][0].meta.get("ddlc_role") == "param" for v in region):
+        if any(ROLE.get(problem.members[v][0]) == "param" for v in region):
             halo = set(region).union(*(neighbours[v] for v in region))
             regions.append((module, sorted(halo)))
     regions.sort(key=lambda r: (-r[0].count("."), r[0]))
@@ -494,3 +496,29 @@ def search_mesh_shapes(gm: fx.GraphModule, world_size: int, *, profile="cpu-gloo
                             + "; ".join(f"{s}: {note}" for s, _, note in report))
     make_plan(best.problem, best.choice, best.solver, best.stats)  # re-annotate gm with the winner
     return best, report
+
+
+def make_plan(problem: ShardingProblem, choice: list[int], solver: str, stats: dict) -> Plan:
+    """Turn a solved problem into a Plan and annotate every node's ``ir.SHARDING``."""
+    incoming = [0.0] * problem.num_vars
+    for e in problem.edges:
+        incoming[e.dst] += float(e.cost[choice[e.src], choice[e.dst]])
+    nodes = []
+    for node in problem.nodes:
+        v = problem.var_of[node]
+        k = choice[v]
+        cand = problem.candidates[v][k]
+        SHARDING.set(node, cand)
+        first = problem.members[v][0] is node
+        origin = ORIGIN.get(node)
+        nodes.append(NodePlan(
+            node.name, op_name(node) if node.op == "call_function" else node.op,
+            origin.module if origin else "", origin.phase if origin else "",
+            tuple("-" if x is None else str(x) for x in cand.inputs),
+            tuple("-" if x is None else str(x) for x in cand.outputs),
+            float(problem.compute[v][k]) if first else 0.0,
+            float(incoming[v] + problem.sink[v][k]) if first else 0.0,
+            float(problem.memory[v][k]) if first else 0.0))
+    mesh = problem.mesh
+    return Plan(mesh.shape, mesh.axis_names, mesh.profile.name, solver,
+                float(problem.objective(choice)), nodes, dict(stats), problem, list(choice))

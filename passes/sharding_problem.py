@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from cost_models.boxing import boxing_table
 from cost_models.compute import op_time
 from ddlc.errors import ShardingError
+from ddlc.ir import ORIGIN, ROLE, STEP, where
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, divides, local_shape
 from passes.rules import NdSignature, call_key, selected_leaf, signatures_nd, tensor_inputs
@@ -212,10 +213,10 @@ class _Prices:
 # -- building ---------------------------------------------------------------------
 
 def _saved_for_backward(node: fx.Node) -> bool:
-    origin = node.meta.get("ddlc_origin")
+    origin = ORIGIN.get(node)
     if origin is None or origin.phase != "forward":
         return False
-    return any((u.meta.get("ddlc_origin") or origin).phase == "backward" for u in node.users)
+    return any((ORIGIN.get(u) or origin).phase == "backward" for u in node.users)
 
 
 def build_problem(gm: fx.GraphModule, mesh: Mesh,
@@ -225,7 +226,7 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
     ``fixed`` pins placeholders (by node name) to one placement, e.g. the batch.
     """
     fixed = dict(fixed or {})
-    sig = gm.meta.get("ddlc_step")
+    sig = STEP.get(gm)
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
     placeholders = {n.name: n for n in nodes if n.op == "placeholder"}
     unknown = sorted(set(fixed) - set(placeholders))
@@ -262,13 +263,13 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
             cands = _placeholder_signatures(rep, mesh, fixed)
             kind = ("placeholder", tuple(rep.meta["val"].shape), rep.meta["val"].dtype,
                     tuple(c.outputs[0] for c in cands),
-                    tuple((n.meta.get("ddlc_role"), _saved_for_backward(n)) for n in group))
+                    tuple((ROLE.get(n), _saved_for_backward(n)) for n in group))
         else:
             cands = signatures_nd(rep, mesh.shape)
-            kind = (call_key(rep), rep.meta.get("ddlc_role"), _saved_for_backward(rep))
+            kind = (call_key(rep), ROLE.get(rep), _saved_for_backward(rep))
         if not cands:
             raise ShardingError(f"no valid distribution of {rep.name} ({rep.target}) on mesh "
-                                f"{mesh}", where=_where(rep))
+                                f"{mesh}", where=where(rep))
         candidates.append(cands)
         kinds.append(prices.kind(kind))
 
@@ -329,7 +330,7 @@ def _resident_bytes(group: list[fx.Node], cand: NdSignature, training: bool, pri
     and forward activations saved for the backward pass."""
     total = 0.0
     for n in group:
-        role = n.meta.get("ddlc_role")
+        role = ROLE.get(n)
         if role is None and not _saved_for_backward(n):
             continue
         outs = [x for x in cand.outputs if x is not None]
@@ -343,8 +344,8 @@ def _parameter_traffic(arg: fx.Node, user: fx.Node) -> bool:
     parameter or optimizer state read from its placeholder, or a gradient (a
     backward-phase value) entering the optimizer update."""
     if arg.op == "placeholder":
-        return arg.meta.get("ddlc_role") in ("param", "opt_state")
-    phase = lambda n: getattr(n.meta.get("ddlc_origin"), "phase", None)  # noqa: E731
+        return ROLE.get(arg) in ("param", "opt_state")
+    phase = lambda n: getattr(ORIGIN.get(n), "phase", None)  # noqa: E731
     return phase(arg) == "backward" and phase(user) == "optimizer"
 
 
@@ -364,11 +365,6 @@ def _output_sbp(cand: NdSignature, arg: fx.Node) -> NdSBP:
     if len(outs) != 1:
         raise ShardingError(f"{arg.name} has {len(outs)} tensor outputs; read it through getitem")
     return outs[0]
-
-
-def _where(node: fx.Node) -> str | None:
-    origin = node.meta.get("ddlc_origin")
-    return f"{node.name} [{origin.module}] {origin.source}" if origin else node.name
 
 
 # -- exact reduction ------------------------------------------------------------------

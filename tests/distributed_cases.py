@@ -69,7 +69,8 @@ def train(model, loss_fn, opt, data):
 
 def compiled_run(rank: int, mesh, cases):
     """Worker: compile and run each case; rank 0 returns what the parent compares."""
-    from ddlc.runtime import collective_sequence, compile
+    from ddlc.ir import collective_sequence
+    from ddlc.runtime import compile
     results = []
     import ddlc
     for model_name, opt_name, mode, placements, *options in cases:

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import ddlc
-from ddlc.runtime import collective_sequence, lower
+from ddlc.ir import COLLECTIVE, SHARDING, NdSignature, collective_sequence
+from ddlc.sbp import NdSBP
+from ddlc.simulate import lower_rank
 from ddlc.sbp import parse_sbp
 from ddlc.simulate import axis_group_names, simulate_steps
 from distributed_cases import batches, model_and_loss, optimizer, reference
@@ -34,16 +36,14 @@ def _planned(opt_name, mesh_shape=(4,), placements=DATA_PARALLEL_MLP):
 def _replicate_updates(gm, mesh):
     """Make every optimizer update run on the full tensor on every rank (all-B), so each
     gradient reaches it through an all-reduce: the plan a DDP-style system runs."""
-    from ddlc.plan import NodeSharding
-    from ddlc.sbp import NdSBP
     b = NdSBP.broadcast(mesh.ndim)
     for n in gm.graph.nodes:
         origin = n.meta.get("ddlc_origin")
         if (origin and origin.phase == "optimizer" and n.op == "call_function") or \
                 n.meta.get("ddlc_role") in ("param", "opt_state"):
-            old = n.meta["ddlc"]
-            n.meta["ddlc"] = NodeSharding(tuple(None if x is None else b for x in old.inputs),
-                                          tuple(None if x is None else b for x in old.outputs))
+            old = SHARDING(n)
+            SHARDING.set(n, NdSignature(tuple(None if x is None else b for x in old.inputs),
+                                        tuple(None if x is None else b for x in old.outputs)))
 
 
 def _kinds(gm, mesh):
@@ -51,14 +51,12 @@ def _kinds(gm, mesh):
 
 
 def _lowered(gm, mesh):
-    return lower(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, axis_group_names(mesh))
+    return lower_rank(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, axis_group_names(mesh))
 
 
 def _comm_seconds(gm, mesh):
     """Modeled seconds of all communication in rank 0's program."""
-    from passes.collectives import CollectiveInfo
-    return sum(n.meta["ddlc"].seconds for n in _lowered(gm, mesh).graph.nodes
-               if isinstance(n.meta.get("ddlc"), CollectiveInfo))
+    return sum(COLLECTIVE(n).seconds for n in _lowered(gm, mesh).graph.nodes if COLLECTIVE.has(n))
 
 
 @pytest.mark.parametrize("placement", ["forward", "backward", "auto"])
@@ -74,14 +72,14 @@ def test_decoupled_updates_match_single_device(opt_name, placement):
     for n in gm.graph.nodes:
         origin = n.meta.get("ddlc_origin")
         if origin and origin.phase == "optimizer" and n.op == "call_function" and n.meta["val"].dim() > 0:
-            assert n.meta["ddlc"].outputs[0][0].is_split, n.name
+            assert SHARDING(n).outputs[0][0].is_split, n.name
     assert after["all_reduce"] <= before["all_reduce"]
     # the same gradients move: at most a few start-ups more (a dim change may add a step)
     assert _comm_seconds(gm, mesh) <= before_seconds * 1.2
     if placement == "forward":  # parameters and optimizer state stay sharded between steps
         sharded = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta["ddlc_role"] != "input"
                    and n.meta["val"].dim() > 0]
-        assert all(n.meta["ddlc"].outputs[0][0].is_split for n in sharded)
+        assert all(SHARDING(n).outputs[0][0].is_split for n in sharded)
     params = {k: v.detach() for k, v in model.named_parameters()}
     losses, params, opt_state = simulate_steps(gm, mesh, params, {}, data)
     want = reference("mlp", opt_name, batch=BATCH)
@@ -99,7 +97,7 @@ def test_pinned_parameters_keep_their_placement():
     decouple(gm, mesh, "forward", pinned, always=True)
     for n in gm.graph.nodes:
         if n.name in pinned:
-            assert str(n.meta["ddlc"].outputs[0]) == "(B)"
+            assert str(SHARDING(n).outputs[0]) == "(B)"
 
 
 @pytest.mark.parametrize("profile, decoupled", [

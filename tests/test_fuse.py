@@ -11,7 +11,8 @@ from torch import fx
 import ddlc
 from cost_models.collectives import collective_time
 from cost_models.program import program_timeline
-from ddlc.runtime import collective_sequence, lower
+from ddlc.ir import COLLECTIVE, SHARDING, NdSignature, collective_sequence
+from ddlc.simulate import lower_rank
 from ddlc.sbp import parse_sbp
 from ddlc.simulate import axis_group_names, simulate_steps
 from distributed_cases import reference
@@ -54,8 +55,8 @@ def test_fused_buckets_train_like_single_device():
     gm, mesh, model, data = _planned("adamw")
     _replicate_updates(gm, mesh)
     decouple(gm, mesh, "forward")
-    plain = collective_sequence(lower(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False))
-    fused = collective_sequence(lower(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh),
+    plain = collective_sequence(lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False))
+    fused = collective_sequence(lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh),
                                       fuse=float("inf")))
     assert len(fused) < len(plain)
     assert sum(b for _, _, b in fused) == sum(b for _, _, b in plain)  # same bytes, fewer start-ups
@@ -73,7 +74,7 @@ PIECE = 128  # bytes: splits the test MLP's collectives of weights and of a bias
 
 def _pieces(gm):
     """Split collective name -> (kind, number of pieces) in ``gm``."""
-    return {n.meta["ddlc_piece"][0]: (n.meta["ddlc"].kind, n.meta["ddlc_piece"][2])
+    return {n.meta["ddlc_piece"][0]: (COLLECTIVE(n).kind, n.meta["ddlc_piece"][2])
             for n in gm.graph.nodes if "ddlc_piece" in n.meta}
 
 
@@ -84,7 +85,7 @@ def test_split_collectives_train_like_single_device(ag_placement, kinds):
     _replicate_updates(gm, mesh)
     if ag_placement:
         decouple(gm, mesh, ag_placement)
-    lowered = {size: lower(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False, partition=size)
+    lowered = {size: lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False, partition=size)
                for size in (False, PIECE)}
     whole, split = (collective_sequence(g) for g in lowered.values())
     pieces = _pieces(lowered[PIECE])
@@ -94,12 +95,12 @@ def test_split_collectives_train_like_single_device(ag_placement, kinds):
     seconds = {}  # each piece pays its own start-up
     for node in lowered[PIECE].graph.nodes:
         if "ddlc_piece" in node.meta:
-            seconds[node.meta["ddlc_piece"][0]] = seconds.get(node.meta["ddlc_piece"][0], 0) + node.meta["ddlc"].seconds
+            seconds[node.meta["ddlc_piece"][0]] = seconds.get(node.meta["ddlc_piece"][0], 0) + COLLECTIVE(node).seconds
     for node in lowered[False].graph.nodes:
         if node.name in pieces:
             kind, k = pieces[node.name]
             startup = collective_time(mesh.profile.runs_as(kind), 0, 4, mesh.links[0], "ring")
-            assert seconds[node.name] == pytest.approx(node.meta["ddlc"].seconds + (k - 1) * startup)
+            assert seconds[node.name] == pytest.approx(COLLECTIVE(node).seconds + (k - 1) * startup)
     params = {k: v.detach() for k, v in model.named_parameters()}
     losses, params, _ = simulate_steps(gm, mesh, params, {}, data, fuse=False, partition=PIECE)
     want = reference("mlp", "adamw", batch=BATCH)
@@ -142,7 +143,6 @@ def _fsdp_mlp():
     head's 256x256 weight is the one large all-gather, and it is issued first (parameter
     order), so the first layer's all-gather, needed earlier, becomes ready while it is in
     flight."""
-    from ddlc.plan import NodeSharding
     from passes.rules.core import tensor_inputs
     torch.manual_seed(0)
     model = _HeadFirst()
@@ -155,14 +155,14 @@ def _fsdp_mlp():
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             sbp = parse_sbp("(S0)") if node.meta["ddlc_role"] == "input" else rows_if_matrix(node)
-            node.meta["ddlc"] = NodeSharding((), (sbp,))
+            SHARDING.set(node, NdSignature((), (sbp,)))
         elif node.op == "call_function" and node.meta["ddlc_origin"].phase == "optimizer":
-            node.meta["ddlc"] = NodeSharding(tuple(map(rows_if_matrix, tensor_inputs(node))),
-                                             (rows_if_matrix(node),))
+            SHARDING.set(node, NdSignature(tuple(map(rows_if_matrix, tensor_inputs(node))),
+                                           (rows_if_matrix(node),)))
         elif node.op == "call_function":
             ins, out = _BATCH_SPLIT[node.name].split(" -> ")
-            node.meta["ddlc"] = NodeSharding(tuple(parse_sbp(s) for s in ins.split(", ")),
-                                             (parse_sbp(out),))
+            SHARDING.set(node, NdSignature(tuple(parse_sbp(s) for s in ins.split(", ")),
+                                           (parse_sbp(out),)))
     return gm
 
 
@@ -175,8 +175,8 @@ def test_piece_size_is_chosen_by_the_timeline_model(latency, splits):
     all-gathers in one collective."""
     gm = _fsdp_mlp()
     mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(latency, 1e8)])
-    chosen = lower(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False)
-    whole = lower(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False, partition=False)
+    chosen = lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False)
+    whole = lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False, partition=False)
     made = program_timeline(chosen, mesh.profile).makespan
     assert (chosen.meta["ddlc_piece_bytes"] < math.inf) == splits == bool(_pieces(chosen))
     assert [(k, b) for k, _, b in collective_sequence(whole)][:2] == [("all_gather", 256 * 256 * 4),
@@ -186,7 +186,7 @@ def test_piece_size_is_chosen_by_the_timeline_model(latency, splits):
         issues = [n for n in chosen.graph.nodes if is_issue(n)]
         head = issues[0].meta["ddlc_piece"][0]  # the head's all-gather, issued first
         at = [i for i, n in enumerate(issues) if n.meta.get("ddlc_piece", (None,))[0] == head]
-        between = [n.meta["ddlc"] for n in issues[at[0]:at[-1]] if "ddlc_piece" not in n.meta]
+        between = [COLLECTIVE(n) for n in issues[at[0]:at[-1]] if "ddlc_piece" not in n.meta]
         assert [(c.kind, c.nbytes) for c in between] == [("all_gather", 32768)]  # the first layer's
 
 

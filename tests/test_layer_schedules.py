@@ -6,7 +6,7 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cost_models.layer_schedules import (LayerProfile, compare, dear, ddlc, lower_bound,
+from cost_models.layer_schedules import (LayerProfile, compare, dear, lower_bound, search_schedule,
                                          no_overlap, pipedap, schedules, simulate, wfbp)
 
 
@@ -110,7 +110,7 @@ def test_strategy_ordering_and_bound(a, b, layers):
 
 def test_ddlc_is_deterministic():
     p = profile(2, 0.002, *[(500 * (i % 3 + 1), 1 + i % 2, 2 + i % 3) for i in range(8)])
-    assert ddlc(p) == ddlc(p)
+    assert search_schedule(p) == search_schedule(p)
     assert compare(p).keys() == {"no_overlap", "wfbp", "dear", "pipedap", "ddlc", "lower_bound"}
 
 

@@ -12,11 +12,11 @@ import ddlc
 from ddlc import comm
 from ddlc.errors import SBPError
 from ddlc.launch import spawn
-from ddlc.plan import NodeSharding
-from ddlc.runtime import collective_sequence, lower
+from ddlc.ir import GLOBAL_VAL, SHARDING, NdSignature, collective_sequence
+from ddlc.simulate import lower_rank
 from ddlc.sbp import B, NdSBP, S, local_shape, local_slices, padded_shape, parse_sbp
 from ddlc.simulate import axis_group_names, simulate_steps
-from ddlc.testing import make_node
+from passes.rules.checker import make_node
 from ddlc.zoo import MLP
 from distributed_cases import optimizer
 from passes.canonicalize import canonicalize
@@ -106,7 +106,7 @@ def test_local_chunk_and_padding_follow_torch_chunk():
     ((24,), (6, 4), 6, [])])
 def test_uneven_splits_of_a_reshape_only_where_the_pieces_match(src, dst, size, splits):
     node, _ = make_node(torch.ops.aten.view_copy.default, torch.zeros(src), list(dst))
-    node.meta["ddlc"] = NodeSharding((NdSBP((B,)),), (NdSBP((B,)),))
+    SHARDING.set(node, NdSignature((NdSBP((B,)),), (NdSBP((B,)),)))
     candidates = [str(c) for c in _uneven_candidates(node, 0, size)]
     assert [c for c in candidates if "S" in c] == splits
 
@@ -117,10 +117,10 @@ def test_indivisible_parameters_are_decoupled_with_sharded_state():
     states = [n for n in gm.graph.nodes if n.meta.get("ddlc_role") == "opt_state"
               and n.meta["val"].dim() > 0]
     assert len(states) == 2 * len(PARAMS)  # exp_avg, exp_avg_sq
-    assert all(n.meta["ddlc"].outputs[0][0].is_split for n in states)
+    assert all(SHARDING(n).outputs[0][0].is_split for n in states)
     sequences = []
     for coord in _coords(mesh):
-        graph = lower(copy.deepcopy(gm), mesh, coord, axis_group_names(mesh))
+        graph = lower_rank(copy.deepcopy(gm), mesh, coord, axis_group_names(mesh))
         kinds = [kind for kind, _, _ in collective_sequence(graph)]
         reduced = [n.args[0].meta["val"].numel() for n in graph.graph.nodes
                    if n.target is torch.ops._c10d_functional.all_reduce.default]
@@ -129,7 +129,7 @@ def test_indivisible_parameters_are_decoupled_with_sharded_state():
         assert any(n.target is comm.padded for n in graph.graph.nodes)
         for n in graph.graph.nodes:  # each rank holds its torch.chunk piece of the state
             if n.op == "placeholder" and n.meta.get("ddlc_role") == "opt_state":
-                want = local_shape(tuple(n.meta["global_val"].shape), n.meta["ddlc"].outputs[0],
+                want = local_shape(tuple(GLOBAL_VAL(n).shape), SHARDING(n).outputs[0],
                                    mesh.shape, coord)
                 assert tuple(n.meta["val"].shape) == want, n.name
         sequences.append(collective_sequence(graph))
@@ -146,12 +146,12 @@ def test_a_reader_wanting_a_split_keeps_an_uneven_parameter_whole():
     # pretend the forward reads the bias split (as a tensor-parallel plan could): an
     # uneven piece has no all-to-all to that split, so the bias is gathered in the step
     # that updates it and stays whole between steps; its update is still sharded
-    info = reader.meta["ddlc"]
-    reader.meta["ddlc"] = NodeSharding(
+    info = SHARDING(reader)
+    SHARDING.set(reader, NdSignature(
         tuple(NdSBP((S(0),)) if a is bias else x for x, a in zip(info.inputs, tensor_inputs(reader))),
-        info.outputs)
+        info.outputs))
     assert "layers.1.bias" in decouple(gm, mesh, "forward", always=True)
-    placed = {n.name: str(n.meta["ddlc"].outputs[0]) for n in gm.graph.nodes if n.op == "placeholder"}
+    placed = {n.name: str(SHARDING(n).outputs[0]) for n in gm.graph.nodes if n.op == "placeholder"}
     assert placed["p_layers_1_bias"] == "(B)" and placed["st_layers_1_bias_momentum_buffer"] == "(S0)"
     assert placed["p_layers_0_bias"] == "(S0)"
 

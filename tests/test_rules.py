@@ -1,4 +1,4 @@
-"""SBP rules: every claimed signature holds on simulated shards (ddlc.testing).
+"""SBP rules: every claimed signature holds on simulated shards (passes.rules.checker).
 
 (a) every node of the example training steps, with real values captured by running
 the traced step; (b) synthetic calls of the ops the examples do not reach; (c)
@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import ddlc
 from ddlc.sbp import B, NdSBP, P, S
-from ddlc.testing import capture_values, check_node, check_signature, make_node, node_inputs
+from passes.rules.checker import capture_values, check_node, check_signature, make_node, node_inputs
 from ddlc.zoo import CNN, GPT, MLP, lm_loss
 from passes.canonicalize import canonicalize
 from passes.rules import (NdSignature, Signature, fallback_ops, localize_args, signatures_1d,

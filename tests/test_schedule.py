@@ -11,12 +11,13 @@ import torch.nn.functional as F
 import ddlc
 from cost_models.program import live_bytes
 from ddlc.errors import LoweringError
-from ddlc.runtime import collective_sequence, lower
+from ddlc.ir import COLLECTIVE, collective_sequence, is_collective as is_issue, is_wait
+from ddlc.simulate import lower_rank
 from ddlc.simulate import axis_group_names, simulate_steps
 from ddlc.zoo import GPT, MLP, lm_loss
 from passes.canonicalize import canonicalize
 from passes.decouple import decouple
-from passes.schedule import UPDATES, _eager, check_waits, is_issue, is_wait, schedule
+from passes.schedule import UPDATES, _eager, check_waits, schedule
 from passes.sharding import shard
 from distributed_cases import train
 from test_decouple import _replicate_updates
@@ -44,7 +45,7 @@ def planned():
 def _lowered(planned, coord, scheduled=True, **kw):
     """Rank ``coord``'s program, unfused unless asked (these tests isolate the scheduler)."""
     gm, mesh = planned
-    return lower(copy.deepcopy(gm), mesh, coord, ["g0", "g1"], schedule=scheduled, **{"fuse": False, **kw})
+    return lower_rank(copy.deepcopy(gm), mesh, coord, ["g0", "g1"], schedule=scheduled, **{"fuse": False, **kw})
 
 
 def _gaps(gm):
@@ -114,7 +115,7 @@ def test_scheduled_graph_still_runs_the_same_locally():
     params = {k: v.detach() for k, v in model.named_parameters()}
     flat = sig.flatten(params, {}, sig.init_opt_state(params), batch)
     expected = gm(*flat)
-    got = schedule(lower(copy.deepcopy(gm), mesh, (0,), ["g"], schedule=False))(*flat)
+    got = schedule(lower_rank(copy.deepcopy(gm), mesh, (0,), ["g"], schedule=False))(*flat)
     for a, b in zip(expected, got):
         torch.testing.assert_close(a, b)
 
@@ -170,7 +171,7 @@ def test_memory_cap_keeps_issue_early_from_raising_the_peak(prefetching):
     gm, mesh, model, data, losses, expected = prefetching
 
     def lowered(coord=(0,), **kw):
-        return lower(copy.deepcopy(gm), mesh, coord, axis_group_names(mesh), **{"fuse": False, **kw})
+        return lower_rank(copy.deepcopy(gm), mesh, coord, axis_group_names(mesh), **{"fuse": False, **kw})
     cap = _peak(lowered(schedule=False))
     free, capped = lowered(), lowered(max_live_bytes=cap)
     assert _peak(free) > cap >= _peak(capped)
@@ -232,7 +233,7 @@ INSIDE_BACKWARD = [("mlp", 1e10), ("gpt", 3e8)]
 
 def _lower_rank(gm, mesh, coord, **kw):
     """Rank ``coord``'s program, unfused unless asked (these tests isolate the scheduler)."""
-    return lower(copy.deepcopy(gm), mesh, coord, axis_group_names(mesh), **{"fuse": False, **kw})
+    return lower_rank(copy.deepcopy(gm), mesh, coord, axis_group_names(mesh), **{"fuse": False, **kw})
 
 
 def _phase(node):
@@ -248,12 +249,12 @@ def _inside_backward(gm):
                and not (is_issue(n) or is_wait(n)))
     after_rs = set()
     for node in nodes:
-        if any(a in after_rs or (is_wait(a) and a.args[0].meta["ddlc"].kind == "reduce_scatter")
+        if any(a in after_rs or (is_wait(a) and COLLECTIVE(a.args[0]).kind == "reduce_scatter")
                for a in node.all_input_nodes):
             after_rs.add(node)
     early = [n for n in nodes[:last] if n in after_rs and _phase(n) == "optimizer"]
     return ([n for n in early if not (is_issue(n) or is_wait(n))],
-            [n for n in early if is_issue(n) and n.meta["ddlc"].kind == "all_gather"])
+            [n for n in early if is_issue(n) and COLLECTIVE(n).kind == "all_gather"])
 
 
 @pytest.mark.parametrize("model_name,link", INSIDE_BACKWARD)

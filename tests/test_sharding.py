@@ -16,6 +16,7 @@ import ddlc
 from cost_models.boxing import boxing_seconds
 from ddlc import B, NdSBP, S
 from ddlc.errors import ShardingError
+from ddlc.ir import SHARDING
 from ddlc.zoo import CNN, GPT, MLP, lm_loss
 from passes.canonicalize import canonicalize
 from passes.rules import NdSignature, selected_leaf, tensor_inputs
@@ -36,7 +37,7 @@ def _two_layer(batch: int, width: int, hidden: int):
 
 
 def _recomputed_objective(gm, mesh) -> float:
-    """The modeled step time of the signatures in node.meta["ddlc"], summed straight from
+    """The modeled step time of the signatures in ir.SHARDING, summed straight from
     the cost models: roofline compute of every op at its local shapes, the boxing on
     every edge, the loss gathered to B, and updated parameters back to their placement;
     parameter traffic (parameter reads, gradients entering the update, updated state) is
@@ -47,13 +48,13 @@ def _recomputed_objective(gm, mesh) -> float:
         return node.meta["ddlc_origin"].phase if "ddlc_origin" in node.meta else None
 
     def out_sbp(node, leaf=0):
-        return node.meta["ddlc"].outputs[leaf]
+        return SHARDING(node).outputs[leaf]
 
     total = 0.0
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        sig = n.meta["ddlc"]
+        sig = SHARDING(n)
         total += compute_seconds(n, NdSignature(sig.inputs, sig.outputs), mesh)
         for j, arg in enumerate(tensor_inputs(n)):
             leaf = selected_leaf(n) if n.target is operator.getitem else 0
@@ -77,7 +78,7 @@ def _recomputed_objective(gm, mesh) -> float:
 
 def _sbp(gm, name, port="outputs", index=0):
     node = next(n for n in gm.graph.nodes if n.name == name)
-    return getattr(node.meta["ddlc"], port)[index]
+    return getattr(SHARDING(node), port)[index]
 
 
 def test_large_batch_small_weights_is_data_parallel():
@@ -91,8 +92,8 @@ def test_large_batch_small_weights_is_data_parallel():
     assert plan.objective == pytest.approx(shard(gm, mesh, solver="exact").objective, rel=1e-9)
     # the compute is split about 4 ways (the weight-sized ops are tiny)
     whole = NdSBP((B,))
-    replicated = sum(compute_seconds(n, NdSignature(tuple(whole for _ in n.meta["ddlc"].inputs),
-                                                     tuple(whole for _ in n.meta["ddlc"].outputs)), mesh)
+    replicated = sum(compute_seconds(n, NdSignature(tuple(whole for _ in SHARDING(n).inputs),
+                                                     tuple(whole for _ in SHARDING(n).outputs)), mesh)
                      for n in gm.graph.nodes if n.op == "call_function")
     assert plan.compute < replicated / 3.5
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import ddlc
-from ddlc.runtime import collective_sequence, lower
+from ddlc.ir import collective_sequence
+from ddlc.simulate import lower_rank
 from ddlc.sbp import parse_sbp
 from ddlc.simulate import axis_group_names, simulate_steps
 from passes.canonicalize import canonicalize
@@ -32,7 +33,7 @@ def test_simulated_ranks_match_single_device(mesh_shape, model_name, opt_name, p
     names = {i.key: i.name for i in sig.inputs}
     mesh = ddlc.Mesh(mesh_shape)
     shard(gm, mesh, fixed={names[k]: parse_sbp(v) for k, v in placements.items()})
-    graph = lower(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, axis_group_names(mesh))
+    graph = lower_rank(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, axis_group_names(mesh))
     assert collective_sequence(graph), "the plan should communicate"
     params = {k: v.detach() for k, v in model.named_parameters()}
     losses, params, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data)
@@ -50,6 +51,6 @@ def test_every_rank_lowers_to_the_same_collective_sequence():
     mesh = ddlc.Mesh((2, 2, 2))
     shard(gm, mesh, fixed={"input0": parse_sbp("(S0, S0, B)"),
                            "p_layers_1_weight": parse_sbp("(B, B, S1)")})
-    sequences = [collective_sequence(lower(copy.deepcopy(gm), mesh, c, axis_group_names(mesh)))
+    sequences = [collective_sequence(lower_rank(copy.deepcopy(gm), mesh, c, axis_group_names(mesh)))
                  for c in itertools.product(range(2), range(2), range(2))]
     assert all(s == sequences[0] for s in sequences)

@@ -30,39 +30,12 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
+from ddlc.ir import NdSignature, Signature
 from ddlc.sbp import B, P, S, SBP, NdSBP
 
 log = logging.getLogger("ddlc.rules")
 
 UNSPLIT = "."
-
-
-@dataclass(frozen=True, order=True)
-class Signature:
-    """One mesh axis: the SBP of each tensor input (``tensor_inputs`` order) and of
-    each output leaf (``None`` for a non-tensor leaf)."""
-
-    inputs: tuple[Optional[SBP], ...]
-    outputs: tuple[Optional[SBP], ...]
-
-    def __str__(self) -> str:
-        return f"{','.join(map(str, self.inputs))}->{','.join(map(str, self.outputs))}"
-
-
-@dataclass(frozen=True, order=True)
-class NdSignature:
-    """A :class:`Signature` with one :class:`NdSBP` (one SBP per mesh axis) per entry."""
-
-    inputs: tuple[Optional[NdSBP], ...]
-    outputs: tuple[Optional[NdSBP], ...]
-
-    def axis(self, k: int) -> Signature:
-        """The 1-D signature on mesh axis ``k``."""
-        pick = lambda xs: tuple(None if x is None else x[k] for x in xs)  # noqa: E731
-        return Signature(pick(self.inputs), pick(self.outputs))
-
-    def __str__(self) -> str:
-        return f"{','.join(map(str, self.inputs))}->{','.join(map(str, self.outputs))}"
 
 
 @dataclass(frozen=True)
@@ -288,13 +261,32 @@ def signatures_1d(node: fx.Node) -> list[Signature]:
     return list(_signatures_1d(call_key(node), node))
 
 
+#: Most entries each signature cache keeps; a full cache is emptied (entries are cheap to
+#: recompute, and a long-lived process tracing many models must not grow without bound).
+MAX_CACHED_CALLS = 50_000
+
 _SIG_CACHE: dict[tuple, tuple[Signature, ...]] = {}
+_ND_CACHE: dict[tuple, tuple[NdSignature, ...]] = {}
+
+
+def clear_caches() -> None:
+    """Forget every cached signature list (they depend only on the call and mesh shape)."""
+    _SIG_CACHE.clear()
+    _ND_CACHE.clear()
+    _ndsbp.cache_clear()
+
+
+def _remember(cache: dict, key, value):
+    if len(cache) >= MAX_CACHED_CALLS:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def _signatures_1d(key: tuple, node: fx.Node) -> tuple[Signature, ...]:
     cached = _SIG_CACHE.get(key)
     if cached is None:
-        cached = _SIG_CACHE[key] = tuple(_compute_1d(node))
+        cached = _remember(_SIG_CACHE, key, tuple(_compute_1d(node)))
     return cached
 
 
@@ -329,9 +321,6 @@ def fallback_ops(gm: fx.GraphModule) -> list[str]:
                    if n.op == "call_function" and not has_rule(n)})
 
 
-_ND_CACHE: dict[tuple, tuple[NdSignature, ...]] = {}
-
-
 def signatures_nd(node: fx.Node, mesh_shape: Sequence[int]) -> list[NdSignature]:
     """One 1-D signature per mesh axis, every combination whose splits divide evenly."""
     key = call_key(node)
@@ -341,9 +330,9 @@ def signatures_nd(node: fx.Node, mesh_shape: Sequence[int]) -> list[NdSignature]
         one_d = _signatures_1d(key, node)
         metas = _entry_shapes(node)
         per_axis = [[s for s in one_d if _fits(s.inputs + s.outputs, metas, (p,))] for p in mesh_shape]
-        cached = tuple(_nd(combo) for combo in itertools.product(*per_axis)
-                       if _fits_nd(combo, metas, mesh_shape))
-        _ND_CACHE[(key, mesh_shape)] = cached
+        cached = _remember(_ND_CACHE, (key, mesh_shape),
+                           tuple(_nd(combo) for combo in itertools.product(*per_axis)
+                                 if _fits_nd(combo, metas, mesh_shape)))
     return list(cached)
 
 
@@ -374,7 +363,7 @@ def _fits_nd(combo: Sequence[Signature], shapes, mesh_shape) -> bool:
     return True
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=MAX_CACHED_CALLS)
 def _ndsbp(per_axis: tuple[Optional[SBP], ...]) -> Optional[NdSBP]:
     return None if per_axis[0] is None else NdSBP(per_axis)
 

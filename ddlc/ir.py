@@ -1,0 +1,300 @@
+"""The annotations every pass shares: node-annotation types, meta keys, collective ops.
+
+A leaf module: it imports nothing of the project (SBP types appear in annotations
+only), so every layer -- cost models, passes, the pipeline, the runtime -- can read
+and write annotations without importing the layer that made them.
+
+One meta key holds one type, the way torch.fx's ``ShapeProp`` keeps
+``tensor_meta: TensorMetadata``; read and write them through the :class:`MetaKey`
+objects below, never by string:
+
+================  =====================  =======================  =============================
+key               holds                  written by               read by
+================  =====================  =======================  =============================
+``ORIGIN``        :class:`Origin`        trace                    printing, sharding, decouple,
+                                                                  schedule, errors
+``ROLE``          ``str`` (:data:`ROLES`) trace                   sharding, schedule
+``SHARDING``      :class:`NdSignature`   shard, decouple,         collectives, localize,
+                                         collectives              runtime, printing
+``COLLECTIVE``    :class:`CollectiveInfo` collectives, fuse,      program timeline, fingerprint,
+                                         partition                schedule, printing
+``PIECE``         :class:`Piece`         partition                schedule
+``FUSED``         ``int`` (members)      fuse                     fuse
+``GLOBAL_VAL``    global ``val``         localize                 runtime
+``STEP``          :class:`StepSignature` trace (on the graph)     every pass, runtime
+``BUCKET_CAP``    ``float`` (bytes)      fuse (on the graph)      pipeline (leader choices)
+``PIECE_BYTES``   ``float`` (bytes)      partition (on the graph) pipeline (leader choices)
+``UPDATES``       ``str`` ("end"/"early") schedule (on the graph) tests, bench
+================  =====================  =======================  =============================
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Mapping, NamedTuple, Optional, Sequence, TypeVar
+
+import torch
+from torch import fx
+
+if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run time
+    from .sbp import SBP, NdSBP
+
+__all__ = ["MetaKey", "Origin", "InputSpec", "OutputSpec", "StepSignature", "Signature",
+           "NdSignature", "CollectiveInfo", "Piece", "ROLES", "ORIGIN", "ROLE", "SHARDING",
+           "COLLECTIVE", "PIECE", "FUSED", "GLOBAL_VAL", "STEP", "BUCKET_CAP", "PIECE_BYTES",
+           "UPDATES", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait",
+           "collective_kind", "collective_sequence"]
+
+T = TypeVar("T")
+
+
+class MetaKey(Generic[T]):
+    """One annotation key of ``node.meta`` (or ``gm.meta``) and the one type it holds."""
+
+    __slots__ = ("name", "type")
+
+    def __init__(self, name: str, type_: type | tuple[type, ...]):
+        self.name, self.type = name, type_
+
+    def get(self, owner: fx.Node | fx.GraphModule, default: T | None = None) -> T | None:
+        return owner.meta.get(self.name, default)
+
+    def __call__(self, owner: fx.Node | fx.GraphModule) -> T:
+        """The annotation; a KeyError naming the node and the key if it is missing."""
+        try:
+            return owner.meta[self.name]
+        except KeyError:
+            raise KeyError(f"{getattr(owner, 'name', type(owner).__name__)} has no "
+                           f"{self.name!r} annotation") from None
+
+    def set(self, owner: fx.Node | fx.GraphModule, value: T) -> T:
+        if not isinstance(value, self.type):
+            raise TypeError(f"meta key {self.name!r} holds {self.type}, not {type(value).__name__}")
+        owner.meta[self.name] = value
+        return value
+
+    def has(self, owner: fx.Node | fx.GraphModule) -> bool:
+        return self.name in owner.meta
+
+    def __repr__(self) -> str:
+        return f"MetaKey({self.name!r})"
+
+
+# -- what the tracer records -------------------------------------------------------------
+
+#: The roles of the step's flat inputs.
+ROLES = ("param", "buffer", "opt_state", "input")
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a node came from: ``phase`` in forward/backward/optimizer/input,
+    the module path (``""`` for the root) and the user's source line."""
+
+    phase: str
+    module: str
+    source: str = ""
+
+    def where(self, node_name: str) -> str:
+        """``name [module] source``: how errors point at a node."""
+        return f"{node_name} [{self.module}] {self.source}"
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One flat graph input: ``role`` in ROLES; ``key`` is the parameter/buffer name,
+    ``"<param>:<state>"`` for optimizer state, or ``"input<i>"`` for batch tensors."""
+
+    name: str
+    role: str
+    key: str
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One flat graph output: role ``loss``, ``param`` (updated), ``opt_state``,
+    ``grad`` (loss without optimizer) or ``output`` (forward only)."""
+
+    role: str
+    key: str
+
+
+#: Output role -> the input role whose placement it must end in (loop-carried state).
+LOOP_ROLE = {"param": "param", "opt_state": "opt_state", "grad": "param"}
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    """The roles of a traced step's flat inputs and outputs, and its optimizer specs
+    (``(param name, spec)`` pairs; a spec has ``init_state(param)`` and ``state_names``)."""
+
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[OutputSpec, ...]
+    optimizer: tuple[tuple[str, Any], ...] = ()
+    num_targets: int = 0
+
+    def keys(self, role: str) -> list[str]:
+        return [i.key for i in self.inputs if i.role == role]
+
+    def input_name(self, role: str, key: str) -> str:
+        """The placeholder name of the input with ``role`` and ``key``."""
+        return next(i.name for i in self.inputs if (i.role, i.key) == (role, key))
+
+    def loop_inputs(self) -> dict[int, str]:
+        """Output index -> the placeholder whose placement that output must end in
+        (updated parameters and optimizer state; gradients: their parameter's)."""
+        name_of = {(i.role, i.key): i.name for i in self.inputs}
+        return {k: name_of[(LOOP_ROLE[o.role], o.key)] for k, o in enumerate(self.outputs)
+                if o.role in LOOP_ROLE}
+
+    @property
+    def has_loss(self) -> bool:
+        return any(o.role == "loss" for o in self.outputs)
+
+    def flatten(self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+                opt_state: Mapping[str, torch.Tensor], batch: Sequence[torch.Tensor]) -> list:
+        """Arrange named state and the batch as the graph's flat input list."""
+        tables = {"param": params, "buffer": buffers, "opt_state": opt_state,
+                  "input": {f"input{i}": t for i, t in enumerate(batch)}}
+        return [tables[i.role][i.key] for i in self.inputs]
+
+    def init_opt_state(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Fresh optimizer state for ``params``, keyed ``"<param>:<state>"``."""
+        return {f"{k}:{s}": t for k, spec in self.optimizer
+                for s, t in spec.init_state(params[k].detach()).items()}
+
+    def unflatten(self, outputs: Sequence[Any]) -> dict[str, dict[str, Any]]:
+        """Split the flat outputs by role: ``{"loss": {"loss": t}, "param": {...}, ...}``."""
+        result: dict[str, dict[str, Any]] = {}
+        for spec, value in zip(self.outputs, outputs):
+            result.setdefault(spec.role, {})[spec.key] = value
+        return result
+
+
+# -- what the planner and the lowering passes record ----------------------------------------
+
+@dataclass(frozen=True, order=True)
+class Signature:
+    """One mesh axis: the SBP of each tensor input (``tensor_inputs`` order) and of
+    each output leaf (``None`` for a non-tensor leaf)."""
+
+    inputs: tuple[Optional[SBP], ...]
+    outputs: tuple[Optional[SBP], ...]
+
+    def __str__(self) -> str:
+        return f"{','.join(map(str, self.inputs))}->{','.join(map(str, self.outputs))}"
+
+
+@dataclass(frozen=True, order=True)
+class NdSignature:
+    """A :class:`Signature` with one ``NdSBP`` (one SBP per mesh axis) per entry: a node's
+    candidate distribution, and (``SHARDING``) the one the plan chose."""
+
+    inputs: tuple[Optional[NdSBP], ...]
+    outputs: tuple[Optional[NdSBP], ...]
+
+    def axis(self, k: int) -> Signature:
+        """The 1-D signature on mesh axis ``k``."""
+        pick = lambda xs: tuple(None if x is None else x[k] for x in xs)  # noqa: E731
+        return Signature(pick(self.inputs), pick(self.outputs))
+
+    @property
+    def output(self) -> NdSBP:
+        """The one tensor output's SBP (a ValueError if there is not exactly one)."""
+        outs = [x for x in self.outputs if x is not None]
+        if len(outs) != 1:
+            raise ValueError(f"a signature with {len(outs)} tensor outputs has no single output")
+        return outs[0]
+
+    def __str__(self) -> str:
+        return f"{','.join(map(str, self.inputs))}->{','.join(map(str, self.outputs))}"
+
+
+@dataclass(frozen=True)
+class CollectiveInfo:
+    """An inserted collective (or local boxing step: ``slice``, ``zero``): its kind, mesh
+    axis, bytes and modeled seconds, and the SBP it turns ``before`` into ``after``."""
+
+    kind: str
+    axis: int
+    axis_name: str
+    group_size: int
+    nbytes: int
+    seconds: float
+    before: NdSBP
+    after: NdSBP
+
+    @property
+    def communicates(self) -> bool:
+        """Whether it moves data between ranks (not a local slice or zeroing)."""
+        return self.kind not in ("slice", "zero")
+
+    def __str__(self) -> str:
+        return (f"{self.kind} on axis {self.axis} ({self.axis_name}, {self.group_size} ranks) "
+                f"{self.nbytes} B {self.seconds * 1e6:.1f} us: {self.before} -> {self.after}")
+
+
+class Piece(NamedTuple):
+    """One piece of a split collective: the split collective's name, this piece's index
+    and how many pieces there are."""
+
+    split: str
+    index: int
+    count: int
+
+
+ORIGIN: MetaKey[Origin] = MetaKey("ddlc_origin", Origin)
+ROLE: MetaKey[str] = MetaKey("ddlc_role", str)
+SHARDING: MetaKey[NdSignature] = MetaKey("ddlc_sharding", NdSignature)
+COLLECTIVE: MetaKey[CollectiveInfo] = MetaKey("ddlc_collective", CollectiveInfo)
+PIECE: MetaKey[Piece] = MetaKey("ddlc_piece", Piece)
+FUSED: MetaKey[int] = MetaKey("ddlc_fused", int)
+GLOBAL_VAL: MetaKey[Any] = MetaKey("ddlc_global_val", object)
+STEP: MetaKey[StepSignature] = MetaKey("ddlc_step", StepSignature)
+BUCKET_CAP: MetaKey[float] = MetaKey("ddlc_bucket_cap", (int, float))
+PIECE_BYTES: MetaKey[float] = MetaKey("ddlc_piece_bytes", (int, float))
+UPDATES: MetaKey[str] = MetaKey("ddlc_updates", str)
+
+
+def where(node: fx.Node) -> str:
+    """How errors point at ``node``: its name, module and user source line when known."""
+    origin = ORIGIN.get(node)
+    return origin.where(node.name) if origin else node.name
+
+
+# -- collective ops --------------------------------------------------------------------------
+
+_c10d = torch.ops._c10d_functional
+
+#: Every ``_c10d_functional`` collective issue op -> its kind.
+COLLECTIVE_KINDS = {_c10d.all_reduce.default: "all_reduce",
+                    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
+                    _c10d.all_gather_into_tensor.default: "all_gather",
+                    _c10d.all_to_all_single.default: "all_to_all"}
+
+#: The kinds that fusion buckets and partition splits (dim-0 layouts).
+BUCKETABLE = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
+
+
+def is_collective(node: fx.Node) -> bool:
+    """Whether ``node`` issues a ``_c10d_functional`` collective."""
+    return node.op == "call_function" and node.target in COLLECTIVE_KINDS
+
+
+def is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is _c10d.wait_tensor.default
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """The kind of the collective ``node`` issues, or None."""
+    return COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def collective_sequence(gm: fx.GraphModule) -> list[tuple[str, int, int]]:
+    """The ordered (kind, mesh axis, bytes) of every communicating collective in ``gm``."""
+    return [(info.kind, info.axis, info.nbytes) for n in gm.graph.nodes
+            if (info := COLLECTIVE.get(n)) is not None and info.communicates]

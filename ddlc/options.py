@@ -1,0 +1,135 @@
+"""Compile options: one frozen, validated object, checked before any work starts.
+
+``ddlc.compile(model, mesh, inputs, loss_fn, optimizer, **options)`` builds
+:class:`CompileOptions` from its keyword arguments; an unknown option, a value of
+the wrong type or outside its choices, or two options that contradict each other
+is an :class:`ddlc.errors.OptionError` that names the option.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Union
+
+from .errors import OptionError
+
+__all__ = ["CompileOptions", "Solver", "BatchMode", "Decouple", "AllGatherPlacement", "Updates"]
+
+Solver = Literal["cd", "exact"]
+BatchMode = Literal["global", "local"]
+Decouple = Union[bool, Literal["always"]]
+AllGatherPlacement = Literal["auto", "forward", "backward"]
+Updates = Literal["auto", "early", "end"]
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Everything ``ddlc.compile`` accepts besides the model, mesh, inputs, loss and
+    optimizer. See the README for what each does; :mod:`ddlc.pipeline` for where."""
+
+    #: how many trailing example inputs are targets of ``loss_fn``
+    num_targets: int = 1
+    #: sharding solver: coordinate descent, or the exact MILP (a reference; slow)
+    solver: Solver = "cd"
+    #: bytes per device the plan may keep resident (None: the profile's device memory)
+    memory_budget: Union[float, None] = None
+    #: pinned SBPs by parameter name or ``input<i>`` (e.g. ``"(S0, B)"``)
+    placements: Mapping[str, Any] = field(default_factory=dict)
+    #: ``step`` receives the global batch (each rank takes its part) or each rank's own
+    batch: BatchMode = "global"
+    #: hardware profile name or JSON path (None: the mesh's, default ``cpu-gloo``)
+    profile: Union[str, None] = None
+    #: turn gradient all-reduces into reduce-scatter + sharded update + all-gather
+    decouple: Decouple = True
+    #: where a decoupled parameter's all-gather goes
+    ag_placement: AllGatherPlacement = "auto"
+    #: reorder collectives for overlap (issue early, wait late)
+    schedule: bool = True
+    #: bucket small collectives: True lets the timeline model choose the cap, a number
+    #: fixes it (bytes), False fuses nothing
+    fuse: Union[bool, float] = True
+    #: split large collectives: True lets the timeline model choose the piece size, a
+    #: number fixes it (bytes), False splits nothing
+    partition: Union[bool, float] = True
+    #: bytes of issued-but-unwaited collectives the scheduler allows
+    max_inflight_bytes: float = math.inf
+    #: peak live bytes the scheduler may not raise by issuing early
+    max_live_bytes: Union[float, None] = None
+    #: optimizer updates at the end of the step, inside backward, or as modeled faster
+    updates: Updates = "auto"
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(CompileOptions)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not _matches(value, hints[f.name]):
+                raise OptionError(f"option {f.name}={value!r} is not {_describe(hints[f.name])}")
+        object.__setattr__(self, "placements", dict(self.placements))
+        for name in ("memory_budget", "max_live_bytes", "max_inflight_bytes"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise OptionError(f"option {name}={value!r} must be a positive number of bytes")
+        for name in ("fuse", "partition"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not value > 0:
+                raise OptionError(f"option {name}={value!r}: give True, False or a positive "
+                                  "number of bytes")
+        if self.num_targets < 0:
+            raise OptionError(f"option num_targets={self.num_targets} must be >= 0")
+        if self.updates == "early" and not self.schedule:
+            raise OptionError("option updates='early' needs the scheduler, but schedule=False; "
+                              "use updates='end' or schedule=True")
+        if not self.schedule and (self.max_live_bytes is not None
+                                  or self.max_inflight_bytes != math.inf):
+            raise OptionError("options max_live_bytes / max_inflight_bytes cap the scheduler, "
+                              "but schedule=False")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "CompileOptions":
+        """The options from ``compile``'s keyword arguments; an unknown name is an
+        OptionError that suggests the closest known one."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        for name in kwargs:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; options are {known}"
+                raise OptionError(f"unknown compile option {name!r}{hint}")
+        if kwargs.get("placements") is None:
+            kwargs.pop("placements", None)
+        return cls(**kwargs)
+
+    @property
+    def updates_for_schedule(self) -> str:
+        """``updates`` as the scheduler takes it (no scheduler: updates stay at the end)."""
+        return self.updates if self.schedule else "end"
+
+
+def _matches(value, hint) -> bool:
+    origin = typing.get_origin(hint)
+    if origin is Union:
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if origin is Literal:
+        return any(value == choice and type(value) is type(choice) for choice in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is not None:  # Mapping[...]
+        return isinstance(value, origin)
+    return isinstance(value, hint)
+
+
+def _describe(hint) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Union:
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    if hint is type(None):
+        return "None"
+    return "a " + getattr(origin or hint, "__name__", str(hint))

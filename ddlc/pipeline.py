@@ -1,0 +1,186 @@
+"""The compiler pipeline: every pass, in order, in one place.
+
+::
+
+    planning  (every rank traces; rank 0 plans, see ddlc.runtime)
+      trace          model + inputs + loss + optimizer -> one functional aten graph (ddlc.trace)
+      canonicalize   mean reductions -> sum / count, so batch splits give partial sums
+      shard          every node's SBP signature (AutoDDL): ir.SHARDING on every node
+      decouple       gradient all-reduce -> reduce-scatter + update on the shard + all-gather
+    lowering  (every rank, for its own mesh coordinate)
+      collectives    boxing collectives on every edge whose SBP changes (ir.COLLECTIVE)
+      localize       global -> per-rank shapes and arguments (ir.GLOBAL_VAL keeps the global)
+      fuse           bucket small collectives (cap chosen by the program timeline)
+      partition      split large collectives (piece size chosen by the program timeline)
+      schedule       issue early, wait late, updates inside backward; then the static check
+                     that every collective is read only through its wait
+
+Each pass runs through :func:`run_pass`, which times it and logs one line under the
+``ddlc.pipeline`` logger. This is the only module of ``ddlc`` that imports ``passes``.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_leaves
+
+from passes.canonicalize import canonicalize
+from passes.collectives import insert_collectives
+from passes.decouple import decouple
+from passes.fuse import fuse, fuse_best
+from passes.localize import localize
+from passes.partition import partition, partition_best
+from passes.schedule import check_waits, follow, schedule
+from passes.sharding import shard
+
+from .errors import MeshError, UnsupportedInputError
+from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP
+from .mesh import Mesh
+from .options import CompileOptions
+from .plan import Plan
+from .sbp import NdSBP, divides, parse_sbp
+from .trace import trace
+
+__all__ = ["PLANNING", "LOWERING", "run_pass", "trace_step", "resolve_placements", "plan", "lower",
+           "LoweringChoices"]
+
+log = logging.getLogger("ddlc.pipeline")
+
+#: The passes, in the order they run.
+PLANNING = ("trace", "canonicalize", "shard", "decouple")
+LOWERING = ("collectives", "localize", "fuse", "partition", "schedule")
+
+
+def run_pass(name: str, fn: Callable, *args, **kwargs) -> Any:
+    """``fn(*args, **kwargs)``, timed, with one INFO line: the pass, its milliseconds and
+    the size of the graph it returns (or its first argument)."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    graph = result if isinstance(result, fx.GraphModule) else next(
+        (a for a in args if isinstance(a, fx.GraphModule)), None)
+    size = f"{len(graph.graph.nodes)} nodes" if graph is not None else ""
+    log.info("%-13s %8.1f ms  %s", name, (time.perf_counter() - start) * 1e3, size)
+    return result
+
+
+# -- planning ------------------------------------------------------------------------------
+
+def trace_step(model: nn.Module, example_inputs, loss_fn, optimizer,
+               options: CompileOptions) -> fx.GraphModule:
+    """trace, canonicalize: the step graph at global shapes, mean losses as sum / count."""
+    gm = run_pass("trace", trace, model, example_inputs, loss_fn, optimizer,
+                  num_targets=options.num_targets)
+    return run_pass("canonicalize", canonicalize, gm)
+
+
+def resolve_placements(gm: fx.GraphModule, placements: Mapping[str, object],
+                       ndim: int) -> dict[str, NdSBP]:
+    """Map user placements keyed by parameter name or ``input<i>`` to placeholder names."""
+    by_key = {i.key: i.name for i in STEP(gm).inputs}
+    fixed = {}
+    for key, sbp in placements.items():
+        if key not in by_key and key not in by_key.values():
+            raise UnsupportedInputError(f"placement given for {key!r}, which is neither a "
+                                        f"parameter nor an input (inputs are input0, input1, ...)")
+        sbp = parse_sbp(sbp) if isinstance(sbp, str) else NdSBP(tuple(sbp))
+        if len(sbp) != ndim:
+            raise MeshError(f"placement {sbp} of {key!r} has {len(sbp)} axes; the mesh has {ndim}")
+        fixed[by_key.get(key, key)] = sbp
+    return fixed
+
+
+def plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
+         fixed: Mapping[str, NdSBP]) -> Plan:
+    """shard, decouple: annotate every node of ``gm`` with its signature; return the plan."""
+    result = run_pass("shard", shard, gm, mesh, solver=options.solver,
+                      memory_budget=options.memory_budget, fixed=fixed)
+    # invariant: every node but the output carries ir.SHARDING
+    if options.decouple:
+        decoupled = run_pass("decouple", decouple, gm, mesh, options.ag_placement, frozenset(fixed),
+                             always=options.decouple == "always")
+        result.stats["decoupled"] = len(decoupled)
+    return result
+
+
+# -- lowering ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LoweringChoices:
+    """What lowering chose for one rank's program: the bucket cap, the piece size and the
+    node order. Where local shapes differ by rank, every rank adopts mesh coordinate 0's
+    (its pieces are the largest), so that all ranks issue the same collectives."""
+
+    bucket_cap: float
+    piece_bytes: float
+    order: tuple[str, ...] | None
+
+
+def _splits_evenly(gm: fx.GraphModule, mesh: Mesh) -> bool:
+    """Whether every planned tensor splits into equal pieces (then every rank's local
+    shapes, modeled timelines and lowering choices are the same)."""
+    for node in gm.graph.nodes:
+        sharding = SHARDING.get(node)
+        leaves = tree_leaves(node.meta.get("val"))
+        if sharding is not None and any(isinstance(v, torch.Tensor) and x is not None
+                                        and not divides(tuple(v.shape), x, mesh.shape)
+                                        for v, x in zip(leaves, sharding.outputs)):
+            return False
+    return True
+
+
+def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],
+          options: CompileOptions) -> fx.GraphModule:
+    """collectives, localize, fuse, partition, schedule: the program of the rank at mesh
+    coordinate ``coord`` whose per-axis process groups are named ``groups``, in place.
+    Needs no process group, so tests can lower every rank in one process. Where local
+    shapes differ by rank, the choices of coordinate 0's program are taken
+    (:class:`LoweringChoices`), found by lowering a copy of the graph for it first."""
+    leader = None
+    if any(coord) and not _splits_evenly(gm, mesh):
+        leader = _lower_passes(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, groups, options, None)
+    _lower_passes(gm, mesh, coord, groups, options, leader)
+    return gm
+
+
+def _lower_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],
+                  options: CompileOptions, leader: LoweringChoices | None) -> LoweringChoices:
+    run_pass("collectives", insert_collectives, gm, mesh, groups, coord)
+    run_pass("localize", localize, gm, mesh, coord)
+    # from here on, shapes are local and every collective carries ir.COLLECTIVE
+
+    def order(graph: fx.GraphModule) -> fx.GraphModule:
+        return schedule(graph, options.max_inflight_bytes, options.max_live_bytes, mesh.profile,
+                        options.updates_for_schedule)
+
+    scheduler = order if options.schedule else None
+    cap = _bucket_cap(options.fuse) if leader is None else leader.bucket_cap
+    if cap == "auto":
+        cap = BUCKET_CAP.set(gm, run_pass("fuse", fuse_best, gm, mesh, scheduler))
+    elif cap:
+        run_pass("fuse", fuse, gm, mesh, cap)
+    size = _bucket_cap(options.partition, none=math.inf) if leader is None else leader.piece_bytes
+    if size == "auto":
+        size = PIECE_BYTES.set(gm, run_pass("partition", partition_best, gm, mesh, scheduler))
+    elif size != math.inf:
+        run_pass("partition", partition, gm, mesh, size)
+    if leader is not None and leader.order is not None:
+        run_pass("schedule", follow, gm, list(leader.order))
+    elif scheduler is not None:
+        run_pass("schedule", scheduler, gm)
+    check_waits(gm)  # invariant: every collective's output is read only through its wait
+    return LoweringChoices(cap, size, tuple(n.name for n in gm.graph.nodes) if options.schedule else None)
+
+
+def _bucket_cap(option: bool | float, none: float = 0) -> float | str:
+    """A fuse / partition option as a size: "auto" (the timeline model chooses), ``none``
+    (off) or the bytes given."""
+    if option is True:
+        return "auto"
+    return none if option is False else float(option)
