@@ -221,7 +221,7 @@ def _parse_shape(shape) -> tuple[int, ...]:
     if isinstance(shape, str):
         text = shape.strip().strip("()")
         parts = re.split(r"\s*[x×,*]\s*", text) if text else []
-        if not parts or not all(p.isdigit() for p in parts):
+        if not parts or not all(p.isascii() and p.isdigit() for p in parts):
             raise MeshError(f"cannot parse mesh shape {shape!r}: write it like '2x4' or '(2, 4)'")
         shape = tuple(int(p) for p in parts)
     try:

@@ -13,7 +13,7 @@ import torch
 
 from .errors import UnsupportedInputError
 
-__all__ = ["OptimizerSpec", "SGDSpec", "AdamWSpec", "optimizer_spec"]
+__all__ = ["OptimizerSpec", "SGDSpec", "AdamWSpec", "optimizer_spec", "hyperparameters"]
 
 
 class OptimizerSpec:
@@ -122,3 +122,18 @@ def optimizer_spec(optimizer: torch.optim.Optimizer,
                                             "parameter of the model")
             specs[by_id[id(p)]] = spec
     return specs
+
+
+#: Param-group entries that do not take part in the update (an lr scheduler's bookkeeping).
+_NOT_HYPERPARAMETERS = ("params", "initial_lr")
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[dict, ...]:
+    """Every param group's hyper-parameters (lr, momentum, betas, weight decay, ...) as
+    plain values, to notice a change after compile (an lr scheduler's step)."""
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return float(value) if value.numel() == 1 else tuple(value.flatten().tolist())
+        return tuple(map(plain, value)) if isinstance(value, (tuple, list)) else value
+    return tuple({k: plain(v) for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
+                 for group in optimizer.param_groups)

@@ -40,7 +40,7 @@ from passes.partition import partition, partition_best
 from passes.schedule import check_waits, follow, schedule
 from passes.sharding import shard
 
-from .errors import MeshError, UnsupportedInputError
+from .errors import MeshError, SBPError, UnsupportedInputError
 from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP
 from .mesh import Mesh
 from .options import CompileOptions
@@ -92,6 +92,10 @@ def resolve_placements(gm: fx.GraphModule, placements: Mapping[str, object],
         sbp = parse_sbp(sbp) if isinstance(sbp, str) else NdSBP(tuple(sbp))
         if len(sbp) != ndim:
             raise MeshError(f"placement {sbp} of {key!r} has {len(sbp)} axes; the mesh has {ndim}")
+        if any(x.is_partial for x in sbp):
+            raise SBPError(f"placement {sbp} of {key!r} is a partial sum (P), which cannot hold "
+                           "user data: every rank holds the full value and the program would "
+                           "add them up; pin it B (replicated) or S(d) (split along dim d)")
         fixed[by_key.get(key, key)] = sbp
     return fixed
 

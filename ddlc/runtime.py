@@ -25,6 +25,7 @@ from . import pipeline
 from .errors import RuntimeMismatchError, UnsupportedInputError
 from .ir import GLOBAL_VAL, SHARDING, STEP, collective_sequence
 from .mesh import Mesh
+from .optim import hyperparameters
 from .options import CompileOptions
 from .plan import Plan
 from .printing import format_graph
@@ -110,14 +111,15 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     fingerprint = _check_fingerprint(gm)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
-    return CompiledStep(model, gm, plan, mesh, coord, options.batch, fingerprint, device)
+    return CompiledStep(model, gm, plan, mesh, coord, options.batch, fingerprint, device, optimizer)
 
 
 class CompiledStep:
     """One rank's compiled program and its shards of the model and optimizer state."""
 
     def __init__(self, model: nn.Module, gm: fx.GraphModule, plan: Plan, mesh: Mesh,
-                 coord: Sequence[int], batch: str, fingerprint: str, device: torch.device):
+                 coord: Sequence[int], batch: str, fingerprint: str, device: torch.device,
+                 optimizer: torch.optim.Optimizer | None = None):
         self.gm, self.plan, self.mesh, self.coord = gm, plan, mesh, tuple(coord)
         self.batch_mode, self.fingerprint, self.device = batch, fingerprint, device
         self.signature = STEP(gm)
@@ -130,6 +132,8 @@ class CompiledStep:
         global_state = self.signature.init_opt_state(params)
         self.opt_state = {k: self._shard(k, global_state[k]) for k in self.signature.keys("opt_state")}
         self.gradients_local: dict[str, torch.Tensor] = {}
+        self._optimizer = optimizer
+        self._hyperparameters = hyperparameters(optimizer) if optimizer is not None else None
 
     # -- placement helpers ---------------------------------------------------------------
     def _sbp(self, key: str) -> NdSBP:
@@ -190,11 +194,27 @@ class CompiledStep:
         if not self.signature.has_loss:
             raise UnsupportedInputError("this program has no loss: it was compiled without "
                                         "loss_fn; call it for inference instead")
+        self._check_hyperparameters()
         out = self._run(batch)
         self.params.update(out.get("param", {}))
         self.opt_state.update(out.get("opt_state", {}))
         self.gradients_local = out.get("grad", {})
         return out["loss"]["loss"].detach()
+
+    def _check_hyperparameters(self) -> None:
+        """Refuse to step with hyper-parameters other than those compiled into the graph
+        (today they are constants of the graph: ignoring a change would be silently wrong)."""
+        if self._optimizer is None:
+            return
+        now = hyperparameters(self._optimizer)
+        if now != self._hyperparameters:
+            changed = sorted({k for old, new in zip(self._hyperparameters, now)
+                              for k in old.keys() | new.keys() if old.get(k) != new.get(k)})
+            raise UnsupportedInputError(
+                f"the optimizer's {', '.join(changed) or 'param groups'} changed after compile "
+                "(an lr scheduler step or an edit of param_groups); ddlc compiles hyper-parameters "
+                "into the step as constants today, so the change would be ignored: compile again "
+                "after changing them")
 
     def __call__(self, *inputs: torch.Tensor):
         """Inference (compiled without loss_fn): the model's outputs, full on every rank."""

@@ -122,6 +122,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         outputs = [OutputSpec("output", f"output{i}") for i in range(n_out)]
     _check_no_input_mutation(gm)
     _annotate_origins(gm, inputs, annotator)
+    _check_no_random_ops(gm)
     gm.recompile()
     STEP.set(gm, StepSignature(tuple(inputs), tuple(outputs), tuple((k, specs[k]) for k in specs),
                                n_targets))
@@ -243,6 +244,21 @@ def _check_no_input_mutation(gm: fx.GraphModule) -> None:
                 f"the step mutates its input {node.args[0].name!r} in place (for example "
                 "BatchNorm running statistics in training mode); ddlc does not support "
                 "in-place updates of buffers or inputs yet")
+
+
+def _check_no_random_ops(gm: fx.GraphModule) -> None:
+    """Refuse a step that draws random numbers (dropout in training mode, ``torch.rand``):
+    every rank's generator would draw its own values, so replicated tensors would differ
+    between ranks and parameters drift apart -- a silent wrong result."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and \
+                torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            origin = ORIGIN.get(node)
+            raise UnsupportedInputError(
+                f"the step draws random numbers ({node.target}, e.g. dropout in training mode); "
+                "ddlc cannot yet keep ranks' random streams consistent, so each rank would use "
+                "its own mask: set the dropout probability to 0 or put those modules in eval() "
+                "mode", where=origin.where(node.name) if origin else node.name)
 
 
 def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],

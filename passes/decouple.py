@@ -250,6 +250,8 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
     step that updates them). ``always`` decouples even where the model says it does not
     pay (for the sharded optimizer state's memory)."""
     sig = STEP(gm)
+    if not sig.optimizer:  # inference, gradients only, or no trainable parameter
+        return []
     if ag_placement == "auto":
         ag_placement = auto_placement(gm, mesh)
     by_name = {n.name: n for n in gm.graph.nodes}
