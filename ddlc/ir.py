@@ -82,8 +82,8 @@ class MetaKey(Generic[T]):
 
 # -- what the tracer records -------------------------------------------------------------
 
-#: The roles of the step's flat inputs.
-ROLES = ("param", "buffer", "opt_state", "input")
+#: The roles of the step's flat inputs ("hparam": an optimizer hyper-parameter, 0-d).
+ROLES = ("param", "buffer", "opt_state", "hparam", "input")
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,8 @@ class Origin:
 @dataclass(frozen=True)
 class InputSpec:
     """One flat graph input: ``role`` in ROLES; ``key`` is the parameter/buffer name,
-    ``"<param>:<state>"`` for optimizer state, or ``"input<i>"`` for batch tensors."""
+    ``"<param>:<state>"`` for optimizer state, ``"group<g>.<name>"`` for a param group's
+    hyper-parameter, or ``"input<i>"`` for batch tensors."""
 
     name: str
     role: str
@@ -126,12 +127,15 @@ LOOP_ROLE = {"param": "param", "opt_state": "opt_state", "grad": "param"}
 @dataclass(frozen=True)
 class StepSignature:
     """The roles of a traced step's flat inputs and outputs, and its optimizer specs
-    (``(param name, spec)`` pairs; a spec has ``init_state(param)`` and ``state_names``)."""
+    (``(param name, spec)`` pairs; a spec has ``init_state(param)`` and ``state_names``),
+    the specs by param-group index, and the hyper-parameter inputs' compile-time values."""
 
     inputs: tuple[InputSpec, ...]
     outputs: tuple[OutputSpec, ...]
     optimizer: tuple[tuple[str, Any], ...] = ()
     num_targets: int = 0
+    param_groups: tuple[tuple[int, Any], ...] = ()
+    hyperparameters: tuple[tuple[str, float], ...] = ()
 
     def keys(self, role: str) -> list[str]:
         return [i.key for i in self.inputs if i.role == role]
@@ -152,9 +156,13 @@ class StepSignature:
         return any(o.role == "loss" for o in self.outputs)
 
     def flatten(self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-                opt_state: Mapping[str, torch.Tensor], batch: Sequence[torch.Tensor]) -> list:
-        """Arrange named state and the batch as the graph's flat input list."""
+                opt_state: Mapping[str, torch.Tensor], batch: Sequence[torch.Tensor],
+                hyperparameters: Mapping[str, float] | None = None) -> list:
+        """Arrange named state, the hyper-parameters (default: their compile-time values)
+        and the batch as the graph's flat input list."""
+        hyper = dict(self.hyperparameters) if hyperparameters is None else hyperparameters
         tables = {"param": params, "buffer": buffers, "opt_state": opt_state,
+                  "hparam": hyperparameter_tensors(hyper),
                   "input": {f"input{i}": t for i, t in enumerate(batch)}}
         return [tables[i.role][i.key] for i in self.inputs]
 
@@ -169,6 +177,12 @@ class StepSignature:
         for spec, value in zip(self.outputs, outputs):
             result.setdefault(spec.role, {})[spec.key] = value
         return result
+
+
+def hyperparameter_tensors(values: Mapping[str, float | torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hyper-parameter values as the step's 0-d float32 inputs (tensors pass through)."""
+    return {k: v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float32)
+            for k, v in values.items()}
 
 
 # -- what the planner and the lowering passes record ----------------------------------------

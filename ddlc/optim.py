@@ -6,6 +6,7 @@ whose inputs are the parameter, its gradient and its state tensors.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -13,20 +14,39 @@ import torch
 
 from .errors import UnsupportedInputError
 
-__all__ = ["OptimizerSpec", "SGDSpec", "AdamWSpec", "optimizer_spec", "hyperparameters"]
+__all__ = ["OptimizerSpec", "SGDSpec", "AdamWSpec", "optimizer_spec", "hyperparameter_key",
+           "hyperparameter_values", "structure"]
 
 
 class OptimizerSpec:
-    """Hyper-parameters of one parameter's update and the names of its state tensors."""
+    """One param group's update: its hyper-parameters and the names of its state tensors.
+
+    The hyper-parameters named in ``inputs`` are inputs of the traced step (0-d tensors,
+    read from the optimizer's ``param_groups`` at every step, so lr schedulers and edits
+    of ``param_groups`` take effect); the spec's values are the ones at compile time. The
+    rest, and whether each of ``gates`` is zero, shape the graph: :meth:`structure`."""
 
     state_names: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()
+    gates: tuple[str, ...] = ()
 
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def update(self, param, grad, state: Mapping[str, torch.Tensor]):
-        """Return ``(new_param, new_state)``; never mutates its inputs."""
+    def update(self, param, grad, state: Mapping[str, torch.Tensor], hp: Mapping[str, torch.Tensor]):
+        """Return ``(new_param, new_state)`` with hyper-parameters ``hp`` (0-d tensors
+        keyed by ``inputs``); never mutates its inputs."""
         raise NotImplementedError
+
+    def values(self) -> dict[str, float]:
+        """The compile-time values of the ``inputs`` hyper-parameters."""
+        return {name: getattr(self, name) for name in self.inputs}
+
+    def structure(self) -> tuple:
+        """What the traced graph depends on: every other field, and which gates are zero."""
+        fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                  if f.name not in self.inputs]
+        return tuple(fields) + tuple((name, getattr(self, name) != 0) for name in self.gates)
 
 
 @dataclass(frozen=True)
@@ -35,6 +55,18 @@ class SGDSpec(OptimizerSpec):
     momentum: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+
+    inputs = ("lr", "momentum", "weight_decay")
+    gates = ("momentum", "weight_decay")
+
+    @staticmethod
+    def from_group(group: dict) -> "SGDSpec":
+        return SGDSpec(lr=float(group["lr"]), momentum=float(group["momentum"]),
+                       weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]))
+
+    @staticmethod
+    def group_values(group: dict) -> dict[str, float]:
+        return {"lr": group["lr"], "momentum": group["momentum"], "weight_decay": group["weight_decay"]}
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -45,15 +77,15 @@ class SGDSpec(OptimizerSpec):
         # gives the identical first step when dampening is 0 (momentum*0 + g).
         return {name: torch.zeros_like(param) for name in self.state_names}
 
-    def update(self, param, grad, state):
+    def update(self, param, grad, state, hp):
         if self.weight_decay:
-            grad = grad.add(param, alpha=self.weight_decay)
+            grad = grad + param * hp["weight_decay"]
         new_state = {}
         if self.momentum:
-            buf = state["momentum_buffer"].mul(self.momentum).add(grad)
+            buf = state["momentum_buffer"] * hp["momentum"] + grad
             new_state["momentum_buffer"] = buf
-            grad = grad.add(buf, alpha=self.momentum) if self.nesterov else buf
-        return param.add(grad, alpha=-self.lr), new_state
+            grad = grad + buf * hp["momentum"] if self.nesterov else buf
+        return param - grad * hp["lr"], new_state
 
 
 @dataclass(frozen=True)
@@ -65,21 +97,36 @@ class AdamWSpec(OptimizerSpec):
     weight_decay: float = 0.01
 
     state_names = ("step", "exp_avg", "exp_avg_sq")
+    inputs = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    gates = ("weight_decay",)
+
+    @staticmethod
+    def from_group(group: dict) -> "AdamWSpec":
+        b1, b2 = group["betas"]
+        return AdamWSpec(lr=float(group["lr"]), beta1=float(b1), beta2=float(b2),
+                         eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
+
+    @staticmethod
+    def group_values(group: dict) -> dict[str, float]:
+        b1, b2 = group["betas"]
+        return {"lr": group["lr"], "beta1": b1, "beta2": b2, "eps": group["eps"],
+                "weight_decay": group["weight_decay"]}
 
     def init_state(self, param):
         return {"step": torch.zeros((), dtype=torch.float32),
                 "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
 
-    def update(self, param, grad, state):
+    def update(self, param, grad, state, hp):
+        lr, beta1, beta2 = hp["lr"], hp["beta1"], hp["beta2"]
         step = state["step"] + 1
         if self.weight_decay:
-            param = param.mul(1 - self.lr * self.weight_decay)
-        exp_avg = state["exp_avg"].lerp(grad, 1 - self.beta1)
-        exp_avg_sq = state["exp_avg_sq"].mul(self.beta2).addcmul(grad, grad, value=1 - self.beta2)
-        bias_correction1 = 1 - torch.pow(self.beta1, step)
-        bias_correction2_sqrt = (1 - torch.pow(self.beta2, step)).sqrt()
-        denom = exp_avg_sq.sqrt().div(bias_correction2_sqrt).add(self.eps)
-        new_param = param - exp_avg.div(denom).mul(self.lr / bias_correction1)
+            param = param * (1 - lr * hp["weight_decay"])
+        exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"] * beta2 + grad * grad * (1 - beta2)
+        bias_correction1 = 1 - torch.pow(beta1, step)
+        bias_correction2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
+        denom = exp_avg_sq.sqrt().div(bias_correction2_sqrt).add(hp["eps"])
+        new_param = param - exp_avg.div(denom).mul(lr / bias_correction1)
         return new_param, {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
@@ -95,45 +142,46 @@ def _spec_for_group(optimizer: torch.optim.Optimizer, group: dict) -> OptimizerS
         if group.get("dampening", 0):
             raise UnsupportedInputError("SGD with dampening != 0 is not supported "
                                         "(its first step differs from the traced update)")
-        return SGDSpec(lr=float(group["lr"]), momentum=float(group["momentum"]),
-                       weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]))
+        return SGDSpec.from_group(group)
     if isinstance(optimizer, torch.optim.AdamW) or (
             isinstance(optimizer, torch.optim.Adam) and group.get("decoupled_weight_decay")):
-        b1, b2 = group["betas"]
-        return AdamWSpec(lr=float(group["lr"]), beta1=float(b1), beta2=float(b2),
-                         eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
+        return AdamWSpec.from_group(group)
     raise UnsupportedInputError(f"optimizer {name} is not supported; use torch.optim.SGD or "
                                 "torch.optim.AdamW")
 
 
 def optimizer_spec(optimizer: torch.optim.Optimizer,
-                   named_params: Mapping[str, torch.Tensor]) -> dict[str, OptimizerSpec]:
-    """Map each parameter name to the spec of the param group that holds it."""
+                   named_params: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, OptimizerSpec]]:
+    """Map each parameter name to (the index of its param group, that group's spec)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UnsupportedInputError(f"optimizer must be a torch.optim.Optimizer, got "
                                     f"{type(optimizer).__name__}")
     by_id = {id(p): n for n, p in named_params.items()}
-    specs: dict[str, OptimizerSpec] = {}
-    for group in optimizer.param_groups:
+    specs: dict[str, tuple[int, OptimizerSpec]] = {}
+    for index, group in enumerate(optimizer.param_groups):
         spec = _spec_for_group(optimizer, group)
         for p in group["params"]:
             if id(p) not in by_id:
                 raise UnsupportedInputError("the optimizer holds a tensor that is not a "
                                             "parameter of the model")
-            specs[by_id[id(p)]] = spec
+            specs[by_id[id(p)]] = (index, spec)
     return specs
 
 
-#: Param-group entries that do not take part in the update (an lr scheduler's bookkeeping).
-_NOT_HYPERPARAMETERS = ("params", "initial_lr")
+def hyperparameter_key(group: int, name: str) -> str:
+    """The step input key of hyper-parameter ``name`` of param group ``group``."""
+    return f"group{group}.{name}"
 
 
-def hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[dict, ...]:
-    """Every param group's hyper-parameters (lr, momentum, betas, weight decay, ...) as
-    plain values, to notice a change after compile (an lr scheduler's step)."""
-    def plain(value):
-        if isinstance(value, torch.Tensor):
-            return float(value) if value.numel() == 1 else tuple(value.flatten().tolist())
-        return tuple(map(plain, value)) if isinstance(value, (tuple, list)) else value
-    return tuple({k: plain(v) for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
-                 for group in optimizer.param_groups)
+def hyperparameter_values(optimizer: torch.optim.Optimizer, groups: Mapping[int, OptimizerSpec]) -> dict:
+    """The current value of every hyper-parameter input, keyed by :func:`hyperparameter_key`,
+    read from the optimizer's param groups (``groups``: index -> the compiled spec)."""
+    return {hyperparameter_key(g, name): float(value) for g, spec in groups.items()
+            for name, value in type(spec).group_values(optimizer.param_groups[g]).items()}
+
+
+def structure(optimizer: torch.optim.Optimizer) -> tuple:
+    """Per param group, what a compiled step depends on (:meth:`OptimizerSpec.structure`)
+    and its number of parameters: a change means the graph must be traced again."""
+    return tuple((_spec_for_group(optimizer, g).structure(), len(g["params"]))
+                 for g in optimizer.param_groups)

@@ -25,7 +25,7 @@ from . import pipeline
 from .errors import RuntimeMismatchError, UnsupportedInputError
 from .ir import GLOBAL_VAL, SHARDING, STEP, collective_sequence
 from .mesh import Mesh
-from .optim import hyperparameters
+from .optim import hyperparameter_values, structure as optimizer_structure
 from .options import CompileOptions
 from .plan import Plan
 from .printing import format_graph
@@ -133,7 +133,8 @@ class CompiledStep:
         self.opt_state = {k: self._shard(k, global_state[k]) for k in self.signature.keys("opt_state")}
         self.gradients_local: dict[str, torch.Tensor] = {}
         self._optimizer = optimizer
-        self._hyperparameters = hyperparameters(optimizer) if optimizer is not None else None
+        self._structure = optimizer_structure(optimizer) if optimizer is not None else None
+        self._groups = dict(self.signature.param_groups)
 
     # -- placement helpers ---------------------------------------------------------------
     def _sbp(self, key: str) -> NdSBP:
@@ -184,9 +185,9 @@ class CompiledStep:
         return out
 
     # -- running -----------------------------------------------------------------------
-    def _run(self, batch):
+    def _run(self, batch, hyperparameters: dict | None = None):
         flat = self.signature.flatten(self.params, self.buffers, self.opt_state,
-                                      self._local_batch(batch))
+                                      self._local_batch(batch), hyperparameters)
         return self.signature.unflatten(self.gm(*flat))
 
     def step(self, *batch: torch.Tensor) -> torch.Tensor:
@@ -194,27 +195,28 @@ class CompiledStep:
         if not self.signature.has_loss:
             raise UnsupportedInputError("this program has no loss: it was compiled without "
                                         "loss_fn; call it for inference instead")
-        self._check_hyperparameters()
-        out = self._run(batch)
+        out = self._run(batch, self._hyperparameters())
         self.params.update(out.get("param", {}))
         self.opt_state.update(out.get("opt_state", {}))
         self.gradients_local = out.get("grad", {})
         return out["loss"]["loss"].detach()
 
-    def _check_hyperparameters(self) -> None:
-        """Refuse to step with hyper-parameters other than those compiled into the graph
-        (today they are constants of the graph: ignoring a change would be silently wrong)."""
+    def _hyperparameters(self) -> dict[str, torch.Tensor]:
+        """This step's hyper-parameter inputs, read from the optimizer's param groups now
+        (lr schedulers and edits of ``param_groups`` take effect). A change the graph
+        cannot take as an input value (a weight decay turned on, another optimizer flag,
+        parameters moved between groups) is refused: the graph would ignore it."""
         if self._optimizer is None:
-            return
-        now = hyperparameters(self._optimizer)
-        if now != self._hyperparameters:
-            changed = sorted({k for old, new in zip(self._hyperparameters, now)
-                              for k in old.keys() | new.keys() if old.get(k) != new.get(k)})
+            return {}
+        now = optimizer_structure(self._optimizer)
+        if now != self._structure:
             raise UnsupportedInputError(
-                f"the optimizer's {', '.join(changed) or 'param groups'} changed after compile "
-                "(an lr scheduler step or an edit of param_groups); ddlc compiles hyper-parameters "
-                "into the step as constants today, so the change would be ignored: compile again "
-                "after changing them")
+                "the optimizer changed after compile in a way the compiled step cannot take as a "
+                "new hyper-parameter value (a zero weight decay or momentum made non-zero, another "
+                f"flag, or parameters moved between groups): compile again (was {self._structure}, "
+                f"now {now})")
+        values = hyperparameter_values(self._optimizer, self._groups)
+        return {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in values.items()}
 
     def __call__(self, *inputs: torch.Tensor):
         """Inference (compiled without loss_fn): the model's outputs, full on every rank."""

@@ -24,8 +24,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.modules import module as module_mod
 
 from .errors import TraceError, UnsupportedInputError
-from .ir import ORIGIN, ROLE, STEP, InputSpec, Origin, OutputSpec, StepSignature
-from .optim import optimizer_spec
+from .ir import ORIGIN, ROLE, STEP, InputSpec, Origin, OutputSpec, StepSignature, hyperparameter_tensors
+from .optim import hyperparameter_key, optimizer_spec
 
 __all__ = ["trace"]
 
@@ -50,14 +50,20 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
                                     "target(s) and at least one model input")
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    specs = optimizer_spec(optimizer, params) if optimizer is not None else {}
     trainable = [k for k, p in params.items() if p.requires_grad]
-    opt_state = {f"{k}:{s}": t for k in trainable if k in specs
-                 for s, t in specs[k].init_state(params[k].detach()).items()}
+    grouped = optimizer_spec(optimizer, params) if optimizer is not None else {}
+    # a frozen parameter given to the optimizer gets no gradient, and torch.optim skips it
+    group_of = {k: grouped[k][0] for k in trainable if k in grouped}
+    specs = {k: grouped[k][1] for k in group_of}
+    groups = {g: grouped[k][1] for k, g in sorted(group_of.items(), key=lambda kv: kv[1])}
+    hyper = {hyperparameter_key(g, name): value for g, spec in groups.items()
+             for name, value in spec.values().items()}
+    opt_state = {f"{k}:{s}": t for k in specs for s, t in specs[k].init_state(params[k].detach()).items()}
 
     inputs = ([InputSpec("", "param", k) for k in params]
               + [InputSpec("", "buffer", k) for k in buffers]
               + [InputSpec("", "opt_state", k) for k in opt_state]
+              + [InputSpec("", "hparam", k) for k in hyper]
               + [InputSpec("", "input", f"input{i}") for i in range(len(batch))])
     if loss_fn is None:
         outputs = None  # known after tracing
@@ -73,17 +79,18 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     def unpack(flat):
         it = iter(flat)
         tables = [{k: next(it) for k in params}, {k: next(it) for k in buffers},
-                  {k: next(it) for k in opt_state}, [next(it) for _ in batch]]
+                  {k: next(it) for k in opt_state}, {k: next(it) for k in hyper},
+                  [next(it) for _ in batch]]
         return tables
 
     def forward_only(*flat):
-        p, b, _, xs = unpack(flat)
+        p, b, _, _, xs = unpack(flat)
         annotator.phase("forward")
         out = functional_call(model, {**p, **b}, tuple(xs))
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
     def train_step(*flat):
-        p, b, state, xs = unpack(flat)
+        p, b, state, hp, xs = unpack(flat)
         frozen = {k: v for k, v in p.items() if k not in trainable}
 
         def compute_loss(train_params):
@@ -103,15 +110,16 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         new_params, new_state = [], []
         for k in specs:
             names = specs[k].state_names
-            new_p, st = specs[k].update(p[k], grads[k], {s: state[f"{k}:{s}"] for s in names})
+            values = {name: hp[hyperparameter_key(group_of[k], name)] for name in specs[k].inputs}
+            new_p, st = specs[k].update(p[k], grads[k], {s: state[f"{k}:{s}"] for s in names}, values)
             new_params.append(new_p)
             new_state.extend(st[s] for s in names)
         return (loss, *new_params, *new_state)
 
-    flat = [params[i.key] if i.role == "param" else buffers.get(i.key) if i.role == "buffer"
-            else opt_state.get(i.key) if i.role == "opt_state" else batch[int(i.key[5:])]
-            for i in inputs]
-    flat = [t.detach() for t in flat]
+    hyper_tensors = hyperparameter_tensors(hyper)
+    tables = {"param": params, "buffer": buffers, "opt_state": opt_state, "hparam": hyper_tensors,
+              "input": {f"input{i}": t for i, t in enumerate(batch)}}
+    flat = [tables[i.role][i.key].detach() for i in inputs]
     fn = train_step if loss_fn is not None else forward_only
     gm = _make_fx(fn, flat, annotator)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -125,7 +133,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     _check_no_random_ops(gm)
     gm.recompile()
     STEP.set(gm, StepSignature(tuple(inputs), tuple(outputs), tuple((k, specs[k]) for k in specs),
-                               n_targets))
+                               n_targets, tuple(groups.items()), tuple(hyper.items())))
     return gm
 
 
@@ -229,7 +237,7 @@ def _source_from_stack(stack_trace: str | None) -> str:
 
 
 def _rename_placeholder(node: fx.Node, spec: InputSpec) -> str:
-    prefix = {"param": "p", "buffer": "buf", "opt_state": "st", "input": ""}[spec.role]
+    prefix = {"param": "p", "buffer": "buf", "opt_state": "st", "hparam": "hp", "input": ""}[spec.role]
     name = re.sub(r"\W", "_", f"{prefix}_{spec.key}" if prefix else spec.key)
     node._rename(name)
     node.target = node.name
@@ -246,13 +254,25 @@ def _check_no_input_mutation(gm: fx.GraphModule) -> None:
                 "in-place updates of buffers or inputs yet")
 
 
+def _draws_random_numbers(node: fx.Node) -> bool:
+    """Whether ``node`` is an op torch tags as seeded-random, other than one whose dropout
+    is switched off by its arguments (attention with ``dropout_p=0``, ``train=False``)."""
+    target = node.target
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    names = [a.name for a in target._schema.arguments]
+    bound = {**dict(zip(names, node.args)), **node.kwargs}
+    defaults = {a.name: a.default_value for a in target._schema.arguments if a.has_default_value()}
+    value = lambda name: bound.get(name, defaults.get(name))  # noqa: E731
+    return not (("dropout_p" in names and value("dropout_p") == 0) or ("train" in names and value("train") is False))
+
+
 def _check_no_random_ops(gm: fx.GraphModule) -> None:
     """Refuse a step that draws random numbers (dropout in training mode, ``torch.rand``):
     every rank's generator would draw its own values, so replicated tensors would differ
     between ranks and parameters drift apart -- a silent wrong result."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and \
-                torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+        if _draws_random_numbers(node):
             origin = ORIGIN.get(node)
             raise UnsupportedInputError(
                 f"the step draws random numbers ({node.target}, e.g. dropout in training mode); "

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import ddlc
 from ddlc import pipeline
 from ddlc.errors import MeshError, SBPError, UnsupportedInputError
-from ddlc.ir import SHARDING
+from ddlc.ir import SHARDING, STEP
 from ddlc.launch import WorkerError, spawn
 from ddlc.options import CompileOptions
 from ddlc.sbp import local_slices
@@ -60,19 +60,96 @@ def test_a_model_without_parameters_compiles(loss_fn):
         torch.testing.assert_close(out[rank][0], want)
 
 
-def _step_after_scheduler(rank):
+def _hyperparameter_run(make_schedule, compiled: bool, world: int = 1):
+    """Three steps of an MLP whose optimizer's hyper-parameters change between steps
+    (``make_schedule(opt)`` returns a callable run after each step); returns the losses and
+    final parameters, compiled on ``world`` ranks or eager on one device."""
     torch.manual_seed(0)
     model = MLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    batch = (torch.randn(8, 32), torch.randn(8, 16))
-    step = ddlc.compile(model, "1", batch, F.mse_loss, opt)
-    step.step(*batch)  # unchanged hyper-parameters: fine
-    torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5).step()
-    step.step(*batch)
+    opt = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if "bias" in n],
+                              "lr": 1e-2, "weight_decay": 0.0},
+                             {"params": [p for n, p in model.named_parameters() if "bias" not in n],
+                              "lr": 2e-2, "betas": (0.8, 0.99), "weight_decay": 0.1}], eps=1e-4)
+    after_step = make_schedule(opt)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g)) for _ in range(3)]
+    losses = []
+    step = ddlc.compile(model, str(world), batches[0], F.mse_loss, opt) if compiled else None
+    for batch in batches:
+        if compiled:
+            losses.append(step.step(*batch))
+        else:
+            opt.zero_grad()
+            loss = F.mse_loss(model(batch[0]), batch[1])
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        after_step()
+    params = step.state_dict() if compiled else {k: p.detach() for k, p in model.named_parameters()}
+    return losses, params
+
+
+def _lr_schedule(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5 ** epoch).step
+
+
+def _edit_groups(opt):
+    def edit():
+        opt.param_groups[0]["lr"] *= 3
+        opt.param_groups[1]["betas"] = (0.7, 0.95)
+        opt.param_groups[1]["weight_decay"] = 0.3
+    return edit
+
+
+def _turn_on_weight_decay(opt):
+    def edit():
+        opt.param_groups[0]["weight_decay"] = 0.1  # was 0: not a value the graph takes
+    return edit
+
+
+def _compiled_hyperparameter_runs(rank, world):
+    return [_hyperparameter_run(schedule, True, world) for schedule in (_lr_schedule, _edit_groups)]
+
+
+def _compiled_weight_decay_run(rank):
+    return _hyperparameter_run(_turn_on_weight_decay, True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_learning_rate_schedules_and_param_group_edits_take_effect_every_step():
+    got = spawn(_compiled_hyperparameter_runs, 2, 2, timeout=90, deadline=180)[0]
+    for schedule, (losses, params) in zip((_lr_schedule, _edit_groups), got):
+        want_losses, want_params = _hyperparameter_run(schedule, False)
+        torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-4, atol=1e-5)
+        for name, value in want_params.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{schedule.__name__} {name}: {m}")
+    # the schedules really changed the numbers: a constant lr gives other parameters
+    _, constant = _hyperparameter_run(lambda opt: (lambda: None), False)
+    assert any(not torch.allclose(constant[k], want_params[k]) for k in constant)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_a_learning_rate_changed_after_compile_is_not_silently_ignored():
-    with pytest.raises(WorkerError, match="lr changed after compile"):
-        spawn(_step_after_scheduler, 1, timeout=60, deadline=100)
+def test_a_change_the_graph_cannot_take_is_refused():
+    with pytest.raises(WorkerError, match="compile again"):
+        spawn(_compiled_weight_decay_run, 1, timeout=60, deadline=100)
+
+
+def test_a_frozen_parameter_given_to_the_optimizer_stays_as_it_is():
+    torch.manual_seed(0)
+    model = MLP()
+    model.layers[0].weight.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(8, 32), torch.randn(8, 16)
+    gm = ddlc.trace(model, (x, y), F.mse_loss, opt)
+    sig = STEP(gm)
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    out = sig.unflatten(gm(*sig.flatten(params, {}, sig.init_opt_state(params), (x, y))))
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    assert "layers.0.weight" not in out["param"]  # not updated: it keeps its value
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(out["param"].get(name, params[name]), p.detach())
