@@ -33,9 +33,14 @@ class OptimizerSpec:
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def derived(self, hp: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The scalars the update reads, from the hyper-parameter inputs ``hp`` (0-d tensors
+        keyed by ``inputs``): computed once per param group, not once per parameter."""
+        return dict(hp)
+
     def update(self, param, grad, state: Mapping[str, torch.Tensor], hp: Mapping[str, torch.Tensor]):
-        """Return ``(new_param, new_state)`` with hyper-parameters ``hp`` (0-d tensors
-        keyed by ``inputs``); never mutates its inputs."""
+        """Return ``(new_param, new_state)`` with the scalars ``hp`` of :meth:`derived`;
+        never mutates its inputs."""
         raise NotImplementedError
 
     def values(self) -> dict[str, float]:
@@ -77,15 +82,19 @@ class SGDSpec(OptimizerSpec):
         # gives the identical first step when dampening is 0 (momentum*0 + g).
         return {name: torch.zeros_like(param) for name in self.state_names}
 
+    def derived(self, hp):
+        return {**hp, "neg_lr": -hp["lr"]}
+
     def update(self, param, grad, state, hp):
+        # addcmul(a, b, s) = a + b * s: one kernel, as torch.optim's add(..., alpha=s)
         if self.weight_decay:
-            grad = grad + param * hp["weight_decay"]
+            grad = torch.addcmul(grad, param, hp["weight_decay"])
         new_state = {}
         if self.momentum:
-            buf = state["momentum_buffer"] * hp["momentum"] + grad
+            buf = torch.addcmul(grad, state["momentum_buffer"], hp["momentum"])
             new_state["momentum_buffer"] = buf
-            grad = grad + buf * hp["momentum"] if self.nesterov else buf
-        return param - grad * hp["lr"], new_state
+            grad = torch.addcmul(grad, buf, hp["momentum"]) if self.nesterov else buf
+        return torch.addcmul(param, grad, hp["neg_lr"]), new_state
 
 
 @dataclass(frozen=True)
@@ -116,17 +125,23 @@ class AdamWSpec(OptimizerSpec):
         return {"step": torch.zeros((), dtype=torch.float32),
                 "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
 
+    def derived(self, hp):
+        out = {**hp, "one_minus_beta1": 1 - hp["beta1"], "one_minus_beta2": 1 - hp["beta2"]}
+        if self.weight_decay:
+            out["decay"] = 1 - hp["lr"] * hp["weight_decay"]
+        return out
+
     def update(self, param, grad, state, hp):
-        lr, beta1, beta2 = hp["lr"], hp["beta1"], hp["beta2"]
         step = state["step"] + 1
         if self.weight_decay:
-            param = param * (1 - lr * hp["weight_decay"])
-        exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
-        exp_avg_sq = state["exp_avg_sq"] * beta2 + grad * grad * (1 - beta2)
-        bias_correction1 = 1 - torch.pow(beta1, step)
-        bias_correction2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
+            param = param * hp["decay"]
+        exp_avg = state["exp_avg"].lerp(grad, hp["one_minus_beta1"])
+        # beta2 * v + (1 - beta2) * g^2, as a lerp (one kernel after g^2)
+        exp_avg_sq = state["exp_avg_sq"].lerp(grad * grad, hp["one_minus_beta2"])
+        bias_correction1 = 1 - torch.pow(hp["beta1"], step)
+        bias_correction2_sqrt = (1 - torch.pow(hp["beta2"], step)).sqrt()
         denom = exp_avg_sq.sqrt().div(bias_correction2_sqrt).add(hp["eps"])
-        new_param = param - exp_avg.div(denom).mul(lr / bias_correction1)
+        new_param = param - exp_avg.div(denom).mul(hp["lr"] / bias_correction1)
         return new_param, {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 

@@ -107,11 +107,13 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         annotator.phase("optimizer")
         if optimizer is None:
             return (loss, *(grads[k] for k in trainable))
+        scalars = {g: spec.derived({name: hp[hyperparameter_key(g, name)] for name in spec.inputs})
+                   for g, spec in groups.items()}
         new_params, new_state = [], []
         for k in specs:
             names = specs[k].state_names
-            values = {name: hp[hyperparameter_key(group_of[k], name)] for name in specs[k].inputs}
-            new_p, st = specs[k].update(p[k], grads[k], {s: state[f"{k}:{s}"] for s in names}, values)
+            new_p, st = specs[k].update(p[k], grads[k], {s: state[f"{k}:{s}"] for s in names},
+                                        scalars[group_of[k]])
             new_params.append(new_p)
             new_state.extend(st[s] for s in names)
         return (loss, *new_params, *new_state)
