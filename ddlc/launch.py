@@ -10,8 +10,11 @@ collectives time out after ``timeout`` seconds and the whole job is killed at
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
+import re
+import signal
 import socket
 import tempfile
 import time
@@ -39,6 +42,11 @@ def _free_port() -> int:
 
 def _worker(rank, fn, world_size, port, timeout, outdir, args):
     result_path = os.path.join(outdir, f"rank{rank}.pkl")
+    # a crash (SIGSEGV, SIGABRT) writes every thread's Python stack here, and so does
+    # SIGUSR1, which the parent sends to a rank that stopped answering
+    faults = open(_faults_path(outdir, rank), "w")
+    faulthandler.enable(file=faults, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=faults, all_threads=True)
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -73,12 +81,16 @@ def spawn(fn, world_size: int, *args, timeout: float = 60.0, deadline: float = 3
                 except mp.ProcessExitedException as e:
                     if _all_ok(outdir, world_size):  # died tearing gloo down, its work done
                         break
-                    raise WorkerError(_first_error(outdir, world_size) or f"a worker died: {e}") from None
+                    died = f"a worker died: {e}\n{_stacks(outdir, [e.error_index])}"
+                    raise WorkerError(_first_error(outdir, world_size) or died) from None
                 error = _first_error(outdir, world_size)
                 if error:
-                    raise WorkerError(error)
+                    raise WorkerError(_blame_silent_ranks(error, ctx, outdir, world_size))
                 if time.monotonic() - start > deadline:
-                    raise WorkerError(f"the {world_size} workers did not finish within {deadline} s")
+                    silent = _silent_ranks(ctx, outdir, world_size)
+                    raise WorkerError(f"the {world_size} workers did not finish within {deadline} s; "
+                                      f"rank(s) {silent} were still running, where:\n"
+                                      f"{_dump_stacks(ctx, outdir, silent)}")
         finally:
             for p in ctx.processes:
                 if p.is_alive():
@@ -91,6 +103,54 @@ def spawn(fn, world_size: int, *args, timeout: float = 60.0, deadline: float = 3
         if missing:
             raise WorkerError(f"rank(s) {missing} exited without a result")
         return [v[1] for v in results]
+
+
+def _faults_path(outdir: str, rank: int) -> str:
+    return os.path.join(outdir, f"rank{rank}.faults")
+
+
+def _stacks(outdir: str, ranks, limit: int = 4000) -> str:
+    """The Python stacks faulthandler wrote for ``ranks`` (the end of each, if long)."""
+    out = []
+    for rank in ranks:
+        try:
+            with open(_faults_path(outdir, rank)) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        if text:
+            out.append(f"rank {rank}:\n{text[-limit:]}")
+    return "\n".join(out)
+
+
+def _silent_ranks(ctx, outdir: str, world_size: int) -> list[int]:
+    """Ranks still running that have written no result: the ones that stopped answering."""
+    return [rank for rank, p in enumerate(ctx.processes)
+            if p.is_alive() and _load(outdir, rank) is None]
+
+
+def _dump_stacks(ctx, outdir: str, ranks: list[int]) -> str:
+    for rank in ranks:
+        os.kill(ctx.processes[rank].pid, signal.SIGUSR1)
+    time.sleep(0.5)
+    return _stacks(outdir, ranks)
+
+
+_TIMEOUT = re.compile(r"timed? ?out|timeout", re.I)
+
+
+def _blame_silent_ranks(error: str, ctx, outdir: str, world_size: int) -> str:
+    """A collective timeout blames the rank that timed out; name the ranks it was waiting
+    for instead (still running, no result), with where they are stuck."""
+    if not _TIMEOUT.search(error):
+        return error
+    time.sleep(0.2)  # the other healthy ranks report their own timeouts meanwhile
+    silent = [r for r in _silent_ranks(ctx, outdir, world_size) if f"rank {r} failed" not in error]
+    if not silent:
+        return error
+    return (f"rank(s) {silent} stopped answering (still running, no result); the others timed "
+            f"out waiting for them. Where they are:\n{_dump_stacks(ctx, outdir, silent)}\n"
+            f"The first timeout: {error}")
 
 
 def _load(outdir: str, rank: int):

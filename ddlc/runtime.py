@@ -171,11 +171,22 @@ class CompiledStep:
 
     def _local_batch(self, batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         keys = self.signature.keys("input")
+        if len(batch) == 1 and isinstance(batch[0], (list, tuple)) and len(keys) != 1:
+            raise UnsupportedInputError(f"got one {type(batch[0]).__name__} of {len(batch[0])} "
+                                        f"items; pass the {len(keys)} batch tensors as separate "
+                                        "arguments: step(*batch)")
         if len(batch) != len(keys):
             raise UnsupportedInputError(f"the compiled step takes {len(keys)} batch tensor(s), "
                                         f"got {len(batch)}")
         out = []
         for key, t, mine in zip(keys, batch, self.local_input_shapes):
+            if not isinstance(t, torch.Tensor):
+                raise UnsupportedInputError(f"{key} is a {type(t).__name__}; the compiled step "
+                                            "takes tensors")
+            dtype = GLOBAL_VAL(self._placeholders[self._spec[key].name]).dtype
+            if t.dtype != dtype:
+                raise UnsupportedInputError(f"{key} has dtype {t.dtype} but the program was "
+                                            f"compiled for {dtype}: convert it (e.g. .to({dtype}))")
             want = self._global_shape(key) if self.batch_mode == "global" else mine
             if tuple(t.shape) != want:
                 raise UnsupportedInputError(

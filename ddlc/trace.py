@@ -48,6 +48,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     if n_targets >= len(batch) + (loss_fn is None):
         raise UnsupportedInputError(f"{len(batch)} example input(s) cannot hold {n_targets} "
                                     "target(s) and at least one model input")
+    if loss_fn is not None:
+        _check_no_running_statistics(model)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [k for k, p in params.items() if p.requires_grad]
@@ -86,7 +88,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     def forward_only(*flat):
         p, b, _, _, xs = unpack(flat)
         annotator.phase("forward")
-        out = functional_call(model, {**p, **b}, tuple(xs))
+        out = _checked_output(functional_call(model, {**p, **b}, tuple(xs)))
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
     def train_step(*flat):
@@ -95,7 +97,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
 
         def compute_loss(train_params):
             annotator.phase("forward")
-            out = functional_call(model, {**train_params, **frozen, **b}, tuple(xs[:n_model_inputs]))
+            out = _checked_output(functional_call(model, {**train_params, **frozen, **b},
+                                                  tuple(xs[:n_model_inputs])))
             loss = loss_fn(out, *xs[n_model_inputs:])
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                 raise UnsupportedInputError("loss_fn must return a one-element tensor, got "
@@ -123,7 +126,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
               "input": {f"input{i}": t for i, t in enumerate(batch)}}
     flat = [tables[i.role][i.key].detach() for i in inputs]
     fn = train_step if loss_fn is not None else forward_only
-    gm = _make_fx(fn, flat, annotator)
+    gm = _make_fx(fn, flat, annotator, batch)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = [InputSpec(_rename_placeholder(n, spec), spec.role, spec.key)
               for n, spec in zip(placeholders, inputs)]
@@ -137,6 +140,27 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     STEP.set(gm, StepSignature(tuple(inputs), tuple(outputs), tuple((k, specs[k]) for k in specs),
                                n_targets, tuple(groups.items()), tuple(hyper.items())))
     return gm
+
+
+def _checked_output(out):
+    """The model's output, or a clear error when it returned nothing to compute with."""
+    if out is None or (isinstance(out, (tuple, list)) and not any(isinstance(o, torch.Tensor) for o in out)):
+        raise UnsupportedInputError(f"the model's forward returned {out!r}; it must return a tensor "
+                                    "(or a tuple of tensors) for the loss or the caller to read")
+    return out
+
+
+def _check_no_running_statistics(model: nn.Module) -> None:
+    """Refuse BatchNorm layers that would update running statistics in a training step
+    (an in-place update of a buffer, which the step cannot carry yet)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training \
+                and module.track_running_stats:
+            raise UnsupportedInputError(
+                f"{type(module).__name__} {name!r} is in training mode and updates its running "
+                "statistics in place, which ddlc does not support yet: call .eval() on it (use "
+                "the running statistics) or build it with track_running_stats=False",
+                where=f"module {name} ({type(module).__name__})")
 
 
 def _check_batch(example_inputs) -> list[torch.Tensor]:
@@ -180,11 +204,26 @@ class _ModuleAnnotator:
             self._publish()
 
 
-_DATA_DEPENDENT = re.compile(r"data.dependent|GuardOnDataDependent|DataDependentOutput|"
-                             r"Could not guard on|item\(\)|aten\._local_scalar_dense", re.I)
+#: What torch's errors while tracing mean, first match wins: (pattern, error type, cause).
+#: "The example inputs may not match the model" is said only for shape errors.
+_CAUSES = (
+    (re.compile(r"data.dependent|GuardOnDataDependent|DataDependentOutput|Could not guard on|"
+                r"item\(\)|tolist\(\)|unallocated storage|aten\._local_scalar_dense", re.I), TraceError,
+     "the model has data-dependent Python control flow or reads a tensor's value (e.g. "
+     "`if x.sum() > 0`, `.item()`, `.tolist()`), which one static graph cannot express"),
+    (re.compile(r"mutate a captured Tensor", re.I), UnsupportedInputError,
+     "the model updates a tensor captured from outside the step in place (a buffer such as "
+     "running statistics, or a tensor attribute); ddlc does not support in-place updates of "
+     "model state"),
+    (re.compile(r"dtype|scalar type", re.I), TraceError,
+     "the example inputs' dtypes do not fit the model (an integer tensor fed into a float "
+     "layer?)"),
+    (re.compile(r"shape|size|dim|mat1 and mat2", re.I), TraceError,
+     "the example inputs may not match the model"),
+)
 
 
-def _make_fx(fn, flat, annotator: _ModuleAnnotator) -> fx.GraphModule:
+def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor]) -> fx.GraphModule:
     hooks = [module_mod.register_module_forward_pre_hook(annotator.pre),
              module_mod.register_module_forward_hook(annotator.post)]
     try:
@@ -196,15 +235,18 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator) -> fx.GraphModule:
     except Exception as e:  # torch raises many types; name the cause and the user's line
         where = _user_frame(e)
         text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        if _DATA_DEPENDENT.search(f"{type(e).__name__} {e}"):
-            raise TraceError("the model has data-dependent Python control flow or reads a "
-                             "tensor's value (e.g. `if x.sum() > 0`, `.item()`), which one static "
-                             f"graph cannot express ({text})", where=where) from None
-        raise TraceError(f"tracing the training step failed; the example inputs may not match "
-                         f"the model ({text})", where=where) from None
+        for pattern, error, cause in _CAUSES:
+            if pattern.search(f"{type(e).__name__} {e}"):
+                raise error(f"{cause}; the example inputs are {_describe(batch)} ({text})",
+                            where=where) from None
+        raise TraceError(f"tracing the training step failed ({text})", where=where) from None
     finally:
         for h in hooks:
             h.remove()
+
+
+def _describe(flat) -> str:
+    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in flat)
 
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),

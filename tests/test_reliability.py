@@ -153,3 +153,100 @@ def test_a_frozen_parameter_given_to_the_optimizer_stays_as_it_is():
     assert "layers.0.weight" not in out["param"]  # not updated: it keeps its value
     for name, p in model.named_parameters():
         torch.testing.assert_close(out["param"].get(name, params[name]), p.detach())
+
+
+class _ReturnsNone(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.fc(x)
+
+
+class _ReadsValues(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * len(x.sum(0).tolist())
+
+
+def _bn_model():
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+
+
+_X = torch.randn(8, 4)
+
+#: (what a user tried, the call, the ddlc.errors type, words the message must contain)
+CATALOGUE = [
+    ("forward returns None", lambda: ddlc.trace(_ReturnsNone(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, "forward returned None"),
+    (".tolist() in forward", lambda: ddlc.trace(_ReadsValues(), (_X, _X), F.mse_loss),
+     ddlc.errors.TraceError, "tolist"),
+    ("integer input into a float layer",
+     lambda: ddlc.trace(MLP(), (torch.randint(0, 5, (8, 32)), torch.randn(8, 16)), F.mse_loss),
+     ddlc.errors.TraceError, "dtypes do not fit"),
+    ("BatchNorm in training mode", lambda: ddlc.trace(_bn_model(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, "BatchNorm1d '1' is in training mode"),
+    ("dropout in training mode", lambda: ddlc.trace(_Dropping(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, "random numbers"),
+    ("a non-ASCII mesh", lambda: ddlc.Mesh("²"), MeshError, "cannot parse mesh shape"),
+    ("an unknown compile option", lambda: CompileOptions.from_kwargs(solvr="cd"),
+     ddlc.errors.OptionError, "solvr"),
+]
+
+
+@pytest.mark.parametrize("case", CATALOGUE, ids=[c[0] for c in CATALOGUE])
+def test_catalogue_of_bad_inputs(case):
+    _, call, error, words = case
+    with pytest.raises(error, match=words) as info:
+        call()
+    assert "may not match" not in str(info.value)  # the generic wording only for shape errors
+
+
+def test_a_shape_mismatch_says_the_inputs_may_not_match():
+    with pytest.raises(ddlc.errors.TraceError, match="may not match"):
+        ddlc.trace(MLP(d_in=32), (torch.randn(8, 31), torch.randn(8, 16)), F.mse_loss)
+
+
+def _bad_steps(rank):
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 32), torch.randn(8, 16))
+    step = ddlc.compile(MLP(), "1", batch, F.mse_loss)
+    found = []
+    for bad in ((batch[0].double(), batch[1]), (list(batch),), (batch[0], 3)):
+        try:
+            step.step(*bad)
+        except UnsupportedInputError as e:
+            found.append(str(e))
+    return found
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_step_refuses_wrong_dtypes_lists_and_non_tensors():
+    found = spawn(_bad_steps, 1, timeout=60, deadline=100)[0]
+    assert len(found) == 3
+    assert "dtype torch.float64" in found[0] and "separate arguments" in found[1] \
+        and "is a int" in found[2]
+
+
+def _one_rank_hangs(rank):
+    import time
+
+    import torch.distributed as dist
+    if rank == 1:
+        time.sleep(600)  # stops answering
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_hung_rank_is_named_with_where_it_hangs():
+    with pytest.raises(WorkerError) as info:
+        spawn(_one_rank_hangs, 2, timeout=5, deadline=60)
+    text = str(info.value)
+    assert "rank(s) [1] stopped answering" in text
+    assert "_one_rank_hangs" in text  # its stack, from faulthandler
