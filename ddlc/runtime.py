@@ -16,8 +16,10 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from cost_models.program import program_timeline
 
@@ -111,7 +113,15 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     fingerprint = _check_fingerprint(gm)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
-    return CompiledStep(model, gm, plan, mesh, coord, options.batch, fingerprint, device, optimizer)
+    return CompiledStep(model, gm, plan, mesh, coord, options.batch, fingerprint, device, optimizer,
+                        device_mesh)
+
+
+def _state_dict_names(model: nn.Module) -> dict[str, str]:
+    """Each key of ``model.state_dict()`` -> the parameter or buffer name that holds it
+    (tied parameters appear under each of their names; non-persistent buffers not at all)."""
+    canonical = {id(t): k for k, t in [*model.named_parameters(), *model.named_buffers()]}
+    return {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items()}
 
 
 class CompiledStep:
@@ -119,7 +129,7 @@ class CompiledStep:
 
     def __init__(self, model: nn.Module, gm: fx.GraphModule, plan: Plan, mesh: Mesh,
                  coord: Sequence[int], batch: str, fingerprint: str, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None = None):
+                 optimizer: torch.optim.Optimizer | None = None, device_mesh: DeviceMesh | None = None):
         self.gm, self.plan, self.mesh, self.coord = gm, plan, mesh, tuple(coord)
         self.batch_mode, self.fingerprint, self.device = batch, fingerprint, device
         self.signature = STEP(gm)
@@ -127,6 +137,9 @@ class CompiledStep:
         self._spec = {i.key: i for i in self.signature.inputs}
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
+        self.device_mesh = device_mesh
+        self.steps_done = 0
+        self._state_dict_names = _state_dict_names(model)
         self.params = {k: self._shard(k, params[k]) for k in self.signature.keys("param")}
         self.buffers = {k: self._shard(k, buffers[k]) for k in self.signature.keys("buffer")}
         global_state = self.signature.init_opt_state(params)
@@ -210,6 +223,7 @@ class CompiledStep:
         self.params.update(out.get("param", {}))
         self.opt_state.update(out.get("opt_state", {}))
         self.gradients_local = out.get("grad", {})
+        self.steps_done += 1
         return out["loss"]["loss"].detach()
 
     def _hyperparameters(self) -> dict[str, torch.Tensor]:
@@ -237,10 +251,50 @@ class CompiledStep:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameters and buffers under the model's own names (collective)."""
-        state = {k: self._gather(k, v) for k, v in self.params.items()}
-        state.update({k: self._gather(k, v) for k, v in self.buffers.items()})
+        """Full parameters and persistent buffers under exactly the keys of the model's own
+        ``state_dict()`` (a tied parameter under each of its names), so that
+        ``model.load_state_dict(step.state_dict(), strict=True)`` works (collective)."""
+        full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()}
+        return {key: full[name] for key, name in self._state_dict_names.items()}
+
+    # -- checkpoints -------------------------------------------------------------------
+    def _sharded_state(self) -> dict:
+        """The training state as DTensors of this rank's pieces (their global shapes and
+        placements), plus the step count: what ``torch.distributed.checkpoint`` saves,
+        and the destinations it loads into (resharding to this program's placements)."""
+        if self.device_mesh is None:
+            raise RuntimeMismatchError("checkpoints need the DeviceMesh of the compiled step")
+
+        def dtensor(key: str, local: torch.Tensor) -> DTensor:
+            shape = self._global_shape(key)
+            return DTensor.from_local(local, self.device_mesh, self._sbp(key).to_placements(),
+                                      run_check=False, shape=torch.Size(shape),
+                                      stride=torch.empty(shape, device="meta").stride())
+        tables = {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}
+        state = {f"{role}/{k}": dtensor(k, v) for role, table in tables.items() for k, v in table.items()}
+        state["steps_done"] = torch.tensor(self.steps_done)
         return state
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save parameters, buffers, optimizer state and the step count to the directory
+        ``path`` with ``torch.distributed.checkpoint``, each rank writing its own pieces
+        (collective). Load it with :meth:`load_checkpoint`, on any mesh shape or world size."""
+        dcp.save(self._sharded_state(), checkpoint_id=path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load a checkpoint of :meth:`save_checkpoint` into this program's placements
+        (resharded if it was saved on another mesh; collective). The optimizer's
+        hyper-parameters stay those of the optimizer object (restore an lr scheduler's own
+        state yourself)."""
+        state = self._sharded_state()
+        dcp.load(state, checkpoint_id=path)
+        for key, value in state.items():
+            if key == "steps_done":
+                self.steps_done = int(value)
+                continue
+            role, name = key.split("/", 1)
+            {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
+                value.to_local().contiguous()
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """Full optimizer state keyed ``"<param>:<state>"`` (collective)."""

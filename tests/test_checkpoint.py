@@ -1,0 +1,74 @@
+"""Checkpoints: the sharded training state saved with torch.distributed.checkpoint and
+loaded in a fresh process group, on the same or another mesh shape and world size, continues
+exactly as an uninterrupted run; state_dict() has exactly the model's state_dict keys."""
+import pytest
+import torch
+
+import ddlc
+from ddlc.launch import spawn
+from ddlc.zoo import GPT, lm_loss
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
+
+# parameters and optimizer state sharded (decoupled updates over a fast link), so that
+# loading onto another mesh really reshards
+OPTIONS = {"decouple": "always"}
+FAST = [ddlc.LinkModel(1e-7, 1e10)]
+
+
+def _setup(seed: int = 0):
+    torch.manual_seed(seed)
+    model = GPT(tied=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g))
+               for _ in range(3)]
+    return model, opt, batches
+
+
+def _compile(model, opt, batch, mesh):
+    return ddlc.compile(model, ddlc.Mesh(mesh, links=FAST * len(mesh)), batch, lm_loss, opt, **OPTIONS)
+
+
+def _uninterrupted_and_saved(rank, mesh, path):
+    model, opt, batches = _setup()
+    step = _compile(model, opt, batches[0], mesh)
+    losses = [step.step(*b) for b in batches[:2]]
+    step.save_checkpoint(path)
+    losses.append(step.step(*batches[2]))
+    state = step.state_dict()
+    model.load_state_dict(state, strict=True)  # exactly the model's own keys
+    return losses, state, step.optimizer_state(), list(state)
+
+
+def _resumed(rank, mesh, path):
+    model, opt, batches = _setup(seed=7)  # other weights: everything must come from the file
+    step = _compile(model, opt, batches[0], mesh)
+    step.load_checkpoint(path)
+    steps_done = step.steps_done
+    loss = step.step(*batches[2])
+    return loss, step.state_dict(), step.optimizer_state(), steps_done
+
+
+def _close(a, b, what):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+
+def test_resume_on_the_same_and_on_other_meshes(tmp_path):
+    path = str(tmp_path / "ckpt")
+    losses, state, opt_state, keys = spawn(_uninterrupted_and_saved, 4, (2, 2), path,
+                                           timeout=120, deadline=300)[0]
+    model, _, _ = _setup()
+    assert keys == list(model.state_dict())  # the tied embedding under both of its names
+    for mesh in [(4,), (2,)]:  # another mesh shape; another world size
+        world = 1
+        for p in mesh:
+            world *= p
+        loss, got, got_opt, steps_done = spawn(_resumed, world, mesh, path, timeout=120,
+                                               deadline=300)[0]
+        assert steps_done == 2
+        _close(loss, losses[2], f"{mesh} loss after resuming")
+        for k in state:
+            _close(got[k], state[k], f"{mesh} {k}")
+        for k in opt_state:
+            _close(got_opt[k], opt_state[k], f"{mesh} {k}")
