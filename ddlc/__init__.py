@@ -15,11 +15,10 @@ from . import errors
 from .errors import DDLCError
 from .mesh import HardwareProfile, LinkModel, Mesh, load_profile
 from .sbp import B, NdSBP, P, S, SBP
-from .trace import trace  # eager: the function must shadow the submodule of the same name
 
 #: Public name -> the module that defines it, imported on first access.
 _LAZY = {"spawn": "launch", "Plan": "plan", "CompiledStep": "runtime", "compile": "runtime",
-         "CompileOptions": "options"}
+         "CompileOptions": "options", "trace": "tracing"}
 
 __all__ = ["B", "CompiledStep", "CompileOptions", "DDLCError", "HardwareProfile", "LinkModel", "Mesh",
            "NdSBP", "P", "Plan", "S", "SBP", "compile", "errors", "load_profile", "spawn", "trace"]

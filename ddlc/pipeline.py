@@ -3,7 +3,7 @@
 ::
 
     planning  (every rank traces; rank 0 plans, see ddlc.runtime)
-      trace          model + inputs + loss + optimizer -> one functional aten graph (ddlc.trace)
+      trace          model + inputs + loss + optimizer -> one functional aten graph (ddlc.tracing)
       canonicalize   mean reductions -> sum / count, so batch splits give partial sums
       shard          every node's SBP signature (AutoDDL): ir.SHARDING on every node
       decouple       gradient all-reduce -> reduce-scatter + update on the shard + all-gather
@@ -46,7 +46,7 @@ from .mesh import Mesh
 from .options import CompileOptions
 from .plan import Plan
 from .sbp import NdSBP, divides, parse_sbp
-from .trace import trace
+from .tracing import trace
 
 __all__ = ["PLANNING", "LOWERING", "run_pass", "trace_step", "resolve_placements", "plan", "lower",
            "LoweringChoices"]

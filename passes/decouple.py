@@ -53,7 +53,7 @@ from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, NdSignature, is_getitem
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, divides, local_shape, padded_shape
 from passes.rules import signatures_1d, signatures_nd, tensor_inputs
-from passes.sharding_problem import compute_seconds
+from passes.sharding.problem import compute_seconds
 
 __all__ = ["decouple", "update_chain"]
 
@@ -81,7 +81,9 @@ def update_chain(gm: fx.GraphModule, key: str) -> tuple[list[fx.Node], list[fx.N
         chain.add(node)
         stack.extend(node.all_input_nodes)
     # the gradient's last reshapes (e.g. the view of a bias gradient) belong to the update
-    # when only it reads them and they map the parameter's elements one to one
+    # when only it reads them and they map the parameter's elements one to one: one tensor
+    # input of the parameter's size (a matmul whose operands happen to have that many
+    # elements, as when the batch equals the width, is no reshape)
     shape = next(n.meta["val"].shape for n in gm.graph.nodes
                  if n.op == "placeholder" and n.name == {i.key: i.name for i in sig.inputs}[key])
     grew = True
@@ -91,8 +93,8 @@ def update_chain(gm: fx.GraphModule, key: str) -> tuple[list[fx.Node], list[fx.N
             if node in chain or node.op != "call_function" or not all(u in chain for u in node.users):
                 continue
             vals = [a.meta.get("val") for a in node.all_input_nodes]
-            if getattr(node.meta.get("val"), "shape", None) == shape and \
-                    all(getattr(v, "numel", lambda: -1)() == math.prod(shape) for v in vals):
+            if getattr(node.meta.get("val"), "shape", None) == shape and len(vals) == 1 and \
+                    getattr(vals[0], "numel", lambda: -1)() == math.prod(shape):
                 chain.add(node)
                 grew = True
     states = [n for n in gm.graph.nodes if n.op == "placeholder"

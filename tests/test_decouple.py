@@ -3,47 +3,12 @@ import copy
 from collections import Counter
 
 import pytest
-import torch
 
 import ddlc
-from ddlc.ir import COLLECTIVE, SHARDING, NdSignature, collective_sequence
-from ddlc.sbp import NdSBP
-from ddlc.simulate import lower_rank
-from ddlc.sbp import parse_sbp
-from ddlc.simulate import axis_group_names, simulate_steps
-from distributed_cases import batches, model_and_loss, optimizer, reference
-from passes.canonicalize import canonicalize
+from conftest import DP_BATCH, assert_matches_reference, data_parallel_mlp, reference, replicate_updates
+from ddlc.ir import COLLECTIVE, SHARDING, collective_sequence
+from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
 from passes.decouple import decouple
-from passes.sharding import shard
-
-BATCH = 256  # large enough that data parallelism (gradient all-reduce) is the plan
-DATA_PARALLEL_MLP = {"input0": "(S0)", "input1": "(S0)", "layers.0.weight": "(B)",
-                     "layers.0.bias": "(B)", "layers.1.weight": "(B)", "layers.1.bias": "(B)"}
-
-
-def _planned(opt_name, mesh_shape=(4,), placements=DATA_PARALLEL_MLP):
-    model, loss_fn = model_and_loss("mlp")
-    data = batches("mlp", BATCH)
-    gm = canonicalize(ddlc.trace(model, data[0], loss_fn, optimizer(opt_name, model)))
-    names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
-    # a low-latency link: per-parameter gradient all-reduces are then cheaper than
-    # gathering the batch, so the plan is data parallel
-    mesh = ddlc.Mesh(mesh_shape, links=[ddlc.LinkModel(1e-7, 1e10)] * len(mesh_shape))
-    shard(gm, mesh, fixed={names[k]: parse_sbp(v) for k, v in placements.items()})
-    return gm, mesh, model, data
-
-
-def _replicate_updates(gm, mesh):
-    """Make every optimizer update run on the full tensor on every rank (all-B), so each
-    gradient reaches it through an all-reduce: the plan a DDP-style system runs."""
-    b = NdSBP.broadcast(mesh.ndim)
-    for n in gm.graph.nodes:
-        origin = n.meta.get("ddlc_origin")
-        if (origin and origin.phase == "optimizer" and n.op == "call_function") or \
-                n.meta.get("ddlc_role") in ("param", "opt_state"):
-            old = SHARDING(n)
-            SHARDING.set(n, NdSignature(tuple(None if x is None else b for x in old.inputs),
-                                        tuple(None if x is None else b for x in old.outputs)))
 
 
 def _kinds(gm, mesh):
@@ -62,8 +27,8 @@ def _comm_seconds(gm, mesh):
 @pytest.mark.parametrize("placement", ["forward", "backward", "auto"])
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_decoupled_updates_match_single_device(opt_name, placement):
-    gm, mesh, model, data = _planned(opt_name)
-    _replicate_updates(gm, mesh)
+    gm, mesh, model, data = data_parallel_mlp(opt_name)
+    replicate_updates(gm, mesh)
     before, before_seconds = _kinds(gm, mesh), _comm_seconds(gm, mesh)
     done = decouple(gm, mesh, placement, always=True)
     assert sorted(done) == sorted(k for k, _ in model.named_parameters())
@@ -82,17 +47,12 @@ def test_decoupled_updates_match_single_device(opt_name, placement):
         assert all(SHARDING(n).outputs[0][0].is_split for n in sharded)
     params = {k: v.detach() for k, v in model.named_parameters()}
     losses, params, opt_state = simulate_steps(gm, mesh, params, {}, data)
-    want = reference("mlp", opt_name, batch=BATCH)
-    for got, expected in zip(losses, want["losses"]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    for name, value in want["params"].items():
-        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
-    for name, value in want["opt_state"].items():
-        torch.testing.assert_close(opt_state[name], value, rtol=1e-4, atol=1e-5)
+    assert_matches_reference({"losses": losses, "params": params, "opt_state": opt_state},
+                             reference("mlp", opt_name, batch=DP_BATCH))
 
 
 def test_pinned_parameters_keep_their_placement():
-    gm, mesh, model, _ = _planned("sgd")
+    gm, mesh, model, _ = data_parallel_mlp("sgd")
     pinned = frozenset(n.name for n in gm.graph.nodes if n.meta.get("ddlc_role") == "param")
     decouple(gm, mesh, "forward", pinned, always=True)
     for n in gm.graph.nodes:
@@ -110,8 +70,8 @@ def test_decoupling_only_where_the_backend_makes_it_pay(profile, decoupled):
     (whose gradient arrives as a partial sum) cannot pay for. The weights' gradients
     arrive already reduce-scattered in this plan: their update moves onto the shard
     at no extra traffic on either backend."""
-    gm, _, model, _ = _planned("sgd")
-    _replicate_updates(gm, ddlc.Mesh((4,)))
+    gm, _, model, _ = data_parallel_mlp("sgd")
+    replicate_updates(gm, ddlc.Mesh((4,)))
     mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-5, 1e8)], profile=profile)
     done = decouple(copy.deepcopy(gm), mesh, "backward")
     assert sorted(done) == decoupled

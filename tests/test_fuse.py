@@ -9,18 +9,16 @@ import torch.nn.functional as F
 from torch import fx
 
 import ddlc
+from conftest import DP_BATCH, assert_matches_reference, data_parallel_mlp, reference, replicate_updates
 from cost_models.collectives import collective_time
 from cost_models.program import program_timeline
 from ddlc.ir import COLLECTIVE, SHARDING, NdSignature, collective_sequence
-from ddlc.simulate import lower_rank
 from ddlc.sbp import parse_sbp
-from ddlc.simulate import axis_group_names, simulate_steps
-from distributed_cases import reference
+from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
 from passes.canonicalize import canonicalize
 from passes.decouple import decouple
 from passes.fuse import pack, unpack
 from passes.schedule import is_issue
-from test_decouple import BATCH, _planned, _replicate_updates
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
@@ -52,8 +50,8 @@ def test_pack_unpack_round_trip_matches_per_tensor_collectives(kind):
 
 
 def test_fused_buckets_train_like_single_device():
-    gm, mesh, model, data = _planned("adamw")
-    _replicate_updates(gm, mesh)
+    gm, mesh, model, data = data_parallel_mlp("adamw")
+    replicate_updates(gm, mesh)
     decouple(gm, mesh, "forward")
     plain = collective_sequence(lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False))
     fused = collective_sequence(lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh),
@@ -62,11 +60,7 @@ def test_fused_buckets_train_like_single_device():
     assert sum(b for _, _, b in fused) == sum(b for _, _, b in plain)  # same bytes, fewer start-ups
     params = {k: v.detach() for k, v in model.named_parameters()}
     losses, params, _ = simulate_steps(gm, mesh, params, {}, data, fuse=float("inf"))
-    want = reference("mlp", "adamw", batch=BATCH)
-    for got, expected in zip(losses, want["losses"]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    for name, value in want["params"].items():
-        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
+    assert_matches_reference({"losses": losses, "params": params}, reference("mlp", "adamw", batch=DP_BATCH))
 
 
 PIECE = 128  # bytes: splits the test MLP's collectives of weights and of a bias
@@ -81,8 +75,8 @@ def _pieces(gm):
 @pytest.mark.parametrize("ag_placement, kinds", [(None, {"all_reduce", "reduce_scatter", "all_gather"}),
                                                   ("forward", {"reduce_scatter", "all_gather"})])
 def test_split_collectives_train_like_single_device(ag_placement, kinds):
-    gm, mesh, model, data = _planned("adamw")
-    _replicate_updates(gm, mesh)
+    gm, mesh, model, data = data_parallel_mlp("adamw")
+    replicate_updates(gm, mesh)
     if ag_placement:
         decouple(gm, mesh, ag_placement)
     lowered = {size: lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False, partition=size)
@@ -103,11 +97,7 @@ def test_split_collectives_train_like_single_device(ag_placement, kinds):
             assert seconds[node.name] == pytest.approx(COLLECTIVE(node).seconds + (k - 1) * startup)
     params = {k: v.detach() for k, v in model.named_parameters()}
     losses, params, _ = simulate_steps(gm, mesh, params, {}, data, fuse=False, partition=PIECE)
-    want = reference("mlp", "adamw", batch=BATCH)
-    for got, expected in zip(losses, want["losses"]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    for name, value in want["params"].items():
-        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
+    assert_matches_reference({"losses": losses, "params": params}, reference("mlp", "adamw", batch=DP_BATCH))
 
 
 class _HeadFirst(torch.nn.Module):

@@ -9,21 +9,19 @@ import torch
 import torch.nn.functional as F
 
 import ddlc
+from conftest import assert_matches_reference, optimizer, replicate_updates, train
 from ddlc import comm
 from ddlc.errors import SBPError
-from ddlc.launch import spawn
 from ddlc.ir import GLOBAL_VAL, SHARDING, NdSignature, collective_sequence
-from ddlc.simulate import lower_rank
+from ddlc.launch import spawn
 from ddlc.sbp import B, NdSBP, S, local_shape, local_slices, padded_shape, parse_sbp
-from ddlc.simulate import axis_group_names, simulate_steps
-from passes.rules.checker import make_node
+from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
 from ddlc.zoo import MLP
-from distributed_cases import optimizer
 from passes.canonicalize import canonicalize
 from passes.decouple import _uneven_candidates, decouple, update_chain
 from passes.rules import tensor_inputs
+from passes.rules.checker import make_node
 from passes.sharding import shard
-from test_decouple import _replicate_updates
 
 STEPS = 3
 BATCH = 240  # divides by every mesh size below, and makes the plan data parallel
@@ -44,17 +42,7 @@ def _batches(widths=WIDE):
 
 
 def _reference(opt_name, widths=WIDE):
-    model = _model(widths)
-    opt = optimizer(opt_name, model)
-    losses = []
-    for x, y in _batches(widths):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    state = {f"{k}:{s}": v.float() for k, p in model.named_parameters() for s, v in opt.state[p].items()}
-    return losses, {k: p.detach() for k, p in model.named_parameters()}, state
+    return train(_model(widths), F.mse_loss, opt_name, _batches(widths))
 
 
 def _planned(opt_name, mesh_shape):
@@ -67,7 +55,7 @@ def _planned(opt_name, mesh_shape):
     fixed = {names["input0"]: batch, names["input1"]: batch}
     fixed.update({names[k]: NdSBP.broadcast(mesh.ndim) for k in PARAMS})
     shard(gm, mesh, fixed=fixed)
-    _replicate_updates(gm, mesh)
+    replicate_updates(gm, mesh)
     return gm, mesh, model
 
 
@@ -165,13 +153,7 @@ def test_padded_updates_match_single_device(mesh_shape, opt_name, placement):
     assert set(done) == set(PARAMS)
     params = {k: v.detach() for k, v in model.named_parameters()}
     losses, params, state = simulate_steps(gm, mesh, params, {}, _batches())
-    want_losses, want_params, want_state = _reference(opt_name)
-    for got, expected in zip(losses, want_losses):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    for name, value in want_params.items():
-        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
-    for name, value in want_state.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5)
+    assert_matches_reference({"losses": losses, "params": params, "opt_state": state}, _reference(opt_name))
 
 
 def _compiled_adamw(rank):
@@ -191,17 +173,12 @@ def _compiled_adamw(rank):
 @pytest.mark.timeout(90)
 def test_padded_updates_on_gloo_processes():
     per_rank = spawn(_compiled_adamw, 2, timeout=60, deadline=80)
-    want_losses, want_params, want_state = _reference("adamw", ODD)
+    want = _reference("adamw", ODD)
     for rank, got in enumerate(per_rank):
-        for a, b in zip(got["losses"], want_losses):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        for name, value in want_params.items():
-            torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5)
-        for name, value in want_state.items():
-            torch.testing.assert_close(got["opt_state"][name], value, rtol=1e-4, atol=1e-5)
+        assert_matches_reference({k: got[k] for k in ("losses", "params", "opt_state")}, want, f"rank {rank}")
         for key, (shape, sbp) in got["local_state"].items():  # each rank keeps only its piece
             if key.endswith(("exp_avg", "exp_avg_sq")):
                 assert sbp[0].is_split, key
-                assert shape == local_shape(tuple(want_state[key].shape), sbp, (2,), (rank,)), key
+                assert shape == local_shape(tuple(want["opt_state"][key].shape), sbp, (2,), (rank,)), key
         assert [c for c in got["collectives"] if c[0] == "all_reduce"] == [("all_reduce", 0, 4)]
         assert got["collectives"] == per_rank[0]["collectives"]

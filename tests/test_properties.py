@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ddlc
+from conftest import assert_matches_reference, optimizer, train
 from ddlc import pipeline
 from ddlc.options import CompileOptions
 from ddlc.simulate import simulate_steps
@@ -43,12 +44,6 @@ def cases(draw):
             "fast_link": draw(st.booleans()), "seed": draw(st.integers(0, 2**16))}
 
 
-def _optimizer(name, model):
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
-
-
 @pytest.mark.timeout(600)
 @settings(max_examples=12, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
@@ -64,16 +59,9 @@ def test_random_layered_models_match_single_device(case):
     links = [ddlc.LinkModel(1e-7, 1e10)] * len(case["mesh"]) if case["fast_link"] else None
     mesh = ddlc.Mesh(case["mesh"], **({"links": links} if links else {}))
     options = CompileOptions()
-    gm = pipeline.trace_step(model, data[0], F.mse_loss, _optimizer(case["optimizer"], model), options)
+    gm = pipeline.trace_step(model, data[0], F.mse_loss, optimizer(case["optimizer"], model), options)
     pipeline.plan(gm, mesh, options, {})
     losses, got, _ = simulate_steps(gm, mesh, params, {}, data)
 
-    opt = _optimizer(case["optimizer"], model)
-    for (x, y), loss in zip(data, losses):
-        opt.zero_grad()
-        want = F.mse_loss(model(x), y)
-        want.backward()
-        opt.step()
-        torch.testing.assert_close(loss, want.detach(), rtol=1e-4, atol=1e-5)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_matches_reference({"losses": losses, "params": got}, train(model, F.mse_loss, case["optimizer"], data),
+                             str(case), losses=(1e-4, 1e-5))

@@ -3,20 +3,20 @@
 (a) every node of the example training steps, with real values captured by running
 the traced step; (b) synthetic calls of the ops the examples do not reach; (c)
 hypothesis shapes for the elementwise, matmul and reshape families; plus proofs
-that the checker rejects wrong rules, the fallback, speed and the GPU rule data.
+that the checker rejects wrong rules, the fallback, repeatable enumeration on a large
+graph (its speed: bench/rules.py) and the GPU rule data.
 """
 import logging
-import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import ddlc
+from conftest import MODELS, OPTIMIZERS, batches, model_and_loss, optimizer
 from ddlc.sbp import B, NdSBP, P, S
 from passes.rules.checker import capture_values, check_node, check_signature, make_node, node_inputs
-from ddlc.zoo import CNN, GPT, MLP, lm_loss
+from ddlc.zoo import GPT, lm_loss
 from passes.canonicalize import canonicalize
 from passes.rules import (NdSignature, Signature, fallback_ops, localize_args, signatures_1d,
                           signatures_nd, tensor_inputs)
@@ -24,21 +24,6 @@ from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
 MESHES = ((2,), (4,), (2, 2))
-
-MODELS = {
-    "mlp": (MLP, lambda g: (torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g)),
-            F.mse_loss),
-    "gpt": (GPT, lambda g: (torch.randint(0, 64, (4, 16), generator=g),) * 2, lm_loss),
-    "gpt_tied": (lambda: GPT(tied=True), lambda g: (torch.randint(0, 64, (4, 16), generator=g),) * 2,
-                 lm_loss),
-    "cnn": (CNN, lambda g: (torch.randn(4, 3, 16, 16, generator=g),
-                            torch.randint(0, 10, (4,), generator=g)), F.cross_entropy),
-}
-OPTIMIZERS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3),
-    "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, eps=1e-4),
-}
 CASES = ([f"{m}-{o}" for m in MODELS for o in OPTIMIZERS] + [f"{m}-forward" for m in MODELS]
          + [f"{m}-adamw-canonical" for m in MODELS])
 
@@ -46,17 +31,15 @@ CASES = ([f"{m}-{o}" for m in MODELS for o in OPTIMIZERS] + [f"{m}-forward" for 
 def _trace_case(case):
     """The traced graph of ``case`` and every node's value on its second real step."""
     model_name, mode, *canonical = case.split("-")
-    make_model, make_batch, loss_fn = MODELS[model_name]
-    torch.manual_seed(0)
-    model = make_model()
-    batch = make_batch(torch.Generator().manual_seed(1))
+    model, loss_fn = model_and_loss(model_name)
+    batch = batches(model_name)[0]
     params = {k: v.detach() for k, v in model.named_parameters()}
     buffers = dict(model.named_buffers())
     if mode == "forward":
         gm = ddlc.trace(model, batch[:1])
         sig = gm.meta["ddlc_step"]
         return gm, capture_values(gm, sig.flatten(params, buffers, {}, batch[:1]))
-    gm = ddlc.trace(model, batch, loss_fn, OPTIMIZERS[mode](model.parameters()))
+    gm = ddlc.trace(model, batch, loss_fn, optimizer(mode, model))
     if canonical:
         gm = canonicalize(gm)
     sig = gm.meta["ddlc_step"]
@@ -395,19 +378,16 @@ def test_unknown_op_falls_back_to_all_b_and_logs_once():
     assert fallback_ops(torch.fx.GraphModule({}, node.graph)) == ["aten.cumsum.default"]
 
 
-def test_enumeration_is_fast_on_a_12_layer_gpt():
+def test_enumeration_is_repeatable_on_a_12_layer_gpt():
+    """A second enumeration (from the caches) gives the first's signatures. Its speed, cold
+    and warm, is measured by ``bench/rules.py``."""
     model = GPT(vocab=128, d_model=64, n_heads=4, n_layers=12, seq_len=32)
     batch = (torch.randint(0, 128, (8, 32)),) * 2
     gm = ddlc.trace(model, batch, lm_loss, torch.optim.AdamW(model.parameters()))
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert len(nodes) > 3000
-    start = time.perf_counter()
     first = [signatures_nd(n, (2, 4)) for n in nodes]
-    cold = time.perf_counter() - start
-    start = time.perf_counter()
     assert [signatures_nd(n, (2, 4)) for n in nodes] == first
-    warm = time.perf_counter() - start
-    assert cold < 1.0 and warm < 0.5, (cold, warm)
 
 
 def _meta(*shape):

@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
+from conftest import TOLERANCES, assert_matches_reference, reference
 from ddlc.launch import WorkerError, spawn
-from distributed_cases import compiled_run, reference
+from distributed_cases import compiled_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -37,10 +38,8 @@ JOBS = {
 }
 
 SEEN_COLLECTIVES: set[str] = set()
-
-
-def _close(actual, expected, what):
-    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
+#: one (rtol, atol) for every quantity
+GLOO_TOLERANCES = dict.fromkeys(TOLERANCES, (1e-4, 1e-5))
 
 
 @pytest.mark.parametrize("mesh", list(JOBS), ids=lambda m: "x".join(map(str, m)))
@@ -51,15 +50,10 @@ def test_compiled_step_matches_single_device(mesh):
         world *= p
     per_rank = spawn(compiled_run, world, mesh, cases, timeout=120, deadline=360)
     for (model, opt, mode, placements, *_), got in zip(cases, per_rank[0]):
-        want = reference(model, opt, mode)
-        label = f"{model}/{opt}/{mode}/{placements}"
-        for key in ("losses", "outputs"):
-            for a, b in zip(got.get(key, []), want.get(key, [])):
-                _close(a, b, f"{label} {key}")
-        for key in ("params", "opt_state", "gradients"):
-            for name, value in want.get(key, {}).items():
-                _close(got[key][name], value, f"{label} {key}[{name}]")
-        SEEN_COLLECTIVES.update(got["collectives"])
+        collectives = got.pop("collectives")
+        assert_matches_reference(got, reference(model, opt, mode), f"{model}/{opt}/{mode}/{placements}",
+                                 **GLOO_TOLERANCES)
+        SEEN_COLLECTIVES.update(collectives)
     for rank, results in enumerate(per_rank[1:], start=1):  # every rank sees the same loss
         for r0, rk in zip(per_rank[0], results):
             for a, b in zip(r0.get("losses") or [], rk["losses"] or []):

@@ -9,18 +9,16 @@ import torch
 import torch.nn.functional as F
 
 import ddlc
+from conftest import assert_matches_reference, batches, model_and_loss, optimizer, replicate_updates, train
 from cost_models.program import live_bytes
 from ddlc.errors import LoweringError
 from ddlc.ir import COLLECTIVE, collective_sequence, is_collective as is_issue, is_wait
-from ddlc.simulate import lower_rank
-from ddlc.simulate import axis_group_names, simulate_steps
+from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
 from ddlc.zoo import GPT, MLP, lm_loss
 from passes.canonicalize import canonicalize
 from passes.decouple import decouple
 from passes.schedule import UPDATES, _eager, check_waits, schedule
 from passes.sharding import shard
-from distributed_cases import train
-from test_decouple import _replicate_updates
 
 DP_GPT = {"input0": "(S0, S0)", "input1": "(S0, S0)"}
 
@@ -131,35 +129,28 @@ def test_scheduling_hides_communication_in_the_modeled_timeline(planned):
     assert scheduled.makespan >= scheduled.lower_bound - 1e-12
 
 
-def _adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+def _wide_mlp(steps):
+    """A 3-block MLP of width 64 (hidden 128) and ``steps`` batches of 64 rows."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return MLP(64, 128, 64, depth=3), [(torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g))
+                                       for _ in range(steps)]
 
 
 @pytest.fixture(scope="module")
 def prefetching():
     """A decoupled data-parallel MLP: its next-forward all-gathers, issued early, hold every
-    layer's full weight at once, which raises the peak. Also the single-device losses and
-    parameters of two steps."""
-    torch.manual_seed(0)
-    model = MLP(64, 128, 64, depth=3)
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)) for _ in range(2)]
-    gm = canonicalize(ddlc.trace(model, data[0], F.mse_loss, _adamw(model)))
+    layer's full weight at once, which raises the peak. Also the single-device run of its
+    two steps."""
+    model, data = _wide_mlp(2)
+    gm = canonicalize(ddlc.trace(model, data[0], F.mse_loss, optimizer("adamw", model)))
     names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
     mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-7, 1e10)])
     pins = dict.fromkeys(["input0", "input1"], "(S0)") | {k: "(B)" for k, _ in model.named_parameters()}
     shard(gm, mesh, fixed={names[k]: ddlc.sbp.parse_sbp(v) for k, v in pins.items()})
-    _replicate_updates(gm, mesh)
+    replicate_updates(gm, mesh)
     decouple(gm, mesh, "forward")
-    single = copy.deepcopy(model)
-    opt, losses = _adamw(single), []
-    for x, y in data:
-        opt.zero_grad()
-        loss = F.mse_loss(single(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    return gm, mesh, model, data, losses, dict(single.named_parameters())
+    return gm, mesh, model, data, train(copy.deepcopy(model), F.mse_loss, "adamw", data)
 
 
 def _peak(gm):
@@ -168,7 +159,7 @@ def _peak(gm):
 
 def test_memory_cap_keeps_issue_early_from_raising_the_peak(prefetching):
     from cost_models.program import program_timeline
-    gm, mesh, model, data, losses, expected = prefetching
+    gm, mesh, model, data, want = prefetching
 
     def lowered(coord=(0,), **kw):
         return lower_rank(copy.deepcopy(gm), mesh, coord, axis_group_names(mesh), **{"fuse": False, **kw})
@@ -181,18 +172,8 @@ def test_memory_cap_keeps_issue_early_from_raising_the_peak(prefetching):
     sequences = [collective_sequence(lowered((r,), max_live_bytes=cap)) for r in range(4)]
     assert all(s == sequences[0] for s in sequences)
     params = {k: v.detach() for k, v in model.named_parameters()}
-    got, params, _ = simulate_steps(gm, mesh, params, {}, data, max_live_bytes=cap)
-    for a, b in zip(got, losses):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for name, value in expected.items():
-        torch.testing.assert_close(params[name], value.detach(), rtol=1e-4, atol=1e-5)
-
-
-def _single_device(model, loss_fn, data):
-    """Losses, parameters and optimizer state ("<param>:<state>") of AdamW steps on ``data``."""
-    model = copy.deepcopy(model)
-    result = train(model, loss_fn, _adamw(model), data)
-    return result["losses"], result["params"], result["opt_state"]
+    losses, params, _ = simulate_steps(gm, mesh, params, {}, data, max_live_bytes=cap)
+    assert_matches_reference({"losses": losses, "params": params}, want)
 
 
 #: CPU-speed compute with a backend that runs reduce-scatter natively (as NCCL does; gloo
@@ -208,23 +189,18 @@ def _decoupled(model_name, link_bandwidth):
     """A data-parallel AdamW step on (4,) over links of ``link_bandwidth`` bytes/s, updates on
     shards (reduce-scatter) with their all-gathers in the same step; the model, 3 batches and
     their single-device results."""
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
     if model_name == "mlp":
-        model, loss_fn = MLP(64, 128, 64, depth=3), F.mse_loss
-        data = [(torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)) for _ in range(3)]
-    else:  # "gpt" or "gpt-tied": the embedding is also the LM head, read in both places
-        model, loss_fn = GPT(tied=model_name == "gpt-tied"), lm_loss
-        data = [(torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g))
-                for _ in range(3)]
-    gm = canonicalize(ddlc.trace(model, data[0], loss_fn, _adamw(model)))
+        (model, data), loss_fn = _wide_mlp(3), F.mse_loss
+    else:  # "gpt" or "gpt_tied": the embedding is also the LM head, read in both places
+        (model, loss_fn), data = model_and_loss(model_name), batches("gpt", 8)
+    gm = canonicalize(ddlc.trace(model, data[0], loss_fn, optimizer("adamw", model)))
     names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
     mesh = ddlc.Mesh((4,), profile=NATIVE_RS, links=[ddlc.LinkModel(1e-7, link_bandwidth)])
     pins = dict.fromkeys(["input0", "input1"], "(S0)") | {k: "(B)" for k, _ in model.named_parameters()}
     shard(gm, mesh, fixed={names[k]: ddlc.sbp.parse_sbp(v) for k, v in pins.items()})
-    _replicate_updates(gm, mesh)
+    replicate_updates(gm, mesh)
     assert decouple(gm, mesh, "backward")
-    return gm, mesh, model, data, _single_device(model, loss_fn, data)
+    return gm, mesh, model, data, train(copy.deepcopy(model), loss_fn, "adamw", data)
 
 
 #: (model, link bandwidth) where gradients' reduce-scatters end during backward
@@ -265,19 +241,14 @@ def test_early_updates_run_inside_backward(model_name, link):
     assert _inside_backward(_lower_rank(gm, mesh, (0,), updates="end")) == ([], [])
 
 
-@pytest.mark.parametrize("model_name,link", INSIDE_BACKWARD + [("gpt-tied", 3e8)])
+@pytest.mark.parametrize("model_name,link", INSIDE_BACKWARD + [("gpt_tied", 3e8)])
 def test_early_updates_match_single_device(model_name, link):
-    gm, mesh, model, data, (losses, expected, state) = _decoupled(model_name, link)
+    gm, mesh, model, data, want = _decoupled(model_name, link)
     assert _inside_backward(_lower_rank(gm, mesh, (0,), updates="early"))[0]
     params = {k: v.detach() for k, v in model.named_parameters()}
-    got, params, opt_state = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data,
-                                            updates="early")
-    for a, b in zip(got, losses):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for name, value in expected.items():
-        torch.testing.assert_close(params[name], value.detach(), rtol=1e-4, atol=1e-5)
-    for name, value in state.items():
-        torch.testing.assert_close(opt_state[name], value.to(torch.float32), rtol=1e-4, atol=1e-5)
+    losses, params, opt_state = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data,
+                                               updates="early")
+    assert_matches_reference({"losses": losses, "params": params, "opt_state": opt_state}, want)
 
 
 @pytest.mark.parametrize("model_name,link", INSIDE_BACKWARD)

@@ -4,16 +4,14 @@ import copy
 import itertools
 
 import pytest
-import torch
 
 import ddlc
+from conftest import assert_matches_reference, batches, model_and_loss, optimizer, reference
 from ddlc.ir import collective_sequence
-from ddlc.simulate import lower_rank
 from ddlc.sbp import parse_sbp
-from ddlc.simulate import axis_group_names, simulate_steps
+from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
 from passes.canonicalize import canonicalize
 from passes.sharding import shard
-from distributed_cases import batches, model_and_loss, optimizer, reference
 
 CASES = [
     ((2, 4), "mlp", "adamw", {"input0": "(S0, B)", "layers.0.weight": "(B, S0)"}),
@@ -37,11 +35,7 @@ def test_simulated_ranks_match_single_device(mesh_shape, model_name, opt_name, p
     assert collective_sequence(graph), "the plan should communicate"
     params = {k: v.detach() for k, v in model.named_parameters()}
     losses, params, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data)
-    want = reference(model_name, opt_name)
-    for got, expected in zip(losses, want["losses"]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    for name, value in want["params"].items():
-        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
+    assert_matches_reference({"losses": losses, "params": params}, reference(model_name, opt_name))
 
 
 def test_every_rank_lowers_to_the_same_collective_sequence():

@@ -1,36 +1,14 @@
 """The traced step, run eagerly, reproduces the eager model and torch.optim."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ddlc
+from conftest import MODELS, OPTIMIZERS, assert_matches_reference, batches, model_and_loss, optimizer, train
 from ddlc.errors import TraceError, UnsupportedInputError
-from ddlc.zoo import CNN, GPT, MLP, lm_loss
-
-
-def _cases():
-    g = torch.Generator().manual_seed(1)
-    return {
-        "mlp": (lambda: MLP(), lambda: (torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g)),
-                F.mse_loss),
-        "gpt": (lambda: GPT(), lambda: (torch.randint(0, 64, (4, 16), generator=g),
-                                        torch.randint(0, 64, (4, 16), generator=g)), lm_loss),
-        "gpt_tied": (lambda: GPT(tied=True), lambda: (torch.randint(0, 64, (4, 16), generator=g),
-                                                      torch.randint(0, 64, (4, 16), generator=g)),
-                     lm_loss),
-        "cnn": (lambda: CNN(), lambda: (torch.randn(4, 3, 16, 16, generator=g),
-                                        torch.randint(0, 10, (4,), generator=g)), F.cross_entropy),
-    }
-
-
-OPTIMIZERS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3),
-    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
-    # The attention key bias has a gradient that is zero up to rounding noise, and
-    # Adam with a tiny eps turns that noise into a full-size step; eps=1e-4 keeps
-    # the comparison about the update rule, not about float summation order.
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, eps=1e-4),
-}
+from ddlc.zoo import GPT, MLP, lm_loss
 
 
 def run_traced(gm, model, batches):
@@ -49,31 +27,15 @@ def run_traced(gm, model, batches):
 
 
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("case", sorted(_cases()))
+@pytest.mark.parametrize("case", sorted(MODELS))
 def test_traced_step_matches_eager(case, opt_name):
-    make_model, make_batch, loss_fn = _cases()[case]
-    torch.manual_seed(0)
-    model = make_model()
-    reference = make_model()
-    reference.load_state_dict(model.state_dict())
-    opt = OPTIMIZERS[opt_name](reference.parameters())
-    batches = [make_batch() for _ in range(3)]
-
-    gm = ddlc.trace(model, batches[0], loss_fn, OPTIMIZERS[opt_name](model.parameters()))
-    losses, params, state = run_traced(gm, model, batches)
-
-    for step, batch in enumerate(batches):
-        opt.zero_grad()
-        loss = loss_fn(reference(*batch[:-1]), batch[-1])
-        loss.backward()
-        opt.step()
-        torch.testing.assert_close(losses[step], loss.detach(), rtol=1e-5, atol=1e-6)
-    for name, p in reference.named_parameters():
-        torch.testing.assert_close(params[name], p.detach(), rtol=1e-4, atol=1e-5)
-    for name, p in reference.named_parameters():
-        for key, value in opt.state[p].items():
-            torch.testing.assert_close(state[f"{name}:{key}"], value.to(torch.float32),
-                                       rtol=1e-4, atol=1e-6)
+    model, loss_fn = model_and_loss(case)
+    eager = copy.deepcopy(model)
+    data = batches(case)
+    gm = ddlc.trace(model, data[0], loss_fn, optimizer(opt_name, model))
+    losses, params, state = run_traced(gm, model, data)
+    assert_matches_reference({"losses": losses, "params": params, "opt_state": state},
+                             train(eager, loss_fn, opt_name, data), opt_state=(1e-4, 1e-6))
 
 
 def test_gradients_without_optimizer_match_autograd():

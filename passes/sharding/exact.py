@@ -1,16 +1,33 @@
-"""Exact reference solver: the sharding problem as a mixed-integer program (HiGHS).
+"""Exact solvers of the sharding problem: a mixed-integer program (HiGHS) and min-sum
+variable elimination, over ``unary`` costs, ``memory`` bytes and ``edges`` (the block
+moves of :mod:`passes.sharding.descent` call them on folded blocks).
 
-Binary ``x[v,k]`` picks candidate ``k`` of variable ``v`` (one per variable).
-Each edge is linearised as a transportation problem over the *distinct* SBPs
-at its two ends: continuous ``y[e,a,b] >= 0`` with row sums equal to the
-indicator that the source's SBP is ``a`` and column sums equal to the
-indicator that the destination's is ``b``. With binary ``x`` the only feasible
-``y`` is the single pair chosen, so the model is exact, and it needs
-``|A|·|B|`` columns per edge instead of ``|K_src|·|K_dst|``. Memory is one
-linear constraint. Forbidden choices (cost >= FORBIDDEN) get an upper bound of 0
-instead of their stand-in cost, and the objective is in microseconds, so HiGHS'
-absolute gap tolerance (1e-6) cannot hide differences between step times of a
-few hundred microseconds.
+**MILP** (:func:`solve_milp`; :func:`solve_exact` runs it on a whole problem). Columns:
+binary ``x[v,k]`` picks candidate ``k`` of variable ``v`` (column ``offsets[v] + k``, the
+first ``n_x``); then, per edge, continuous ``y[e,a,b] >= 0`` over the *distinct* SBPs at
+its two ends (``_distinct``: equal rows of the cost matrix stand for one source SBP
+``a``, equal columns for one destination SBP ``b``; ``a(k)`` is candidate ``k``'s).
+
+- one-hot rows, ``sum_k x[v,k] = 1`` per variable: ``solve_milp``'s first loop;
+- transportation rows per edge, ``sum_b y[e,a,b] = sum_{k: a(k)=a} x[src,k]`` for each
+  ``a`` and ``sum_a y[e,a,b] = sum_{k: b(k)=b} x[dst,k]`` for each ``b``: the
+  ``for e in edges`` loop (its ``else`` branch). With binary ``x`` the only feasible
+  ``y`` is the single pair chosen, so the model is exact, and it needs ``|A|·|B|``
+  columns per edge instead of ``|K_src|·|K_dst|``;
+- self-loop rows (``src == dst``: only diagonal pairs are consistent),
+  ``y[e,a(k),b(k)] = x[v,k]`` per candidate: the same loop's ``e.src == e.dst`` branch;
+- memory row, ``sum_{v,k} memory[v][k]·x[v,k] <= memory_budget``, only when the budget
+  is finite: the ``np.isfinite(memory_budget)`` block after the loop;
+- objective ``sum unary[v][k]·x[v,k] + sum_e sum_{a,b} cost_e[a,b]·y[e,a,b]``: the
+  ``cost`` list (the concatenated unary costs, then each edge's ``cost[a_rep, b_rep]``),
+  in microseconds (``cost * 1e6`` in the ``milp`` call), so HiGHS' absolute gap
+  tolerance (1e-6) cannot hide differences between step times of a few hundred
+  microseconds. Forbidden columns (cost >= FORBIDDEN) get an upper bound of 0 instead
+  of their stand-in cost (``allowed`` in the ``Bounds``).
+
+**Variable elimination** (no memory constraint): :func:`elimination_order` picks the
+order and bounds the largest table by ``MAX_TABLE``; :func:`solve_elimination` runs it.
+Their docstrings point at the lines that build each quantity.
 """
 from __future__ import annotations
 
@@ -26,9 +43,9 @@ from scipy.sparse import coo_matrix
 
 from ddlc.errors import ShardingError
 
-from .sharding_problem import FORBIDDEN, ShardingProblem
+from .problem import FORBIDDEN, ShardingProblem
 
-__all__ = ["solve_exact", "solve_milp", "elimination_order", "solve_elimination"]
+__all__ = ["solve_exact", "solve_milp", "elimination_order", "solve_elimination", "MAX_TABLE"]
 
 
 def _distinct(matrix_axis_keys):
@@ -47,8 +64,9 @@ def solve_milp(unary: Sequence[np.ndarray], memory: Sequence[np.ndarray], edges:
                memory_budget: float = float("inf"), time_limit: float = 60.0,
                node_limit: int | None = None):
     """The MILP over variables with ``unary`` costs and ``memory`` bytes per candidate and
-    ``edges`` (objects with ``src``, ``dst``, ``cost``); returns (choice, info).
-    ``node_limit`` caps the branch-and-bound nodes (a deterministic limit)."""
+    ``edges`` (objects with ``src``, ``dst``, ``cost``); returns (choice, info). The
+    model, row by row, is in the module docstring. ``node_limit`` caps the
+    branch-and-bound nodes (a deterministic limit)."""
     start = time.perf_counter()
     offsets = np.cumsum([0] + [len(u) for u in unary])
     n_x = int(offsets[-1])
@@ -121,10 +139,15 @@ MAX_TABLE = 4_000_000
 
 def elimination_order(sizes: Sequence[int], edges: Sequence, limit: float = MAX_TABLE):
     """A greedy elimination order of the interaction graph and the largest table it
-    builds, or None when some table would exceed ``limit``. Next goes the variable with
-    the least weighted fill-in (sum of ``sizes[a] * sizes[b]`` over the pairs of its
-    neighbours not yet joined), then the smallest table, then the lowest index; scores
-    are refreshed lazily through a heap."""
+    builds, or None when some table would exceed ``limit``. The graph joins the two ends
+    of every edge that is not a self-loop (``nbrs``, the first loop). ``score(v)`` is
+    ``(fill, table)``: the weighted fill-in ``sum sizes[a] * sizes[b]`` over the pairs of
+    ``v``'s neighbours not yet joined, and the table ``sizes[v] * prod sizes[u]`` over its
+    neighbours (the factor eliminating ``v`` builds in :func:`solve_elimination`). Next
+    goes the least fill-in, then the smallest table, then the lowest index (the heap's
+    order of ``(score(v), v)``); a table over ``limit`` returns None; scores are refreshed
+    lazily (a popped entry whose score changed is pushed back), and eliminating ``v``
+    joins its neighbours pairwise (the ``nbrs[u].update`` loop)."""
     nbrs = [set() for _ in sizes]
     for e in edges:
         if e.src != e.dst:
@@ -163,9 +186,16 @@ def elimination_order(sizes: Sequence[int], edges: Sequence, limit: float = MAX_
 
 def solve_elimination(unary: Sequence[np.ndarray], edges: Sequence, order: Sequence[int]) -> list[int]:
     """Exact minimum of ``sum unary + sum edge costs`` by min-sum variable elimination
-    (bucket elimination) along ``order``: eliminating ``v`` adds up every factor that
-    mentions it over the union of their scopes, keeps the minimum over ``v`` as a new
-    factor and the argmin for back-substitution. No memory constraint."""
+    (bucket elimination) along ``order``. No memory constraint.
+
+    Factors (``add``): one per variable, its unary cost; one per edge, ``cost`` over the
+    scope ``(min(src, dst), max(src, dst))`` (transposed when ``src > dst``), or
+    ``diag(cost)`` over ``(v,)`` for a self-loop (the two loops before ``steps``).
+    Eliminating ``v`` (the ``for v in order`` loop) builds
+    ``total[rest, v] = sum of the factors that mention v`` over the union ``rest`` of
+    their scopes (``v`` as the last axis, each factor broadcast into it), adds the new
+    factor ``min_v total`` over ``rest`` and logs ``argmin_v total``; the last loop
+    back-substitutes those argmins in reverse order."""
     factors = {}
     by_var = [set() for _ in unary]
     ids = itertools.count()

@@ -1,80 +1,73 @@
-"""Sharding propagation: choose every node's n-D SBP signature (AutoDDL).
+"""AutoDDL's coordinate descent over a :class:`~passes.sharding.problem.ShardingProblem`
+(the default solver of :func:`passes.sharding.shard`): :func:`coordinate_descent`.
 
-``shard(gm, mesh)`` builds the :class:`ShardingProblem` (candidates from the
-rules, costs from the cost models), solves it and returns a :class:`Plan`; it
-also records each node's chosen signature (``ir.SHARDING``).
-
-The default solver is AutoDDL's coordinate descent:
-
-1. *Start* from the best uniform scheme: each seed policy (data parallel:
-   batch split on dim 0 over every axis, parameters replicated; or everything
-   replicated) places the graph inputs, then every other variable, in graph
-   order, takes its cheapest candidate given the variables placed before it.
-2. *Sweep* until a sweep improves nothing: (a) exact dynamic programming over
-   path-shaped blocks, (b) every variable in graph order moves to its best
-   candidate with all others fixed, (c) block moves: a block's variables jump to
-   their jointly optimal candidates with everything outside fixed (exact
-   reduction, then min-sum variable elimination, or a node-capped MILP when the
-   memory budget can bind). Where the block's elimination tables would be too
-   large (n-D meshes: a 4-D tensor has 216 candidates on a 3-D mesh), the move
-   is made exactly over the candidates that keep the current signature on all
-   mesh axes but a freed subset, for every subset from large to small that is
-   not inside one already solved. The blocks are the modules that own parameters
-   (with their neighbours, deepest first; repeated layers with the same folded
-   costs are solved once), except when the budget cannot bind and the whole
-   (already reduced) problem is small: it fits the elimination's table limit
-   (then the one block is the whole problem and the result is the exact
+1. *Start* from the best uniform scheme (:func:`_initial`): each seed policy of
+   ``SEEDS`` (data parallel: batch split on dim 0 over every axis, or over the first
+   axis only, parameters replicated; or everything replicated) places the graph
+   inputs, then every other variable, in graph order, takes its cheapest candidate
+   given the variables placed before it.
+2. *Sweep* until a sweep improves nothing (:func:`_descend`): (a) exact dynamic
+   programming over path-shaped blocks (:func:`_path_blocks`, :func:`_solve_path`),
+   (b) every variable in graph order moves to its best candidate with all others fixed
+   (``_Search.best_response``), (c) block moves (:func:`_solve_block`): a block's
+   variables jump to their jointly optimal candidates with everything outside fixed
+   (exact reduction, then min-sum variable elimination, or a node-capped MILP when the
+   memory budget can bind: :func:`_block_optimum`). Where the block's elimination
+   tables would be too large (n-D meshes: a 4-D tensor has 216 candidates on a 3-D
+   mesh), the move is made exactly over the candidates that keep the current signature
+   on all mesh axes but a freed subset, for every subset from large to small that is
+   not inside one already solved (:func:`_axis_subsets`). The blocks (:func:`_regions`)
+   are the modules that own parameters (with their neighbours, deepest first; repeated
+   layers with the same folded costs are solved once), except when the budget cannot
+   bind and the whole (already reduced) problem is small: it fits the elimination's
+   table limit (then the one block is the whole problem and the result is the exact
    optimum) or has at most MAX_BLOCK variables (its node-capped MILP); see
-   ``stats["whole_block"]``. On n-D meshes the module blocks are followed by the
-   whole problem as one more block, which in practice moves one or two mesh
-   axes of every variable at once (the axis-subset moves above): e.g. replicating the whole
-   forward pass on one axis, which no module block can reach alone.
+   ``stats["whole_block"]``. On n-D meshes the module blocks are followed by the whole
+   problem as one more block, which in practice moves one or two mesh axes of every
+   variable at once (the axis-subset moves above): e.g. replicating the whole forward
+   pass on one axis, which no module block can reach alone.
 
-Every move respects the memory budget. Ties keep the incumbent and otherwise
-go to the lowest candidate index, so the result depends only on the graph.
-``solver="exact"`` solves the same problem with the MILP of
-:mod:`passes.sharding_exact`.
+Every seed is first descended with moves (a) and (b) only; the best result (fitting the
+budget, then the least objective) is descended again with the block moves added.
+Every move respects the memory budget. Ties keep the incumbent and otherwise go to the
+lowest candidate index, so the result depends only on the graph. Moves (a), (b) and (c)
+all solve the sub-problem :func:`~passes.sharding.problem.fold_block` builds.
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
-import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 from torch import fx
 
 from ddlc.errors import ShardingError
-from ddlc.ir import ORIGIN, ROLE, SHARDING
+from ddlc.ir import ORIGIN, ROLE
 from ddlc.mesh import Mesh
-from ddlc.plan import NodePlan, Plan
-from ddlc.printing import op_name
 from ddlc.sbp import B, NdSBP, S, divides
 
-from .sharding_exact import MAX_TABLE, elimination_order, solve_elimination, solve_exact, solve_milp
-from .sharding_problem import FORBIDDEN, ShardingProblem, build_problem, reduce_costs, reduce_problem
+from .exact import MAX_TABLE, elimination_order, solve_elimination, solve_milp
+from .problem import Edge, ShardingProblem, fold_block, reduce_costs
 
-__all__ = ["shard", "coordinate_descent", "make_plan", "search_mesh_shapes", "mesh_shapes", "SEEDS"]
+__all__ = ["coordinate_descent", "SEEDS", "MAX_TABLE_WHOLE", "MAX_BLOCK", "BLOCK_NODE_LIMIT"]
+
+
+def _split_batch(node: fx.Node, mesh: Mesh, split: NdSBP) -> NdSBP:
+    """``split`` for a batch input whose shape it divides, else replicated."""
+    if ROLE.get(node) == "input":
+        shape = tuple(node.meta["val"].shape)
+        if shape and divides(shape, split, mesh.shape):
+            return split
+    return NdSBP.broadcast(mesh.ndim)
 
 
 def _seed_data_parallel(node: fx.Node, mesh: Mesh) -> NdSBP:
-    if ROLE.get(node) == "input":
-        shape = tuple(node.meta["val"].shape)
-        split = NdSBP((S(0),) * mesh.ndim)
-        if shape and divides(shape, split, mesh.shape):
-            return split
-    return NdSBP.broadcast(mesh.ndim)
+    return _split_batch(node, mesh, NdSBP((S(0),) * mesh.ndim))
 
 
 def _seed_data_parallel_outer(node: fx.Node, mesh: Mesh) -> NdSBP:
-    if ROLE.get(node) == "input":
-        shape = tuple(node.meta["val"].shape)
-        split = NdSBP((S(0),) + (B,) * (mesh.ndim - 1))
-        if shape and divides(shape, split, mesh.shape):
-            return split
-    return NdSBP.broadcast(mesh.ndim)
+    return _split_batch(node, mesh, NdSBP((S(0),) + (B,) * (mesh.ndim - 1)))
 
 
 def _seed_replicated(node: fx.Node, mesh: Mesh) -> NdSBP:
@@ -122,7 +115,10 @@ class _Search:
 
 
 def _initial(problem: ShardingProblem, seed, budget: float) -> list[int]:
-    """Place inputs by ``seed``, then every variable greedily given those placed before it."""
+    """Place inputs by ``seed``, then every variable greedily given those placed before it:
+    its unary cost plus the edges from already placed producers (not :func:`fold_block`,
+    which needs every other variable placed; edges to placed consumers, i.e. the loop
+    edges into the placeholders, and self-loops are left out)."""
     choice = [-1] * problem.num_vars
     for v, group in enumerate(problem.members):
         rep = group[0]
@@ -223,22 +219,10 @@ def _solve_path(search: _Search, path: list[int]) -> None:
     """Exact min-sum DP over ``path`` with every other variable fixed; applied if it
     lowers the objective and fits the memory budget."""
     p = search.problem
-    position = {v: i for i, v in enumerate(path)}
-    unary = [p.unary[v].copy() for v in path]
+    unary, edges = fold_block(p, path, search.choice)
     pair = [np.zeros((len(p.candidates[a]), len(p.candidates[b]))) for a, b in zip(path, path[1:])]
-    for i, v in enumerate(path):
-        for ei in p.incident[v]:
-            e = p.edges[ei]
-            if e.src == e.dst:
-                unary[i] += np.diag(e.cost)
-            elif e.src in position and e.dst in position:
-                if e.src == v:  # count each internal edge once, from its source
-                    a, b = position[e.src], position[e.dst]
-                    pair[min(a, b)] += e.cost if a < b else e.cost.T
-            elif e.src == v:
-                unary[i] += e.cost[:, search.choice[e.dst]]
-            else:
-                unary[i] += e.cost[search.choice[e.src], :]
+    for e in edges:  # a path's internal edges join neighbouring positions only
+        pair[min(e.src, e.dst)] += e.cost if e.src < e.dst else e.cost.T
     # forward pass: best[i][k] = cheapest prefix ending with candidate k at position i
     best, back = unary[0], []
     for i in range(1, len(path)):
@@ -305,26 +289,6 @@ MAX_BLOCK = 150
 BLOCK_NODE_LIMIT = 2000
 
 
-def _fold(search: _Search, block: list[int]):
-    """The block's own problem with every other variable fixed: unary costs with the
-    boundary edges folded in, and the internal edges (block-local indices)."""
-    p = search.problem
-    local = {v: i for i, v in enumerate(block)}
-    unary = [p.unary[v].copy() for v in block]
-    edges = []
-    for i, v in enumerate(block):
-        for ei in p.incident[v]:
-            e = p.edges[ei]
-            if e.src in local and e.dst in local:
-                if e.src == v:
-                    edges.append(_Edge(local[e.src], local[e.dst], e.cost))
-            elif e.src == v:
-                unary[i] += e.cost[:, search.choice[e.dst]]
-            else:
-                unary[i] += e.cost[search.choice[e.src], :]
-    return unary, edges
-
-
 def _block_optimum(unary, memory, edges, room: float, milp: bool) -> list[int] | None:
     """Jointly optimal candidates of a folded block: exact reduction, then variable
     elimination when ``room`` cannot bind and the tables stay within MAX_TABLE, else (up
@@ -364,7 +328,7 @@ def _solve_block(search: _Search, block: list[int], cache: dict, milp: bool = Fa
     under the same neighbours) are solved once, via ``cache``; the memory room is part of
     the key only when it can bind."""
     p = search.problem
-    unary, edges = _fold(search, block)
+    unary, edges = fold_block(p, block, search.choice)
     outside = search.memory - sum(p.memory[v][search.choice[v]] for v in block)
     memory = [p.memory[v] for v in block]
     room = search.budget - outside
@@ -388,7 +352,8 @@ def _solve_block(search: _Search, block: list[int], cache: dict, milp: bool = Fa
                        for keys, k in zip((search.rest_keys(v, free) for v in block), current)]
             sub_unary = [u[a] for u, a in zip(unary, allowed)]
             sub_memory = [m[a] for m, a in zip(memory, allowed)]
-            sub_edges = [_Edge(e.src, e.dst, e.cost[np.ix_(allowed[e.src], allowed[e.dst])]) for e in edges]
+            sub_edges = [Edge(e.src, e.dst, e.cost[np.ix_(allowed[e.src], allowed[e.dst])], e.what)
+                         for e in edges]
         key = hashlib.sha1(b"".join([u.tobytes() for u in sub_unary] + [m.tobytes() for m in sub_memory]
                                     + [f"{e.src},{e.dst}".encode() + e.cost.tobytes() for e in sub_edges]
                                     + [repr(room).encode()])).digest()
@@ -402,123 +367,3 @@ def _solve_block(search: _Search, block: list[int], cache: dict, milp: bool = Fa
             for v, k in zip(block, picks):
                 search.choice[v] = k
             search.memory = outside + sum(p.memory[v][k] for v, k in zip(block, picks))
-
-
-@dataclass
-class _Edge:
-    src: int
-    dst: int
-    cost: np.ndarray
-
-
-def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
-          memory_budget: float | None = None, fixed: Mapping[str, NdSBP] | None = None,
-          time_limit: float = 60.0) -> Plan:
-    """Choose a signature for every node of ``gm`` on ``mesh``; annotate and return the plan.
-
-    ``memory_budget`` (bytes per device) defaults to the profile's device memory;
-    ``fixed`` pins graph inputs by placeholder name.
-    """
-    start = time.perf_counter()
-    budget = mesh.profile.memory_capacity if memory_budget is None else memory_budget
-    problem = build_problem(gm, mesh, fixed)
-    need, dominant = problem.min_memory()
-    if need > budget:
-        top = ", ".join(f"{name} ({b / 2**20:.1f} MiB)" for name, b in dominant[:5])
-        raise ShardingError(f"no sharding fits the memory budget of {budget / 2**20:.1f} MiB per "
-                            f"device: the smallest possible footprint is {need / 2**20:.1f} MiB "
-                            f"(parameters x2 for gradients, optimizer state, inputs, saved "
-                            f"activations); the largest tensors even at their best split: {top}")
-    build_seconds = time.perf_counter() - start
-    if solver not in ("cd", "exact"):
-        raise ValueError(f"unknown solver {solver!r}; use 'cd' or 'exact'")
-
-    def solve():
-        core, expand, fixed_memory = reduce_problem(problem, budget)
-        if solver == "cd":
-            core_choice, stats = coordinate_descent(core, budget - fixed_memory)
-        else:
-            core_choice, stats = solve_exact(core, budget - fixed_memory, time_limit)
-        stats["core_variables"] = core.num_vars
-        return expand(core_choice), stats
-
-    choice, stats = solve()
-    stats.update(build_seconds=build_seconds, search_seconds=time.perf_counter() - start - build_seconds)
-    if problem.objective(choice) >= FORBIDDEN and stats.get("optimal") is False:
-        raise ShardingError(f"the exact solver stopped ({stats['status']}) before finding a "
-                            f"solution without forbidden redistributions; raise time_limit")
-    if problem.objective(choice) >= FORBIDDEN:
-        raise ShardingError("every sharding found needs a forbidden redistribution (S->P); "
-                            "the rules are missing a signature for some operator")
-    return make_plan(problem, choice, solver, stats)
-
-
-def mesh_shapes(world_size: int, max_ndim: int = 3) -> list[tuple[int, ...]]:
-    """Every ordered factorization of ``world_size`` into 1 to ``max_ndim`` factors > 1
-    (``(1,)`` for one device), shortest first, then lexicographic."""
-    def split(n: int, parts: int):
-        if parts == 1:
-            yield (n,)
-            return
-        for f in range(2, n):
-            if n % f == 0:
-                for rest in split(n // f, parts - 1):
-                    yield (f,) + rest
-    if world_size == 1:
-        return [(1,)]
-    return [s for k in range(1, max_ndim + 1) for s in sorted(split(world_size, k))]
-
-
-def search_mesh_shapes(gm: fx.GraphModule, world_size: int, *, profile="cpu-gloo",
-                       shapes: Sequence[Sequence[int]] | None = None, max_ndim: int = 3,
-                       **kwargs) -> tuple[Plan, list[tuple[tuple[int, ...], float | None, str]]]:
-    """AutoDDL's outer loop: plan ``gm`` on every mesh shape of ``world_size`` devices
-    (:func:`mesh_shapes`, or only ``shapes`` when the user fixes them) and keep the plan
-    with the least modeled step time (ties: the earlier shape). Returns the best plan and,
-    per shape, ``(shape, objective or None, note)``; ``kwargs`` go to :func:`shard`.
-    ``fixed`` placements must have the right length for each shape tried."""
-    candidates = [tuple(s) for s in shapes] if shapes is not None else mesh_shapes(world_size, max_ndim)
-    best, report = None, []
-    for shape in candidates:
-        mesh = Mesh(shape, profile=profile)
-        if mesh.size != world_size:
-            raise ShardingError(f"mesh shape {shape} has {mesh.size} devices, not {world_size}")
-        try:
-            plan = shard(gm, mesh, **kwargs)
-        except ShardingError as e:
-            report.append((shape, None, str(e).splitlines()[0]))
-            continue
-        report.append((shape, plan.objective, plan.solver))
-        if best is None or plan.objective < best.objective:
-            best = plan
-    if best is None:
-        raise ShardingError(f"no mesh shape of {world_size} devices admits a plan: "
-                            + "; ".join(f"{s}: {note}" for s, _, note in report))
-    make_plan(best.problem, best.choice, best.solver, best.stats)  # re-annotate gm with the winner
-    return best, report
-
-
-def make_plan(problem: ShardingProblem, choice: list[int], solver: str, stats: dict) -> Plan:
-    """Turn a solved problem into a Plan and annotate every node's ``ir.SHARDING``."""
-    incoming = [0.0] * problem.num_vars
-    for e in problem.edges:
-        incoming[e.dst] += float(e.cost[choice[e.src], choice[e.dst]])
-    nodes = []
-    for node in problem.nodes:
-        v = problem.var_of[node]
-        k = choice[v]
-        cand = problem.candidates[v][k]
-        SHARDING.set(node, cand)
-        first = problem.members[v][0] is node
-        origin = ORIGIN.get(node)
-        nodes.append(NodePlan(
-            node.name, op_name(node) if node.op == "call_function" else node.op,
-            origin.module if origin else "", origin.phase if origin else "",
-            tuple("-" if x is None else str(x) for x in cand.inputs),
-            tuple("-" if x is None else str(x) for x in cand.outputs),
-            float(problem.compute[v][k]) if first else 0.0,
-            float(incoming[v] + problem.sink[v][k]) if first else 0.0,
-            float(problem.memory[v][k]) if first else 0.0))
-    mesh = problem.mesh
-    return Plan(mesh.shape, mesh.axis_names, mesh.profile.name, solver,
-                float(problem.objective(choice)), nodes, dict(stats), problem, list(choice))

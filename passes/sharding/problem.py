@@ -23,6 +23,11 @@ with candidate ``k``:
 
 The objective of an assignment is the sum of unary and edge costs: the modeled
 step time without overlap (the scheduling pass hides what it can later).
+
+The solvers' shared pieces live here too: :func:`fold_block` (the sub-problem of a
+block of variables with the rest fixed; also :meth:`ShardingProblem.local_cost`) and
+:func:`reduce_costs` / :func:`reduce_problem` (the exact reduction of degree <= 2
+variables that runs before every solver).
 """
 from __future__ import annotations
 
@@ -45,7 +50,8 @@ from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, divides, local_shape
 from passes.rules import NdSignature, call_key, selected_leaf, signatures_nd, tensor_inputs
 
-__all__ = ["Edge", "ShardingProblem", "build_problem", "FORBIDDEN"]
+__all__ = ["Edge", "ShardingProblem", "build_problem", "compute_seconds", "fold_block", "reduce_problem",
+           "reduce_costs", "FORBIDDEN"]
 
 #: Finite stand-in for an impossible redistribution (keeps the MILP numeric).
 FORBIDDEN = 1e6
@@ -53,12 +59,13 @@ FORBIDDEN = 1e6
 
 @dataclass
 class Edge:
-    """``cost[k_src, k_dst]`` between two variables; ``what`` says why it exists."""
+    """``cost[k_src, k_dst]`` between two variables; ``what`` says why it exists (empty for
+    the edges of a block's or a reduction's own sub-problem, when no one reads it)."""
 
     src: int
     dst: int
     cost: np.ndarray
-    what: str
+    what: str = ""
 
 
 @dataclass
@@ -95,16 +102,9 @@ class ShardingProblem:
         return float(sum(m[k] for m, k in zip(self.memory, choice)))
 
     def local_cost(self, v: int, choice: Sequence[int]) -> np.ndarray:
-        """Cost of every candidate of ``v`` with all other variables fixed."""
-        total = self.unary[v].copy()
-        for i in self.incident[v]:
-            e = self.edges[i]
-            if e.src == v and e.dst == v:
-                total += np.diag(e.cost)
-            elif e.src == v:
-                total += e.cost[:, choice[e.dst]]
-            else:
-                total += e.cost[choice[e.src], :]
+        """Cost of every candidate of ``v`` with all other variables fixed: the fold of the
+        one-variable block ``[v]`` (:func:`fold_block`)."""
+        (total,), _ = fold_block(self, [v], choice)
         return total
 
     def min_memory(self) -> tuple[float, list[tuple[str, float]]]:
@@ -112,6 +112,33 @@ class ShardingProblem:
         and the variables that dominate it, largest first."""
         per_var = [(self.members[v][0].name, float(self.memory[v].min())) for v in range(self.num_vars)]
         return sum(b for _, b in per_var), sorted(per_var, key=lambda x: -x[1])
+
+
+def fold_block(problem: ShardingProblem, block: Sequence[int],
+               choice: Sequence[int]) -> tuple[list[np.ndarray], list[Edge]]:
+    """The sub-problem of the variables in ``block`` with every other variable fixed at
+    ``choice``: per block variable (in ``block`` order) its unary cost with every edge
+    that has exactly one end in the block folded in (``cost[:, choice[dst]]`` for an
+    edge leaving it, ``cost[choice[src], :]`` for one entering it) and every self-loop
+    (``src == dst``) on its diagonal; and the edges with both ends in the block, with
+    block-local indices, each once (from its source). Terms are added in the order of
+    ``problem.incident``, so every caller sums alike."""
+    local = {v: i for i, v in enumerate(block)}
+    unary = [problem.unary[v].copy() for v in block]
+    edges = []
+    for i, v in enumerate(block):
+        for ei in problem.incident[v]:
+            e = problem.edges[ei]
+            if e.src == e.dst:
+                unary[i] += np.diag(e.cost)
+            elif e.src in local and e.dst in local:
+                if e.src == v:
+                    edges.append(Edge(local[e.src], local[e.dst], e.cost, e.what))
+            elif e.src == v:
+                unary[i] += e.cost[:, choice[e.dst]]
+            else:
+                unary[i] += e.cost[choice[e.src], :]
+    return unary, edges
 
 
 # -- candidates -----------------------------------------------------------------
@@ -167,11 +194,13 @@ def compute_seconds(node: fx.Node, sig: NdSignature, mesh: Mesh) -> float:
     return op_time(node.target, args, kwargs, out_spec.unflatten(local_out), mesh.profile)
 
 
-class _Prices:
-    """Per-build caches that make repeated layers cheap: every variable gets a *kind*
-    (an int standing for what its candidates and costs depend on: the op with its
-    shapes and arguments, or a placeholder's placements), and compute, memory and
-    edge-matrix vectors are priced once per kind."""
+class PriceCache:
+    """The prices of one :func:`build_problem` call, cached so that repeated layers are
+    cheap: every variable gets a *kind* (an int standing for what its candidates and
+    costs depend on: the op with its shapes and arguments, or a placeholder's
+    placements), and compute, memory and edge-matrix vectors are priced once per kind.
+    Each build makes its own and drops it when done (nothing is kept between builds), so
+    the caches grow with one graph's distinct kinds and no further."""
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
@@ -255,7 +284,7 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
         var_of[placeholders[name]] = v
         members[v].append(placeholders[name])
 
-    prices = _Prices(mesh)
+    prices = PriceCache(mesh)
     candidates, kinds = [], []
     for group in members:
         rep = group[0]
@@ -324,7 +353,7 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
     return ShardingProblem(gm, mesh, nodes, var_of, members, candidates, compute, sink, memory, edges)
 
 
-def _resident_bytes(group: list[fx.Node], cand: NdSignature, training: bool, prices: _Prices) -> float:
+def _resident_bytes(group: list[fx.Node], cand: NdSignature, training: bool, prices: PriceCache) -> float:
     """Bytes per device the nodes of ``group`` keep resident under ``cand``: parameters
     (twice when training: the gradient shares the placement), optimizer state, inputs
     and forward activations saved for the backward pass."""
@@ -350,7 +379,7 @@ def _parameter_traffic(arg: fx.Node, user: fx.Node) -> bool:
 
 
 def _edge_matrix(arg: fx.Node, leaf: int | None, src_cands: Sequence[NdSignature],
-                 dst_sbps: Sequence[NdSBP], prices: _Prices, bucketed: bool = False) -> np.ndarray:
+                 dst_sbps: Sequence[NdSBP], prices: PriceCache, bucketed: bool = False) -> np.ndarray:
     """Boxing matrix of the tensor ``arg`` produces (its output ``leaf`` when read
     through getitem) from each producer candidate to each required input SBP."""
     if leaf is not None:
@@ -389,13 +418,22 @@ def reduce_problem(problem: ShardingProblem, memory_budget: float = float("inf")
 def reduce_costs(unary_in: Sequence[np.ndarray], memory: Sequence[np.ndarray], edges: Sequence,
                  memory_budget: float = float("inf")):
     """Eliminate variables of degree <= 2 whose memory does not depend on their choice
-    (any variable, when the largest possible footprint fits ``memory_budget``), exactly
-    (min-plus algebra, as in dynamic programming on chains and trees):
+    (any variable, when the largest possible footprint fits ``memory_budget``: the
+    ``removable`` list), exactly (min-plus algebra, as in dynamic programming on chains
+    and trees). First every edge goes into one matrix per unordered pair (``add_pair``:
+    parallel edges add up, ``M`` is stored for ``a < b`` and read either way round by
+    ``oriented``; a self-loop ``src == dst`` adds its diagonal to the unary cost). Then,
+    until a pass over the variables removes none, variable ``v`` with neighbours:
 
-    - degree 0: fix it at its cheapest candidate;
-    - degree 1 (neighbour u): ``unary[u] += min_k (M[:, k] + unary[v][k])``;
-    - degree 2 (u, w): a new edge ``N[a, b] = min_k (M_uv[a, k] + unary[v][k] + M_vw[k, b])``.
+    - none: it is fixed at its cheapest candidate (the ``else`` branch);
+    - one, ``u`` (the ``len(near) == 1`` branch):
+      ``unary[u] += min_k (M_uv[:, k] + unary[v][k])``;
+    - two, ``u < w`` (the ``len(near) == 2`` branch, skipped while
+      ``K_u * K_v * K_w > MAX_SERIES_PRODUCT``): the new pair
+      ``N[a, b] = min_k (M_uv[a, k] + unary[v][k] + M_vw[k, b])`` replaces both edges
+      (and adds to an existing ``u``-``w`` matrix through ``add_pair``).
 
+    Each removal logs the argmin table ``expand`` back-substitutes, last removal first.
     Elementwise optimizer chains, view chains and similar collapse this way. Returns
     ``(keep, unary, edges, expand, fixed_memory)``: the surviving variables with their
     new unary costs and edges (indices into ``keep``), a function mapping a choice for

@@ -1,0 +1,145 @@
+"""Sharding propagation: choose every node's n-D SBP signature (AutoDDL).
+
+``shard(gm, mesh)`` builds the :class:`ShardingProblem` (candidates from the rules,
+costs from the cost models: :mod:`passes.sharding.problem`), reduces it exactly,
+solves it and returns a :class:`~ddlc.plan.Plan` (:func:`make_plan`); it also records
+each node's chosen signature (``ir.SHARDING``). :func:`search_mesh_shapes` runs it on
+every mesh shape of a world size (:func:`mesh_shapes`) and keeps the best.
+
+Solvers: ``solver="cd"`` (default), AutoDDL's coordinate descent
+(:mod:`passes.sharding.descent`, whose docstring states the algorithm);
+``solver="exact"``, the MILP of :mod:`passes.sharding.exact` over the same problem.
+"""
+from __future__ import annotations
+
+import time
+from typing import Mapping, Sequence
+
+from torch import fx
+
+from ddlc.errors import ShardingError
+from ddlc.ir import ORIGIN, SHARDING
+from ddlc.mesh import Mesh
+from ddlc.plan import NodePlan, Plan
+from ddlc.printing import op_name
+from ddlc.sbp import NdSBP
+
+from .descent import SEEDS, coordinate_descent
+from .exact import solve_exact
+from .problem import FORBIDDEN, ShardingProblem, build_problem, compute_seconds, reduce_problem
+
+__all__ = ["shard", "make_plan", "coordinate_descent", "search_mesh_shapes", "mesh_shapes", "SEEDS",
+           "build_problem", "compute_seconds", "ShardingProblem", "solve_exact"]
+
+
+def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
+          memory_budget: float | None = None, fixed: Mapping[str, NdSBP] | None = None,
+          time_limit: float = 60.0) -> Plan:
+    """Choose a signature for every node of ``gm`` on ``mesh``; annotate and return the plan.
+
+    ``memory_budget`` (bytes per device) defaults to the profile's device memory;
+    ``fixed`` pins graph inputs by placeholder name.
+    """
+    start = time.perf_counter()
+    budget = mesh.profile.memory_capacity if memory_budget is None else memory_budget
+    problem = build_problem(gm, mesh, fixed)
+    need, dominant = problem.min_memory()
+    if need > budget:
+        top = ", ".join(f"{name} ({b / 2**20:.1f} MiB)" for name, b in dominant[:5])
+        raise ShardingError(f"no sharding fits the memory budget of {budget / 2**20:.1f} MiB per "
+                            f"device: the smallest possible footprint is {need / 2**20:.1f} MiB "
+                            f"(parameters x2 for gradients, optimizer state, inputs, saved "
+                            f"activations); the largest tensors even at their best split: {top}")
+    build_seconds = time.perf_counter() - start
+    if solver not in ("cd", "exact"):
+        raise ValueError(f"unknown solver {solver!r}; use 'cd' or 'exact'")
+
+    def solve():
+        core, expand, fixed_memory = reduce_problem(problem, budget)
+        if solver == "cd":
+            core_choice, stats = coordinate_descent(core, budget - fixed_memory)
+        else:
+            core_choice, stats = solve_exact(core, budget - fixed_memory, time_limit)
+        stats["core_variables"] = core.num_vars
+        return expand(core_choice), stats
+
+    choice, stats = solve()
+    stats.update(build_seconds=build_seconds, search_seconds=time.perf_counter() - start - build_seconds)
+    if problem.objective(choice) >= FORBIDDEN and stats.get("optimal") is False:
+        raise ShardingError(f"the exact solver stopped ({stats['status']}) before finding a "
+                            f"solution without forbidden redistributions; raise time_limit")
+    if problem.objective(choice) >= FORBIDDEN:
+        raise ShardingError("every sharding found needs a forbidden redistribution (S->P); "
+                            "the rules are missing a signature for some operator")
+    return make_plan(problem, choice, solver, stats)
+
+
+def mesh_shapes(world_size: int, max_ndim: int = 3) -> list[tuple[int, ...]]:
+    """Every ordered factorization of ``world_size`` into 1 to ``max_ndim`` factors > 1
+    (``(1,)`` for one device), shortest first, then lexicographic."""
+    def split(n: int, parts: int):
+        if parts == 1:
+            yield (n,)
+            return
+        for f in range(2, n):
+            if n % f == 0:
+                for rest in split(n // f, parts - 1):
+                    yield (f,) + rest
+    if world_size == 1:
+        return [(1,)]
+    return [s for k in range(1, max_ndim + 1) for s in sorted(split(world_size, k))]
+
+
+def search_mesh_shapes(gm: fx.GraphModule, world_size: int, *, profile="cpu-gloo",
+                       shapes: Sequence[Sequence[int]] | None = None, max_ndim: int = 3,
+                       **kwargs) -> tuple[Plan, list[tuple[tuple[int, ...], float | None, str]]]:
+    """AutoDDL's outer loop: plan ``gm`` on every mesh shape of ``world_size`` devices
+    (:func:`mesh_shapes`, or only ``shapes`` when the user fixes them) and keep the plan
+    with the least modeled step time (ties: the earlier shape). Returns the best plan and,
+    per shape, ``(shape, objective or None, note)``; ``kwargs`` go to :func:`shard`.
+    ``fixed`` placements must have the right length for each shape tried."""
+    candidates = [tuple(s) for s in shapes] if shapes is not None else mesh_shapes(world_size, max_ndim)
+    best, report = None, []
+    for shape in candidates:
+        mesh = Mesh(shape, profile=profile)
+        if mesh.size != world_size:
+            raise ShardingError(f"mesh shape {shape} has {mesh.size} devices, not {world_size}")
+        try:
+            plan = shard(gm, mesh, **kwargs)
+        except ShardingError as e:
+            report.append((shape, None, str(e).splitlines()[0]))
+            continue
+        report.append((shape, plan.objective, plan.solver))
+        if best is None or plan.objective < best.objective:
+            best = plan
+    if best is None:
+        raise ShardingError(f"no mesh shape of {world_size} devices admits a plan: "
+                            + "; ".join(f"{s}: {note}" for s, _, note in report))
+    make_plan(best.problem, best.choice, best.solver, best.stats)  # re-annotate gm with the winner
+    return best, report
+
+
+def make_plan(problem: ShardingProblem, choice: list[int], solver: str, stats: dict) -> Plan:
+    """Turn a solved problem into a Plan and annotate every node's ``ir.SHARDING``."""
+    incoming = [0.0] * problem.num_vars
+    for e in problem.edges:
+        incoming[e.dst] += float(e.cost[choice[e.src], choice[e.dst]])
+    nodes = []
+    for node in problem.nodes:
+        v = problem.var_of[node]
+        k = choice[v]
+        cand = problem.candidates[v][k]
+        SHARDING.set(node, cand)
+        first = problem.members[v][0] is node
+        origin = ORIGIN.get(node)
+        nodes.append(NodePlan(
+            node.name, op_name(node) if node.op == "call_function" else node.op,
+            origin.module if origin else "", origin.phase if origin else "",
+            tuple("-" if x is None else str(x) for x in cand.inputs),
+            tuple("-" if x is None else str(x) for x in cand.outputs),
+            float(problem.compute[v][k]) if first else 0.0,
+            float(incoming[v] + problem.sink[v][k]) if first else 0.0,
+            float(problem.memory[v][k]) if first else 0.0))
+    mesh = problem.mesh
+    return Plan(mesh.shape, mesh.axis_names, mesh.profile.name, solver,
+                float(problem.objective(choice)), nodes, dict(stats), problem, list(choice))

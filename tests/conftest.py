@@ -1,0 +1,147 @@
+"""Shared test helpers: the small models, batches and optimizers the tests train, the
+single-device eager reference run, and the comparison of a compiled or simulated run
+against it.
+
+Plain functions: test modules (and the multi-process workers, through
+``distributed_cases``) import them with ``from conftest import ...``; pytest's default
+(prepend) import mode puts tests/ on ``sys.path`` and registers this file as ``conftest``.
+Only core modules are imported at the top, so that every test module, whatever it tests,
+still loads while a pass is being rewritten.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import ddlc
+from ddlc.ir import SHARDING, NdSignature
+from ddlc.sbp import NdSBP, parse_sbp
+from ddlc.zoo import CNN, GPT, MLP, lm_loss
+
+STEPS = 3
+MODELS = ("mlp", "gpt", "gpt_tied", "cnn")
+
+#: Optimizers by name. The attention key bias has a gradient that is zero up to rounding
+#: noise, and Adam with a tiny eps turns that noise into a full-size step; eps=1e-4 keeps
+#: comparisons about the update rule, not about float summation order.
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, eps=1e-4),
+}
+
+
+def model_and_loss(model_name: str):
+    """One of :data:`MODELS` with the parameters of seed 0, and its loss function."""
+    torch.manual_seed(0)
+    model = {"mlp": MLP, "gpt": GPT, "gpt_tied": lambda: GPT(tied=True), "cnn": CNN}[model_name]()
+    loss = {"mlp": F.mse_loss, "cnn": F.cross_entropy}.get(model_name, lm_loss)
+    return model, loss
+
+
+def batches(model_name: str, batch: int = 4):
+    """:data:`STEPS` (input, target) batches for ``model_name`` (2 * ``batch`` rows for the MLP)."""
+    g = torch.Generator().manual_seed(1)
+    if model_name == "mlp":
+        return [(torch.randn(2 * batch, 32, generator=g), torch.randn(2 * batch, 16, generator=g))
+                for _ in range(STEPS)]
+    if model_name.startswith("gpt"):
+        return [(torch.randint(0, 64, (batch, 16), generator=g),
+                 torch.randint(0, 64, (batch, 16), generator=g)) for _ in range(STEPS)]
+    return [(torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 10, (batch,), generator=g))
+            for _ in range(STEPS)]
+
+
+def optimizer(name: str | None, model):
+    """:data:`OPTIMIZERS` ``name`` over ``model``'s parameters; None for None."""
+    return OPTIMIZERS[name](model.parameters()) if name else None
+
+
+def train(model, loss_fn, opt_name: str, data):
+    """Eager single-device steps of ``model`` (trained in place) with optimizer ``opt_name``
+    on ``data`` (batches whose last entry is the target): losses, final parameters and
+    optimizer state ("<param>:<state>", float32)."""
+    opt, losses = optimizer(opt_name, model), []
+    for b in data:
+        opt.zero_grad()
+        loss = loss_fn(model(*b[:-1]), b[-1])
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    state = {f"{k}:{s}": v.to(torch.float32) for k, p in model.named_parameters()
+             for s, v in opt.state[p].items()}
+    return {"losses": losses, "params": {k: p.detach() for k, p in model.named_parameters()},
+            "opt_state": state}
+
+
+def reference(model_name: str, opt_name: str | None, mode: str = "train", batch: int = 4):
+    """Single-device losses, final parameters and optimizer state (or outputs / gradients)
+    of ``model_name`` on its :func:`batches`."""
+    model, loss_fn = model_and_loss(model_name)
+    data = batches(model_name, batch)
+    if mode == "forward":
+        return {"outputs": [model(*b[:-1]).detach() for b in data[:1]]}
+    if mode == "gradients":
+        loss = loss_fn(model(*data[0][:-1]), data[0][-1])
+        loss.backward()
+        return {"losses": [loss.detach()],
+                "gradients": {k: p.grad for k, p in model.named_parameters()}}
+    return train(model, loss_fn, opt_name, data)
+
+
+#: (rtol, atol) of each quantity a run is compared on: a few steps' losses (and outputs,
+#: gradients) agree more closely than the parameters and state several updates produce
+TOLERANCES = {"losses": (1e-5, 1e-6), "outputs": (1e-5, 1e-6), "gradients": (1e-5, 1e-6),
+              "params": (1e-4, 1e-5), "opt_state": (1e-4, 1e-5)}
+
+
+def assert_matches_reference(got: dict, want: dict, label: str = "", **tolerances):
+    """Every quantity in ``got`` (keys of :data:`TOLERANCES`) equals the reference run's:
+    ``losses`` and ``outputs`` step by step, ``params``, ``opt_state`` and ``gradients``
+    for every name in ``want``. ``tolerances`` maps a quantity to its (rtol, atol)."""
+    for key, values in got.items():
+        rtol, atol = tolerances.get(key, TOLERANCES[key])
+        expected = want[key]
+        if isinstance(expected, dict):
+            pairs = [(f"{key}[{name}]", values[name], value) for name, value in expected.items()]
+        else:
+            pairs = [(f"{key}[{i}]", a, b) for i, (a, b) in enumerate(zip(values, expected))]
+        for what, actual, value in pairs:
+            torch.testing.assert_close(actual, value, rtol=rtol, atol=atol,
+                                       msg=lambda m, what=what: f"{label} {what}: {m}".lstrip())
+
+
+# -- planned graphs -------------------------------------------------------------------------
+
+#: a batch large enough that data parallelism (gradient all-reduce) is the MLP's plan
+DP_BATCH = 256
+DATA_PARALLEL_MLP = {"input0": "(S0)", "input1": "(S0)", "layers.0.weight": "(B)",
+                     "layers.0.bias": "(B)", "layers.1.weight": "(B)", "layers.1.bias": "(B)"}
+
+
+def data_parallel_mlp(opt_name: str):
+    """The MLP's canonical step on (4,), planned data parallel: (gm, mesh, model, batches)."""
+    from passes.canonicalize import canonicalize  # imported on use: see the module docstring
+    from passes.sharding import shard
+    model, loss_fn = model_and_loss("mlp")
+    data = batches("mlp", DP_BATCH)
+    gm = canonicalize(ddlc.trace(model, data[0], loss_fn, optimizer(opt_name, model)))
+    names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
+    # a low-latency link: per-parameter gradient all-reduces are then cheaper than
+    # gathering the batch, so the plan is data parallel
+    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-7, 1e10)])
+    shard(gm, mesh, fixed={names[k]: parse_sbp(v) for k, v in DATA_PARALLEL_MLP.items()})
+    return gm, mesh, model, data
+
+
+def replicate_updates(gm, mesh):
+    """Make every optimizer update run on the full tensor on every rank (all-B), so each
+    gradient reaches it through an all-reduce: the plan a DDP-style system runs."""
+    b = NdSBP.broadcast(mesh.ndim)
+    for n in gm.graph.nodes:
+        origin = n.meta.get("ddlc_origin")
+        if (origin and origin.phase == "optimizer" and n.op == "call_function") or \
+                n.meta.get("ddlc_role") in ("param", "opt_state"):
+            old = SHARDING(n)
+            SHARDING.set(n, NdSignature(tuple(None if x is None else b for x in old.inputs),
+                                        tuple(None if x is None else b for x in old.outputs)))
