@@ -14,7 +14,16 @@ from torch.utils._pytree import tree_leaves
 
 from .ir import COLLECTIVE, ORIGIN, SHARDING, NdSignature
 
-__all__ = ["format_graph", "format_sbps", "format_sharding", "op_name", "op_summary"]
+__all__ = ["format_bytes", "format_graph", "format_sbps", "format_sharding", "op_name", "op_summary"]
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes with a unit that keeps three significant digits (``12.3 KiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def format_sbps(sbps) -> str:

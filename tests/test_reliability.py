@@ -250,3 +250,18 @@ def test_a_hung_rank_is_named_with_where_it_hangs():
     text = str(info.value)
     assert "rank(s) [1] stopped answering" in text
     assert "_one_rank_hangs" in text  # its stack, from faulthandler
+
+
+def test_memory_budgets_are_kept_or_refused_with_the_smallest_that_fits():
+    from passes.sharding import build_problem, shard
+    from passes.sharding.exact import smallest_footprint
+    model = MLP(32, 256, 16)
+    gm = pipeline.trace_step(model, (torch.randn(8, 32), torch.randn(8, 16)), F.mse_loss,
+                             torch.optim.AdamW(model.parameters()), CompileOptions())
+    mesh = ddlc.Mesh((4,))
+    _, smallest = smallest_footprint(build_problem(gm, mesh))
+    free = shard(gm, mesh, memory_budget=1e12)
+    for budget in (smallest, (smallest + free.memory) / 2):
+        assert shard(gm, mesh, memory_budget=budget).memory <= budget
+    with pytest.raises(ddlc.errors.ShardingError, match=r"KiB.*memory_budget >= \d+ bytes"):
+        shard(gm, mesh, memory_budget=smallest / 2)  # small model: KiB, not "0.0 MiB"

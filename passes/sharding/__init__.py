@@ -21,11 +21,11 @@ from ddlc.errors import ShardingError
 from ddlc.ir import ORIGIN, SHARDING
 from ddlc.mesh import Mesh
 from ddlc.plan import NodePlan, Plan
-from ddlc.printing import op_name
+from ddlc.printing import format_bytes, op_name
 from ddlc.sbp import NdSBP
 
 from .descent import SEEDS, coordinate_descent
-from .exact import solve_exact
+from .exact import smallest_footprint, solve_exact
 from .problem import FORBIDDEN, ShardingProblem, build_problem, compute_seconds, reduce_problem
 
 __all__ = ["shard", "make_plan", "coordinate_descent", "search_mesh_shapes", "mesh_shapes", "SEEDS",
@@ -45,11 +45,7 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
     problem = build_problem(gm, mesh, fixed)
     need, dominant = problem.min_memory()
     if need > budget:
-        top = ", ".join(f"{name} ({b / 2**20:.1f} MiB)" for name, b in dominant[:5])
-        raise ShardingError(f"no sharding fits the memory budget of {budget / 2**20:.1f} MiB per "
-                            f"device: the smallest possible footprint is {need / 2**20:.1f} MiB "
-                            f"(parameters x2 for gradients, optimizer state, inputs, saved "
-                            f"activations); the largest tensors even at their best split: {top}")
+        _refuse_budget(budget, need, dominant)
     build_seconds = time.perf_counter() - start
     if solver not in ("cd", "exact"):
         raise ValueError(f"unknown solver {solver!r}; use 'cd' or 'exact'")
@@ -64,6 +60,13 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         return expand(core_choice), stats
 
     choice, stats = solve()
+    if problem.memory_of(choice) > budget:
+        # the search stayed above the budget: the smallest footprint any plan without a
+        # forbidden redistribution can have decides whether one fits
+        choice, smallest = smallest_footprint(problem)
+        if smallest > budget:
+            _refuse_budget(budget, smallest, dominant)
+        stats["smallest_footprint_fallback"] = True
     stats.update(build_seconds=build_seconds, search_seconds=time.perf_counter() - start - build_seconds)
     if problem.objective(choice) >= FORBIDDEN and stats.get("optimal") is False:
         raise ShardingError(f"the exact solver stopped ({stats['status']}) before finding a "
@@ -72,6 +75,15 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         raise ShardingError("every sharding found needs a forbidden redistribution (S->P); "
                             "the rules are missing a signature for some operator")
     return make_plan(problem, choice, solver, stats)
+
+
+def _refuse_budget(budget: float, smallest: float, dominant: Sequence[tuple[str, float]]):
+    top = ", ".join(f"{name} ({format_bytes(b)})" for name, b in dominant[:5])
+    raise ShardingError(f"no sharding fits the memory budget of {format_bytes(budget)} per device: "
+                        f"the smallest possible footprint is {format_bytes(smallest)} "
+                        "(parameters x2 for gradients, optimizer state, inputs, saved activations); "
+                        f"give memory_budget >= {smallest:.0f} bytes. The largest tensors even at "
+                        f"their best split: {top}")
 
 
 def mesh_shapes(world_size: int, max_ndim: int = 3) -> list[tuple[int, ...]]:

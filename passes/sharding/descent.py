@@ -138,6 +138,11 @@ def _initial(problem: ShardingProblem, seed, budget: float) -> list[int]:
     return choice
 
 
+def _smallest_footprint(problem: ShardingProblem) -> list[int]:
+    """Every variable at its least-memory candidate (the cheapest among those)."""
+    return [int(np.lexsort((u, m))[0]) for u, m in zip(problem.unary, problem.memory)]
+
+
 def _module_regions(problem: ShardingProblem) -> list[tuple[str, list[int]]]:
     """(module path, its variables and their direct neighbours) for every non-root module
     that owns a parameter, deepest modules first. The halo lets a module's move re-place
@@ -274,6 +279,12 @@ def coordinate_descent(problem: ShardingProblem, memory_budget: float = float("i
         start = _initial(problem, seed, memory_budget)
         choice, _ = _descend(problem, start, memory_budget, paths, [], max_sweeps)
         results.append((problem.memory_of(choice) > memory_budget, problem.objective(choice), name, choice))
+    if all(over for over, *_ in results):
+        # no uniform scheme fits: start from the smallest footprint (memory is separable,
+        # and every move keeps the footprint within the budget from there on)
+        choice, _ = _descend(problem, _smallest_footprint(problem), memory_budget, paths, [], max_sweeps)
+        results.append((problem.memory_of(choice) > memory_budget, problem.objective(choice),
+                        "smallest_footprint", choice))
     _, _, name, choice = min(results, key=lambda r: r[:2])
     regions = _regions(problem, memory_budget) if group_moves else []
     choice, sweeps = _descend(problem, choice, memory_budget, paths, regions, max_sweeps)

@@ -43,7 +43,7 @@ from scipy.sparse import coo_matrix
 
 from ddlc.errors import ShardingError
 
-from .problem import FORBIDDEN, ShardingProblem
+from .problem import FORBIDDEN, Edge, ShardingProblem
 
 __all__ = ["solve_exact", "solve_milp", "elimination_order", "solve_elimination", "MAX_TABLE"]
 
@@ -236,3 +236,14 @@ def solve_elimination(unary: Sequence[np.ndarray], edges: Sequence, order: Seque
     for v, rest, arg in reversed(steps):
         choice[v] = int(arg[tuple(choice[w] for w in rest)])
     return choice
+
+
+def smallest_footprint(problem: ShardingProblem, time_limit: float = 30.0) -> tuple[list[int], float]:
+    """The assignment with the least resident memory among those that need no forbidden
+    redistribution, and its bytes: the MILP with memory (in MiB) as the objective and
+    every allowed edge free. Raises ShardingError if HiGHS finds none in ``time_limit``."""
+    edges = [Edge(e.src, e.dst, np.where(e.cost >= FORBIDDEN, FORBIDDEN, 0.0), e.what)
+             for e in problem.edges]
+    unary = [np.where(u >= FORBIDDEN, FORBIDDEN, m / 2**20) for u, m in zip(problem.unary, problem.memory)]
+    choice, _ = solve_milp(unary, problem.memory, edges, time_limit=time_limit)
+    return choice, problem.memory_of(choice)

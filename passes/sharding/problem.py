@@ -248,6 +248,18 @@ def _saved_for_backward(node: fx.Node) -> bool:
     return any((ORIGIN.get(u) or origin).phase == "backward" for u in node.users)
 
 
+def _hyperparameter_scalars(nodes: Sequence[fx.Node]) -> set[fx.Node]:
+    """The hyper-parameter inputs and the operators computed from them alone (``1 - beta``,
+    ``-lr``: once per param group)."""
+    found: set[fx.Node] = set()
+    for node in nodes:
+        if (node.op == "placeholder" and ROLE.get(node) == "hparam") or (
+                node.op == "call_function" and node.all_input_nodes
+                and all(a in found for a in node.all_input_nodes)):
+            found.add(node)
+    return found
+
+
 def build_problem(gm: fx.GraphModule, mesh: Mesh,
                   fixed: Mapping[str, NdSBP] | None = None) -> ShardingProblem:
     """Enumerate candidates and price them for every node of ``gm`` on ``mesh``.
@@ -285,6 +297,7 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
         members[v].append(placeholders[name])
 
     prices = PriceCache(mesh)
+    scalars = _hyperparameter_scalars(nodes)
     candidates, kinds = [], []
     for group in members:
         rep = group[0]
@@ -295,6 +308,9 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
                     tuple((ROLE.get(n), _saved_for_backward(n)) for n in group))
         else:
             cands = signatures_nd(rep, mesh.shape)
+            if rep in scalars:  # replicated: a few scalars per param group, never worth a split
+                cands = [c for c in cands if all(x is None or all(a.is_broadcast for a in x)
+                                                 for x in c.inputs + c.outputs)]
             kind = (call_key(rep), ROLE.get(rep), _saved_for_backward(rep))
         if not cands:
             raise ShardingError(f"no valid distribution of {rep.name} ({rep.target}) on mesh "
@@ -425,6 +441,8 @@ def reduce_costs(unary_in: Sequence[np.ndarray], memory: Sequence[np.ndarray], e
     ``oriented``; a self-loop ``src == dst`` adds its diagonal to the unary cost). Then,
     until a pass over the variables removes none, variable ``v`` with neighbours:
 
+    - a single candidate (a pinned or replicated-only variable), any number of
+      neighbours: ``unary[u] += M_uv[:, 0]`` for each neighbour ``u``, then as with none;
     - none: it is fixed at its cheapest candidate (the ``else`` branch);
     - one, ``u`` (the ``len(near) == 1`` branch):
       ``unary[u] += min_k (M_uv[:, k] + unary[v][k])``;
@@ -469,6 +487,12 @@ def reduce_costs(unary_in: Sequence[np.ndarray], memory: Sequence[np.ndarray], e
     while changed:
         changed = False
         for v in range(n):
+            if alive[v] and len(unary[v]) == 1 and len(nbrs[v]) > 2:  # one choice: fold it out
+                for u in sorted(nbrs[v]):
+                    unary[u] += oriented(u, v)[:, 0]
+                    del pair[(min(u, v), max(u, v))]
+                    nbrs[u].discard(v)
+                nbrs[v].clear()
             if not (alive[v] and removable[v] and len(nbrs[v]) <= 2):
                 continue
             near = sorted(nbrs[v])
