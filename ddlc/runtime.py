@@ -117,6 +117,18 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
                         device_mesh)
 
 
+def _difference(old: tuple, new: tuple) -> str:
+    """What differs between two (spec structure, parameter count) entries of
+    :func:`ddlc.optim.structure`."""
+    (old_fields, old_count), (new_fields, new_count) = old, new
+    before, after = dict(old_fields), dict(new_fields)
+    parts = [f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in before.keys() | after.keys()
+             if before.get(k) != after.get(k)]
+    if old_count != new_count:
+        parts.append(f"{old_count} -> {new_count} parameters")
+    return ", ".join(sorted(parts))
+
+
 def _state_dict_names(model: nn.Module) -> dict[str, str]:
     """Each key of ``model.state_dict()`` -> the parameter or buffer name that holds it
     (tied parameters appear under each of their names; non-persistent buffers not at all)."""
@@ -235,11 +247,14 @@ class CompiledStep:
             return {}
         now = optimizer_structure(self._optimizer)
         if now != self._structure:
+            changed = [f"param group {g}: {_difference(old, new)}"
+                       for g, (old, new) in enumerate(zip(self._structure, now)) if old != new]
+            if len(now) != len(self._structure):
+                changed.append(f"{len(self._structure)} param groups became {len(now)}")
             raise UnsupportedInputError(
                 "the optimizer changed after compile in a way the compiled step cannot take as a "
                 "new hyper-parameter value (a zero weight decay or momentum made non-zero, another "
-                f"flag, or parameters moved between groups): compile again (was {self._structure}, "
-                f"now {now})")
+                f"flag, or parameters moved between groups): {'; '.join(changed)}; compile again")
         values = hyperparameter_values(self._optimizer, self._groups)
         return {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in values.items()}
 

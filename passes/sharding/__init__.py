@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 from torch import fx
 
-from ddlc.errors import ShardingError
+from ddlc.errors import OptionError, ShardingError
 from ddlc.ir import ORIGIN, SHARDING
 from ddlc.mesh import Mesh
 from ddlc.plan import NodePlan, Plan
@@ -40,6 +40,8 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
     ``memory_budget`` (bytes per device) defaults to the profile's device memory;
     ``fixed`` pins graph inputs by placeholder name.
     """
+    if solver not in ("cd", "exact"):
+        raise OptionError(f"unknown solver {solver!r}; use 'cd' or 'exact'")
     start = time.perf_counter()
     budget = mesh.profile.memory_capacity if memory_budget is None else memory_budget
     problem = build_problem(gm, mesh, fixed)
@@ -47,8 +49,6 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
     if need > budget:
         _refuse_budget(budget, need, dominant)
     build_seconds = time.perf_counter() - start
-    if solver not in ("cd", "exact"):
-        raise ValueError(f"unknown solver {solver!r}; use 'cd' or 'exact'")
 
     def solve():
         core, expand, fixed_memory = reduce_problem(problem, budget)
