@@ -131,7 +131,10 @@ def _silent_ranks(ctx, outdir: str, world_size: int) -> list[int]:
 
 def _dump_stacks(ctx, outdir: str, ranks: list[int]) -> str:
     for rank in ranks:
-        os.kill(ctx.processes[rank].pid, signal.SIGUSR1)
+        try:
+            os.kill(ctx.processes[rank].pid, signal.SIGUSR1)
+        except ProcessLookupError:  # it ended meanwhile
+            pass
     time.sleep(0.5)
     return _stacks(outdir, ranks)
 
@@ -142,7 +145,7 @@ _TIMEOUT = re.compile(r"timed? ?out|timeout", re.I)
 def _blame_silent_ranks(error: str, ctx, outdir: str, world_size: int) -> str:
     """A collective timeout blames the rank that timed out; name the ranks it was waiting
     for instead (still running, no result), with where they are stuck."""
-    if not _TIMEOUT.search(error):
+    if not _TIMEOUT.search(error.split("\n", 1)[0]):  # the error's own message, not its traceback
         return error
     time.sleep(0.2)  # the other healthy ranks report their own timeouts meanwhile
     silent = [r for r in _silent_ranks(ctx, outdir, world_size) if f"rank {r} failed" not in error]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Union
 
 from .errors import OptionError
+from .mesh import HardwareProfile
 
 __all__ = ["CompileOptions", "Solver", "BatchMode", "Decouple", "AllGatherPlacement", "Updates"]
 
@@ -40,8 +41,8 @@ class CompileOptions:
     placements: Mapping[str, Any] = field(default_factory=dict)
     #: ``step`` receives the global batch (each rank takes its part) or each rank's own
     batch: BatchMode = "global"
-    #: hardware profile name or JSON path (None: the mesh's, default ``cpu-gloo``)
-    profile: Union[str, None] = None
+    #: hardware profile: name, JSON path or object (None: the mesh's, default ``cpu-gloo``)
+    profile: Union[str, HardwareProfile, None] = None
     #: turn gradient all-reduces into reduce-scatter + sharded update + all-gather
     decouple: Decouple = True
     #: where a decoupled parameter's all-gather goes

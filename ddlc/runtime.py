@@ -131,9 +131,10 @@ def _difference(old: tuple, new: tuple) -> str:
 
 def _state_dict_names(model: nn.Module) -> dict[str, str]:
     """Each key of ``model.state_dict()`` -> the parameter or buffer name that holds it
-    (tied parameters appear under each of their names; non-persistent buffers not at all)."""
+    (tied parameters appear under each of their names; non-persistent buffers not at all).
+    Entries that are neither (a module's ``get_extra_state``) are kept as they were."""
     canonical = {id(t): k for k, t in [*model.named_parameters(), *model.named_buffers()]}
-    return {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items()}
+    return {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in canonical}
 
 
 class CompiledStep:
@@ -152,6 +153,7 @@ class CompiledStep:
         self.device_mesh = device_mesh
         self.steps_done = 0
         self._state_dict_names = _state_dict_names(model)
+        self._extra_state = {k: v for k, v in model.state_dict().items() if k not in self._state_dict_names}
         self.params = {k: self._shard(k, params[k]) for k in self.signature.keys("param")}
         self.buffers = {k: self._shard(k, buffers[k]) for k in self.signature.keys("buffer")}
         global_state = self.signature.init_opt_state(params)
@@ -270,7 +272,9 @@ class CompiledStep:
         ``state_dict()`` (a tied parameter under each of its names), so that
         ``model.load_state_dict(step.state_dict(), strict=True)`` works (collective)."""
         full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()}
-        return {key: full[name] for key, name in self._state_dict_names.items()}
+        state = {key: full[name] for key, name in self._state_dict_names.items()}
+        return {key: state[key] if key in state else self._extra_state[key]
+                for key in [*self._state_dict_names, *self._extra_state]}
 
     # -- checkpoints -------------------------------------------------------------------
     def _sharded_state(self) -> dict:

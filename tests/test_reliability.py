@@ -211,6 +211,14 @@ def test_a_shape_mismatch_says_the_inputs_may_not_match():
         ddlc.trace(MLP(d_in=32), (torch.randn(8, 31), torch.randn(8, 16)), F.mse_loss)
 
 
+class _WithExtraState(torch.nn.Linear):
+    def get_extra_state(self):
+        return {"version": 2}
+
+    def set_extra_state(self, state):
+        self.version = state["version"]
+
+
 def _bad_steps(rank):
     torch.manual_seed(0)
     batch = (torch.randn(8, 32), torch.randn(8, 16))
@@ -221,16 +229,29 @@ def _bad_steps(rank):
             step.step(*bad)
         except UnsupportedInputError as e:
             found.append(str(e))
-    return found
+    extra = _WithExtraState(32, 16)
+    state = ddlc.compile(extra, "1", batch, F.mse_loss).state_dict()
+    extra.load_state_dict(state, strict=True)
+    return found, list(state), list(extra.state_dict())
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_step_refuses_wrong_dtypes_lists_and_non_tensors():
-    found = spawn(_bad_steps, 1, timeout=60, deadline=100)[0]
+    found, keys, want = spawn(_bad_steps, 1, timeout=60, deadline=100)[0]
     assert len(found) == 3
     assert "dtype torch.float64" in found[0] and "separate arguments" in found[1] \
         and "is a int" in found[2]
+    assert keys == want  # a module's extra state stays in state_dict()
+
+
+def test_a_loss_with_the_same_op_as_a_hyperparameter_scalar_plans():
+    # neg(loss) and neg(lr) are one op on 0-d tensors; only the second is replicated-only
+    model = MLP()
+    gm = pipeline.trace_step(model, (torch.randn(8, 32), torch.randn(8, 16)),
+                             lambda o, t: -(o * t).sum(), torch.optim.SGD(model.parameters(), lr=0.1),
+                             CompileOptions())
+    pipeline.plan(gm, ddlc.Mesh((2,)), CompileOptions(), {})
 
 
 def _one_rank_hangs(rank):

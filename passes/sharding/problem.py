@@ -311,7 +311,7 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
             if rep in scalars:  # replicated: a few scalars per param group, never worth a split
                 cands = [c for c in cands if all(x is None or all(a.is_broadcast for a in x)
                                                  for x in c.inputs + c.outputs)]
-            kind = (call_key(rep), ROLE.get(rep), _saved_for_backward(rep))
+            kind = (call_key(rep), ROLE.get(rep), _saved_for_backward(rep), rep in scalars)
         if not cands:
             raise ShardingError(f"no valid distribution of {rep.name} ({rep.target}) on mesh "
                                 f"{mesh}", where=where(rep))
