@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from cost_models.program import program_timeline
 
 from . import pipeline
-from .errors import RuntimeMismatchError, UnsupportedInputError
+from .errors import DDLCError, RuntimeMismatchError, UnsupportedInputError
 from .ir import GLOBAL_VAL, SHARDING, STEP, collective_sequence
 from .mesh import Mesh
 from .optim import hyperparameter_values, structure as optimizer_structure
@@ -63,7 +63,11 @@ def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> Plan:
     """Rank 0 plans; every rank adopts its decisions (``ir.SHARDING`` by node name) and
     the plan, so all ranks lower the same program whatever the solver does."""
     if dist.get_rank() == 0:
-        plan = make_plan()
+        try:
+            plan = make_plan()
+        except DDLCError as error:  # every rank raises it, instead of waiting for a plan
+            dist.broadcast_object_list([error], src=0)
+            raise
         decisions = {n.name: SHARDING(n) for n in gm.graph.nodes if SHARDING.has(n)}
         shared = copy.copy(plan)
         shared.problem, shared.choice = None, None
@@ -71,6 +75,8 @@ def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> Plan:
     else:
         message = [None]
     dist.broadcast_object_list(message, src=0)
+    if isinstance(message[0], DDLCError):
+        raise message[0]
     if dist.get_rank() != 0:
         plan, decisions = message[0]
         for node in gm.graph.nodes:

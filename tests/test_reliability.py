@@ -286,3 +286,20 @@ def test_memory_budgets_are_kept_or_refused_with_the_smallest_that_fits():
         assert shard(gm, mesh, memory_budget=budget).memory <= budget
     with pytest.raises(ddlc.errors.ShardingError, match=r"KiB.*memory_budget >= \d+ bytes"):
         shard(gm, mesh, memory_budget=smallest / 2)  # small model: KiB, not "0.0 MiB"
+
+
+def _infeasible_budget(rank):
+    batch = (torch.randn(8, 32), torch.randn(8, 16))
+    try:
+        ddlc.compile(MLP(), "2", batch, F.mse_loss, memory_budget=64)
+    except ddlc.errors.ShardingError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_planning_error_on_rank_0_reaches_every_rank_at_once():
+    # the other rank gets rank 0's error instead of waiting out the collective timeout
+    messages = spawn(_infeasible_budget, 2, timeout=300, deadline=100)
+    assert messages[0] == messages[1] and "memory budget" in messages[0]
