@@ -344,14 +344,7 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
                                      prices, bucketed)), f"{arg.name} -> {n.name}"))
 
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    specs = sig.outputs if sig is not None else ()
-    loop_target = {}
-    if sig is not None:
-        name_of = {(i.role, i.key): i.name for i in sig.inputs}
-        for k, spec in enumerate(specs):
-            role = {"param": "param", "opt_state": "opt_state", "grad": "param"}.get(spec.role)
-            if role:
-                loop_target[k] = placeholders[name_of[(role, spec.key)]]
+    loop_target = {k: placeholders[name] for k, name in sig.loop_inputs().items()} if sig else {}
     for k, arg in enumerate(tree_leaves(output.args[0])):
         if not isinstance(arg, fx.Node):
             continue
