@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Generic, Mapping, NamedTuple, Optional, S
 
 import torch
 from torch import fx
+from torch.utils._pytree import tree_unflatten
 
 if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run time
     from .sbp import SBP, NdSBP
@@ -113,15 +114,16 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """One flat graph output: role ``loss``, ``param`` (updated), ``opt_state``,
-    ``grad`` (loss without optimizer) or ``output`` (forward only)."""
+    """One flat graph output: role ``loss``, ``grad_norm`` (before clipping), ``param``
+    (updated), ``opt_state``, ``grad`` (loss without optimizer), ``buffer`` (a buffer the
+    step updates, e.g. BatchNorm running statistics) or ``output`` (forward only)."""
 
     role: str
     key: str
 
 
 #: Output role -> the input role whose placement it must end in (loop-carried state).
-LOOP_ROLE = {"param": "param", "opt_state": "opt_state", "grad": "param"}
+LOOP_ROLE = {"param": "param", "opt_state": "opt_state", "grad": "param", "buffer": "buffer"}
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,10 @@ class StepSignature:
     num_targets: int = 0
     param_groups: tuple[tuple[int, Any], ...] = ()
     hyperparameters: tuple[tuple[str, float], ...] = ()
+    #: the batch is a dict, given to the model as keyword arguments
+    keyword_batch: bool = False
+    #: how a forward pass's outputs rebuild the model's output structure
+    output_tree: "OutputTree | None" = None
 
     def keys(self, role: str) -> list[str]:
         return [i.key for i in self.inputs if i.role == role]
@@ -156,14 +162,17 @@ class StepSignature:
         return any(o.role == "loss" for o in self.outputs)
 
     def flatten(self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-                opt_state: Mapping[str, torch.Tensor], batch: Sequence[torch.Tensor],
+                opt_state: Mapping[str, torch.Tensor],
+                batch: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
                 hyperparameters: Mapping[str, float] | None = None) -> list:
         """Arrange named state, the hyper-parameters (default: their compile-time values)
-        and the batch as the graph's flat input list."""
+        and the batch (tensors in input order, or by input key) as the graph's flat input
+        list."""
         hyper = dict(self.hyperparameters) if hyperparameters is None else hyperparameters
+        if not isinstance(batch, Mapping):
+            batch = dict(zip(self.keys("input"), batch))
         tables = {"param": params, "buffer": buffers, "opt_state": opt_state,
-                  "hparam": hyperparameter_tensors(hyper),
-                  "input": {f"input{i}": t for i, t in enumerate(batch)}}
+                  "hparam": hyperparameter_tensors(hyper), "input": batch}
         return [tables[i.role][i.key] for i in self.inputs]
 
     def init_opt_state(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -177,6 +186,26 @@ class StepSignature:
         for spec, value in zip(self.outputs, outputs):
             result.setdefault(spec.role, {})[spec.key] = value
         return result
+
+
+@dataclass(frozen=True)
+class OutputTree:
+    """The structure of a model's output (a tensor, tuple, dict, dataclass or Hugging Face
+    ``ModelOutput``): its pytree spec, and per leaf whether it is a tensor (a graph
+    output, in order) or the constant kept in ``constants``."""
+
+    spec: Any
+    constants: tuple
+    is_tensor: tuple[bool, ...]
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(self.is_tensor)
+
+    def rebuild(self, tensors: Sequence[Any]):
+        it = iter(tensors)
+        leaves = [next(it) if t else c for t, c in zip(self.is_tensor, self.constants)]
+        return tree_unflatten(leaves, self.spec)
 
 
 def hyperparameter_tensors(values: Mapping[str, float | torch.Tensor]) -> dict[str, torch.Tensor]:

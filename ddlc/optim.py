@@ -14,7 +14,7 @@ import torch
 
 from .errors import UnsupportedInputError
 
-__all__ = ["OptimizerSpec", "SGDSpec", "AdamWSpec", "optimizer_spec", "hyperparameter_key",
+__all__ = ["OptimizerSpec", "SGDSpec", "AdamWSpec", "AdamSpec", "optimizer_spec", "hyperparameter_key",
            "hyperparameter_values", "structure"]
 
 
@@ -132,9 +132,14 @@ class AdamWSpec(OptimizerSpec):
         return out
 
     def update(self, param, grad, state, hp):
-        step = state["step"] + 1
         if self.weight_decay:
             param = param * hp["decay"]
+        return self._moments_step(param, grad, state, hp)
+
+    @staticmethod
+    def _moments_step(param, grad, state, hp):
+        """Adam's moment update and bias-corrected step (after any weight decay)."""
+        step = state["step"] + 1
         exp_avg = state["exp_avg"].lerp(grad, hp["one_minus_beta1"])
         # beta2 * v + (1 - beta2) * g^2, as a lerp (one kernel after g^2)
         exp_avg_sq = state["exp_avg_sq"].lerp(grad * grad, hp["one_minus_beta2"])
@@ -143,6 +148,26 @@ class AdamWSpec(OptimizerSpec):
         denom = exp_avg_sq.sqrt().div(bias_correction2_sqrt).add(hp["eps"])
         new_param = param - exp_avg.div(denom).mul(hp["lr"] / bias_correction1)
         return new_param, {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+@dataclass(frozen=True)
+class AdamSpec(AdamWSpec):
+    """``torch.optim.Adam``: AdamW's moments, with L2 weight decay added to the gradient
+    (``grad + weight_decay * param``) instead of decoupled from it."""
+
+    weight_decay: float = 0.0
+
+    @staticmethod
+    def from_group(group: dict) -> "AdamSpec":
+        return AdamSpec(**dataclasses.asdict(AdamWSpec.from_group(group)))
+
+    def derived(self, hp):
+        return {**hp, "one_minus_beta1": 1 - hp["beta1"], "one_minus_beta2": 1 - hp["beta2"]}
+
+    def update(self, param, grad, state, hp):
+        if self.weight_decay:
+            grad = torch.addcmul(grad, param, hp["weight_decay"])
+        return self._moments_step(param, grad, state, hp)
 
 
 _UNSUPPORTED_FLAGS = ("maximize", "amsgrad", "differentiable", "capturable")
@@ -161,8 +186,10 @@ def _spec_for_group(optimizer: torch.optim.Optimizer, group: dict) -> OptimizerS
     if isinstance(optimizer, torch.optim.AdamW) or (
             isinstance(optimizer, torch.optim.Adam) and group.get("decoupled_weight_decay")):
         return AdamWSpec.from_group(group)
-    raise UnsupportedInputError(f"optimizer {name} is not supported; use torch.optim.SGD or "
-                                "torch.optim.AdamW")
+    if isinstance(optimizer, torch.optim.Adam):
+        return AdamSpec.from_group(group)
+    raise UnsupportedInputError(f"optimizer {name} is not supported; use torch.optim.SGD, "
+                                "torch.optim.Adam or torch.optim.AdamW")
 
 
 def optimizer_spec(optimizer: torch.optim.Optimizer,

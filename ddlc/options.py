@@ -33,6 +33,8 @@ class CompileOptions:
 
     #: how many trailing example inputs are targets of ``loss_fn``
     num_targets: int = 1
+    #: clip gradients to this global 2-norm before the update (torch.nn.utils.clip_grad_norm_)
+    clip_grad_norm: Union[float, None] = None
     #: sharding solver: coordinate descent, or the exact MILP (a reference; slow)
     solver: Solver = "cd"
     #: bytes per device the plan may keep resident (None: the profile's device memory)
@@ -78,6 +80,9 @@ class CompileOptions:
             if not isinstance(value, bool) and not value > 0:
                 raise OptionError(f"option {name}={value!r}: give True, False or a positive "
                                   "number of bytes")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise OptionError(f"option clip_grad_norm={self.clip_grad_norm!r} must be a positive "
+                              "norm (or None: no clipping)")
         if self.num_targets < 0:
             raise OptionError(f"option num_targets={self.num_targets} must be >= 0")
         if self.updates == "early" and not self.schedule:

@@ -10,6 +10,8 @@
     lowering  (every rank, for its own mesh coordinate)
       collectives    boxing collectives on every edge whose SBP changes (ir.COLLECTIVE)
       localize       global -> per-rank shapes and arguments (ir.GLOBAL_VAL keeps the global)
+      random         random ops draw their global shape from the program's generator and
+                     keep this rank's piece (ddlc.rng: ranks agree, single-device numbers)
       fuse           bucket small collectives (cap chosen by the program timeline)
       partition      split large collectives (piece size chosen by the program timeline)
       schedule       issue early, wait late, updates inside backward; then the static check
@@ -37,6 +39,7 @@ from passes.decouple import decouple
 from passes.fuse import fuse, fuse_best
 from passes.localize import localize
 from passes.partition import partition, partition_best
+from passes.random import draw_globally
 from passes.schedule import check_waits, follow, schedule
 from passes.sharding import shard
 
@@ -55,7 +58,7 @@ log = logging.getLogger("ddlc.pipeline")
 
 #: The passes, in the order they run.
 PLANNING = ("trace", "canonicalize", "shard", "decouple")
-LOWERING = ("collectives", "localize", "fuse", "partition", "schedule")
+LOWERING = ("collectives", "localize", "random", "fuse", "partition", "schedule")
 
 
 def run_pass(name: str, fn: Callable, *args, **kwargs) -> Any:
@@ -76,7 +79,7 @@ def trace_step(model: nn.Module, example_inputs, loss_fn, optimizer,
                options: CompileOptions) -> fx.GraphModule:
     """trace, canonicalize: the step graph at global shapes, mean losses as sum / count."""
     gm = run_pass("trace", trace, model, example_inputs, loss_fn, optimizer,
-                  num_targets=options.num_targets)
+                  num_targets=options.num_targets, clip_grad_norm=options.clip_grad_norm)
     return run_pass("canonicalize", canonicalize, gm)
 
 
@@ -157,6 +160,7 @@ def _lower_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: 
                   options: CompileOptions, leader: LoweringChoices | None) -> LoweringChoices:
     run_pass("collectives", insert_collectives, gm, mesh, groups, coord)
     run_pass("localize", localize, gm, mesh, coord)
+    run_pass("random", draw_globally, gm, mesh, coord)
     # from here on, shapes are local and every collective carries ir.COLLECTIVE
 
     def order(graph: fx.GraphModule) -> fx.GraphModule:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,27 @@ def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> Plan:
     return plan
 
 
+def _from_rank0(value):
+    """Rank 0's ``value``, on every rank."""
+    message = [value]
+    dist.broadcast_object_list(message, src=0)
+    return message[0]
+
+
+def _share_generator(gm: fx.GraphModule, device: torch.device) -> None:
+    """Give the program's generator (``gm.rng``, present when the step draws random
+    numbers) rank 0's default generator state: on the CPU its full state, so a single-
+    device run seeded alike draws the same numbers; on a GPU, its seed."""
+    if not hasattr(gm, "rng"):
+        return
+    if device.type == "cpu":
+        gm.rng = torch.Generator()
+        gm.rng.set_state(_from_rank0(torch.get_rng_state()))
+    else:
+        gm.rng = torch.Generator(device=device)
+        gm.rng.manual_seed(_from_rank0(torch.cuda.initial_seed()))
+
+
 def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh, str]:
     """The ddlc mesh, the DeviceMesh whose groups the program uses, and the device type."""
     device_mesh = mesh if isinstance(mesh, DeviceMesh) else None
@@ -119,6 +140,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     fingerprint = _check_fingerprint(gm)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
+    _share_generator(gm, device)
     return CompiledStep(model, gm, plan, mesh, coord, options.batch, fingerprint, device, optimizer,
                         device_mesh)
 
@@ -165,6 +187,7 @@ class CompiledStep:
         global_state = self.signature.init_opt_state(params)
         self.opt_state = {k: self._shard(k, global_state[k]) for k in self.signature.keys("opt_state")}
         self.gradients_local: dict[str, torch.Tensor] = {}
+        self.last_grad_norm: torch.Tensor | None = None
         self._optimizer = optimizer
         self._structure = optimizer_structure(optimizer) if optimizer is not None else None
         self._groups = dict(self.signature.param_groups)
@@ -202,17 +225,39 @@ class CompiledStep:
         return [tuple(self._placeholders[self._spec[k].name].meta["val"].shape)
                 for k in self.signature.keys("input")]
 
-    def _local_batch(self, batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _batch_by_key(self, args: Sequence, kwargs: Mapping) -> dict[str, object]:
+        """The batch entries by input key, from ``step(*tensors)`` for a positional batch
+        or ``step(batch_dict)`` / ``step(**batch_dict)`` for a keyword one."""
         keys = self.signature.keys("input")
-        if len(batch) == 1 and isinstance(batch[0], (list, tuple)) and len(keys) != 1:
-            raise UnsupportedInputError(f"got one {type(batch[0]).__name__} of {len(batch[0])} "
+        if self.signature.keyword_batch:
+            if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
+                given = dict(args[0])
+            elif not args:
+                given = dict(kwargs)
+            else:
+                raise UnsupportedInputError(f"the step was compiled for a dict batch with keys "
+                                            f"{keys}: call it as step(batch) or step(**batch)")
+            missing, extra = [k for k in keys if k not in given], [k for k in given if k not in keys]
+            if missing or extra:
+                raise UnsupportedInputError(f"the batch has keys {list(given)} but the step was "
+                                            f"compiled for {keys} (missing {missing}, extra {extra})")
+            return {k: given[k] for k in keys}
+        if kwargs:
+            raise UnsupportedInputError(f"the step was compiled for positional batch tensors; got "
+                                        f"keyword arguments {list(kwargs)}")
+        if len(args) == 1 and isinstance(args[0], (list, tuple)) and len(keys) != 1:
+            raise UnsupportedInputError(f"got one {type(args[0]).__name__} of {len(args[0])} "
                                         f"items; pass the {len(keys)} batch tensors as separate "
                                         "arguments: step(*batch)")
-        if len(batch) != len(keys):
+        if len(args) != len(keys):
             raise UnsupportedInputError(f"the compiled step takes {len(keys)} batch tensor(s), "
-                                        f"got {len(batch)}")
-        out = []
-        for key, t, mine in zip(keys, batch, self.local_input_shapes):
+                                        f"got {len(args)}")
+        return dict(zip(keys, args))
+
+    def _local_batch(self, args: Sequence, kwargs: Mapping) -> dict[str, torch.Tensor]:
+        out = {}
+        shapes = dict(zip(self.signature.keys("input"), self.local_input_shapes))
+        for key, t in self._batch_by_key(args, kwargs).items():
             if not isinstance(t, torch.Tensor):
                 raise UnsupportedInputError(f"{key} is a {type(t).__name__}; the compiled step "
                                             "takes tensors")
@@ -220,29 +265,35 @@ class CompiledStep:
             if t.dtype != dtype:
                 raise UnsupportedInputError(f"{key} has dtype {t.dtype} but the program was "
                                             f"compiled for {dtype}: convert it (e.g. .to({dtype}))")
-            want = self._global_shape(key) if self.batch_mode == "global" else mine
+            want = self._global_shape(key) if self.batch_mode == "global" else shapes[key]
             if tuple(t.shape) != want:
                 raise UnsupportedInputError(
                     f"{key} has shape {tuple(t.shape)} but the program was compiled for "
                     f"{self.batch_mode} shape {want} (placement {self._sbp(key)} on mesh {self.mesh})")
-            out.append(self._shard(key, t) if self.batch_mode == "global" else t.to(self.device))
+            out[key] = self._shard(key, t) if self.batch_mode == "global" else t.to(self.device)
         return out
 
     # -- running -----------------------------------------------------------------------
-    def _run(self, batch, hyperparameters: dict | None = None):
+    def _run(self, args, kwargs, hyperparameters: dict | None = None):
         flat = self.signature.flatten(self.params, self.buffers, self.opt_state,
-                                      self._local_batch(batch), hyperparameters)
+                                      self._local_batch(args, kwargs), hyperparameters)
         return self.signature.unflatten(self.gm(*flat))
 
-    def step(self, *batch: torch.Tensor) -> torch.Tensor:
-        """One training step on ``batch``; returns the loss (same on every rank)."""
+    def step(self, *batch, **keyword_batch) -> torch.Tensor:
+        """One training step on ``batch`` (the tensors, or for a step compiled on a dict
+        batch, ``step(batch)`` / ``step(**batch)``); returns the loss (same on every rank).
+        Buffers the step updates (BatchNorm running statistics) are kept; with
+        ``clip_grad_norm``, ``last_grad_norm`` is the gradients' norm before clipping."""
         if not self.signature.has_loss:
             raise UnsupportedInputError("this program has no loss: it was compiled without "
-                                        "loss_fn; call it for inference instead")
-        out = self._run(batch, self._hyperparameters())
+                                        "loss_fn or optimizer; call it for inference instead")
+        out = self._run(batch, keyword_batch, self._hyperparameters())
         self.params.update(out.get("param", {}))
         self.opt_state.update(out.get("opt_state", {}))
+        self.buffers.update(out.get("buffer", {}))
         self.gradients_local = out.get("grad", {})
+        if "grad_norm" in out:
+            self.last_grad_norm = out["grad_norm"]["grad_norm"].detach()
         self.steps_done += 1
         return out["loss"]["loss"].detach()
 
@@ -266,12 +317,26 @@ class CompiledStep:
         values = hyperparameter_values(self._optimizer, self._groups)
         return {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in values.items()}
 
-    def __call__(self, *inputs: torch.Tensor):
-        """Inference (compiled without loss_fn): the model's outputs, full on every rank."""
+    def __call__(self, *inputs, **keyword_inputs):
+        """Inference (compiled without loss_fn and optimizer): the model's output, in the
+        model's own structure (a tensor, tuple, dict or ``ModelOutput``), full on every rank."""
         if self.signature.has_loss:
             raise UnsupportedInputError("this program is a training step; call .step(*batch)")
-        outs = list(self._run(inputs)["output"].values())
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        out = self._run(inputs, keyword_inputs)
+        self.buffers.update(out.get("buffer", {}))
+        return self.signature.output_tree.rebuild(list(out["output"].values()))
+
+    # -- random numbers ----------------------------------------------------------------
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The generator every random op of the program draws from (the same state on every
+        rank; see :mod:`ddlc.rng`), or None when the program draws no random numbers."""
+        return getattr(self.gm, "rng", None)
+
+    def manual_seed(self, seed: int) -> None:
+        """Reseed the program's generator with rank 0's ``seed`` (collective)."""
+        if self.generator is not None:
+            self.generator.manual_seed(_from_rank0(int(seed)))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and persistent buffers under exactly the keys of the model's own
@@ -298,10 +363,13 @@ class CompiledStep:
         tables = {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}
         state = {f"{role}/{k}": dtensor(k, v) for role, table in tables.items() for k, v in table.items()}
         state["steps_done"] = torch.tensor(self.steps_done)
+        if self.generator is not None and self.generator.device.type == "cpu":
+            state["rng_state"] = self.generator.get_state()
         return state
 
     def save_checkpoint(self, path: str) -> None:
-        """Save parameters, buffers, optimizer state and the step count to the directory
+        """Save parameters, buffers, optimizer state, the step count and the program's
+        random generator state to the directory
         ``path`` with ``torch.distributed.checkpoint``, each rank writing its own pieces
         (collective). Load it with :meth:`load_checkpoint`, on any mesh shape or world size."""
         dcp.save(self._sharded_state(), checkpoint_id=path)
@@ -316,6 +384,9 @@ class CompiledStep:
         for key, value in state.items():
             if key == "steps_done":
                 self.steps_done = int(value)
+                continue
+            if key == "rng_state":
+                self.generator.set_state(value)
                 continue
             role, name = key.split("/", 1)
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \

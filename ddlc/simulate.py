@@ -113,19 +113,20 @@ def lower_ranks(gm: fx.GraphModule, mesh: Mesh, **options) -> list[fx.GraphModul
 def simulate_steps(gm: fx.GraphModule, mesh: Mesh, params: dict, buffers: dict, batches,
                    **lower_options) -> tuple:
     """Train with a sharded (plan-annotated) step graph on every rank of ``mesh`` in one
-    process: lower it per rank, cut the global state and each batch into the ranks'
-    pieces, run all ranks, and reassemble the new full state. Returns
-    ``(losses, params, optimizer_state)``, all full tensors. ``lower_options`` are
-    :class:`ddlc.options.CompileOptions` fields for :func:`ddlc.pipeline.lower`."""
+    process: lower it per rank, cut the global state and each batch (a tuple of tensors,
+    or a dict for a keyword batch) into the ranks' pieces, run all ranks, and reassemble
+    the new full state. Returns ``(losses, params, optimizer_state, buffers)``, all full
+    tensors. ``lower_options`` are :class:`ddlc.options.CompileOptions` fields for
+    :func:`ddlc.pipeline.lower`."""
     sig = STEP(gm)
     coords = list(itertools.product(*(range(p) for p in mesh.shape)))
     graphs = lower_ranks(gm, mesh, **lower_options)
     sbp = {n.name: SHARDING(n).outputs[0] for n in gm.graph.nodes if n.op == "placeholder"}
-    state = {"param": dict(params), "opt_state": sig.init_opt_state(params)}
+    state = {"param": dict(params), "opt_state": sig.init_opt_state(params), "buffer": dict(buffers)}
     input_index = {(i.role, i.key): j for j, i in enumerate(sig.inputs)}
     losses = []
     for batch in batches:
-        full = sig.flatten(state["param"], buffers, state["opt_state"], batch)
+        full = sig.flatten(state["param"], state["buffer"], state["opt_state"], batch)
         pieces = [[t[local_slices(tuple(t.shape), sbp[i.name], mesh.shape, c)].contiguous()
                    for t, i in zip(full, sig.inputs)] for c in coords]
         outs = run_ranks(graphs, mesh, pieces)
@@ -133,10 +134,10 @@ def simulate_steps(gm: fx.GraphModule, mesh: Mesh, params: dict, buffers: dict, 
             raise AssertionError(f"ranks disagree on the loss: {[float(o[0]) for o in outs]}")
         losses.append(outs[0][0])
         for k, spec in enumerate(sig.outputs):
-            if spec.role in ("param", "opt_state"):
+            if spec.role in ("param", "opt_state", "buffer"):
                 j = input_index[(spec.role, spec.key)]
                 whole = torch.empty_like(full[j])
                 for c, o in zip(coords, outs):
                     whole[local_slices(tuple(whole.shape), sbp[sig.inputs[j].name], mesh.shape, c)] = o[k]
                 state[spec.role][spec.key] = whole
-    return losses, state["param"], state["opt_state"]
+    return losses, state["param"], state["opt_state"], state["buffer"]

@@ -10,6 +10,7 @@ recorded in a :class:`ddlc.ir.StepSignature` (``ir.STEP``); every node keeps
 """
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import traceback
@@ -18,38 +19,54 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx.traceback as fx_traceback
+import torch.nn.functional as F
 from torch import fx, nn
 from torch.func import functional_call, functionalize, grad_and_value
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.modules import module as module_mod
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
+from . import rng
 from .errors import TraceError, UnsupportedInputError
-from .ir import ORIGIN, ROLE, STEP, InputSpec, Origin, OutputSpec, StepSignature, hyperparameter_tensors
+from .ir import (ORIGIN, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
+                 hyperparameter_tensors)
 from .optim import hyperparameter_key, optimizer_spec
 
 __all__ = ["trace"]
 
 def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
-          optimizer: torch.optim.Optimizer | None = None, *, num_targets: int = 1) -> fx.GraphModule:
+          optimizer: torch.optim.Optimizer | None = None, *, num_targets: int = 1,
+          clip_grad_norm: float | None = None) -> fx.GraphModule:
     """Trace one training step of ``model`` into a flat functional aten GraphModule.
 
-    With ``loss_fn`` the step computes ``loss_fn(model(*inputs), *targets)`` where the
-    last ``num_targets`` example inputs are the targets, then the gradients, then (with
-    ``optimizer``: ``torch.optim.SGD`` or ``AdamW``) the updated parameters and state.
-    Outputs: ``(loss, *new_params, *new_state)``, or ``(loss, *grads)`` without an
-    optimizer. Without ``loss_fn`` the graph is the forward pass alone.
+    ``example_inputs`` is a tensor, a tuple of tensors (the model is called
+    ``model(*inputs)``) or a dict of tensors (``model(**inputs)``, a Hugging Face
+    batch). With ``loss_fn`` the step computes ``loss_fn(model(...), *targets)``, where
+    the last ``num_targets`` inputs (entries of a dict) are the targets and are not
+    given to the model; with an ``optimizer`` and no ``loss_fn``, the model computes its
+    own loss (a one-element tensor, or an output with ``.loss`` / ``["loss"]``, as a
+    Hugging Face model does when given ``labels``). Then come the gradients, clipped to
+    a global norm of ``clip_grad_norm`` (as ``torch.nn.utils.clip_grad_norm_``), and
+    with ``optimizer`` (``torch.optim.SGD``, ``Adam`` or ``AdamW``) the updated
+    parameters and state. Buffers the forward updates in place (BatchNorm running
+    statistics) are step outputs. Outputs: ``(loss, [grad_norm], *new_params,
+    *new_state, *new_buffers)``, or ``(loss, *grads, *new_buffers)`` without an
+    optimizer. Without ``loss_fn`` and optimizer the graph is the forward pass alone.
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    batch = _check_batch(example_inputs)
-    if optimizer is not None and loss_fn is None:
-        raise UnsupportedInputError("an optimizer needs a loss_fn to produce gradients")
+    batch = _Batch.of(example_inputs)
+    training = loss_fn is not None or optimizer is not None
     n_targets = num_targets if loss_fn is not None else 0
-    if n_targets >= len(batch) + (loss_fn is None):
+    if n_targets >= len(batch) + (not training):
         raise UnsupportedInputError(f"{len(batch)} example input(s) cannot hold {n_targets} "
                                     "target(s) and at least one model input")
-    if loss_fn is not None:
-        _check_no_running_statistics(model)
+    if clip_grad_norm is not None and not training:
+        raise UnsupportedInputError("clip_grad_norm clips gradients: it needs a loss_fn or an "
+                                    "optimizer")
+    if training:
+        _check_batch_norms(model)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [k for k, p in params.items() if p.requires_grad]
@@ -66,14 +83,16 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
               + [InputSpec("", "buffer", k) for k in buffers]
               + [InputSpec("", "opt_state", k) for k in opt_state]
               + [InputSpec("", "hparam", k) for k in hyper]
-              + [InputSpec("", "input", f"input{i}") for i in range(len(batch))])
-    if loss_fn is None:
+              + [InputSpec("", "input", k) for k in batch.keys])
+    clip = [OutputSpec("grad_norm", "grad_norm")] if clip_grad_norm is not None else []
+    if not training:
         outputs = None  # known after tracing
     elif optimizer is None:
-        outputs = [OutputSpec("loss", "loss")] + [OutputSpec("grad", k) for k in trainable]
+        outputs = [OutputSpec("loss", "loss"), *clip] + [OutputSpec("grad", k) for k in trainable]
     else:
-        outputs = ([OutputSpec("loss", "loss")] + [OutputSpec("param", k) for k in specs]
+        outputs = ([OutputSpec("loss", "loss"), *clip] + [OutputSpec("param", k) for k in specs]
                    + [OutputSpec("opt_state", k) for k in opt_state])
+    outputs_tree = None
 
     n_model_inputs = len(batch) - n_targets
     annotator = _ModuleAnnotator(model)
@@ -82,34 +101,45 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         it = iter(flat)
         tables = [{k: next(it) for k in params}, {k: next(it) for k in buffers},
                   {k: next(it) for k in opt_state}, {k: next(it) for k in hyper},
-                  [next(it) for _ in batch]]
+                  [next(it) for _ in range(len(batch))]]
         return tables
 
-    def forward_only(*flat):
-        p, b, _, _, xs = unpack(flat)
+    def run_forward(weights, buffer_values, xs):
+        """The model on ``xs`` with its buffers as fresh tensors it may update in place
+        (created inside the transforms, so the update is functionalized into outputs)."""
+        updated = {k: v.clone() for k, v in buffer_values.items()}
         annotator.phase("forward")
-        out = _checked_output(functional_call(model, {**p, **b}, tuple(xs)))
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        with _BatchNormAsReductions():
+            out = _checked_output(batch.call(model, {**weights, **updated}, xs[:n_model_inputs]))
+        return out, updated
+
+    def forward_only(*flat):
+        nonlocal outputs_tree
+        p, b, _, _, xs = unpack(flat)
+        out, updated = run_forward(p, b, xs)
+        tensors, outputs_tree = _flatten_output(out)
+        return (*tensors, *(updated[k] for k in buffers))
 
     def train_step(*flat):
         p, b, state, hp, xs = unpack(flat)
         frozen = {k: v for k, v in p.items() if k not in trainable}
 
-        def compute_loss(train_params):
-            annotator.phase("forward")
-            out = _checked_output(functional_call(model, {**train_params, **frozen, **b},
-                                                  tuple(xs[:n_model_inputs])))
-            loss = loss_fn(out, *xs[n_model_inputs:])
-            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-                raise UnsupportedInputError("loss_fn must return a one-element tensor, got "
-                                            f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+        def compute_loss(train_params, buffer_values):
+            out, updated = run_forward({**train_params, **frozen}, buffer_values, xs)
+            loss = _loss_of(out, loss_fn, xs[n_model_inputs:])
             annotator.phase("backward")
-            return loss
+            return loss, updated
 
-        grads, loss = grad_and_value(compute_loss)({k: p[k] for k in trainable})
+        grads, (loss, updated) = grad_and_value(compute_loss, has_aux=True)(
+            {k: p[k] for k in trainable}, b)
         annotator.phase("optimizer")
+        norm = []
+        if clip_grad_norm is not None:
+            total, grads = _clip_by_global_norm(grads, clip_grad_norm)
+            norm = [total]
+        new_buffers = [updated[k] for k in buffers]
         if optimizer is None:
-            return (loss, *(grads[k] for k in trainable))
+            return (loss, *norm, *(grads[k] for k in trainable), *new_buffers)
         scalars = {g: spec.derived({name: hp[hyperparameter_key(g, name)] for name in spec.inputs})
                    for g, spec in groups.items()}
         new_params, new_state = [], []
@@ -119,26 +149,28 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
                                         scalars[group_of[k]])
             new_params.append(new_p)
             new_state.extend(st[s] for s in names)
-        return (loss, *new_params, *new_state)
+        return (loss, *norm, *new_params, *new_state, *new_buffers)
 
     hyper_tensors = hyperparameter_tensors(hyper)
     tables = {"param": params, "buffer": buffers, "opt_state": opt_state, "hparam": hyper_tensors,
-              "input": {f"input{i}": t for i, t in enumerate(batch)}}
+              "input": dict(zip(batch.keys, batch.tensors))}
     flat = [tables[i.role][i.key].detach() for i in inputs]
-    fn = train_step if loss_fn is not None else forward_only
-    gm = _make_fx(fn, flat, annotator, batch)
+    fn = train_step if training else forward_only
+    gm = _make_fx(fn, flat, annotator, batch.tensors)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = [InputSpec(_rename_placeholder(n, spec), spec.role, spec.key)
               for n, spec in zip(placeholders, inputs)]
     if outputs is None:
-        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-        outputs = [OutputSpec("output", f"output{i}") for i in range(n_out)]
+        outputs = [OutputSpec("output", f"output{i}") for i in range(outputs_tree.num_tensors)]
+    outputs += [OutputSpec("buffer", k) for k in buffers]
+    outputs = _drop_unchanged_buffers(gm, inputs, outputs)
     _check_no_input_mutation(gm)
     _annotate_origins(gm, inputs, annotator)
-    _check_no_random_ops(gm)
+    _check_random_ops(gm)
     gm.recompile()
     STEP.set(gm, StepSignature(tuple(inputs), tuple(outputs), tuple((k, specs[k]) for k in specs),
-                               n_targets, tuple(groups.items()), tuple(hyper.items())))
+                               n_targets, tuple(groups.items()), tuple(hyper.items()),
+                               keyword_batch=batch.keyword, output_tree=outputs_tree))
     return gm
 
 
@@ -150,30 +182,190 @@ def _checked_output(out):
     return out
 
 
-def _check_no_running_statistics(model: nn.Module) -> None:
-    """Refuse BatchNorm layers that would update running statistics in a training step
-    (an in-place update of a buffer, which the step cannot carry yet)."""
+def _check_batch_norms(model: nn.Module) -> None:
+    """Refuse BatchNorm layers whose training-mode update needs a running count's value
+    (``momentum=None``: a cumulative average, ``1 / num_batches_tracked``)."""
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training \
-                and module.track_running_stats:
+                and module.track_running_stats and module.momentum is None:
             raise UnsupportedInputError(
-                f"{type(module).__name__} {name!r} is in training mode and updates its running "
-                "statistics in place, which ddlc does not support yet: call .eval() on it (use "
-                "the running statistics) or build it with track_running_stats=False",
+                f"{type(module).__name__} {name!r} has momentum=None (a cumulative moving average "
+                "of the running statistics), whose factor reads num_batches_tracked's value and "
+                "cannot be one static graph: give it a momentum, or call .eval() on it",
                 where=f"module {name} ({type(module).__name__})")
 
 
-def _check_batch(example_inputs) -> list[torch.Tensor]:
-    batch = [example_inputs] if isinstance(example_inputs, torch.Tensor) else example_inputs
-    if not isinstance(batch, (tuple, list)) or not batch:
-        raise UnsupportedInputError("example_inputs must be a tensor or a non-empty tuple of "
-                                    f"tensors, got {type(example_inputs).__name__}")
-    for i, t in enumerate(batch):
-        if not isinstance(t, torch.Tensor):
-            raise UnsupportedInputError(f"example input {i} is a {type(t).__name__}; ddlc "
-                                        "traces tensor inputs only (pass other values as "
-                                        "module attributes)")
-    return list(batch)
+@dataclass(frozen=True)
+class _Batch:
+    """The example batch: its tensors in order, their input keys, and how the model takes
+    them (``model(*tensors)``, or ``model(**dict)`` for a keyword batch)."""
+
+    keys: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+    keyword: bool
+
+    @staticmethod
+    def of(example_inputs) -> "_Batch":
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
+        if isinstance(example_inputs, Mapping):
+            keys, values, keyword = tuple(example_inputs), tuple(example_inputs.values()), True
+        elif isinstance(example_inputs, (tuple, list)):
+            values, keyword = tuple(example_inputs), False
+            keys = tuple(f"input{i}" for i in range(len(values)))
+        else:
+            raise UnsupportedInputError("example_inputs must be a tensor, a tuple of tensors or a "
+                                        f"dict of tensors, got {type(example_inputs).__name__}")
+        if not values:
+            raise UnsupportedInputError("example_inputs is empty: give the model's inputs")
+        for key, t in zip(keys, values):
+            if not isinstance(t, torch.Tensor):
+                raise UnsupportedInputError(f"example input {key!r} is a {type(t).__name__}; ddlc "
+                                            "traces tensor inputs only (set other values on the "
+                                            "model, e.g. its config, or bind them with "
+                                            "functools.partial in a wrapper)")
+        return _Batch(keys, values, keyword)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def call(self, model: nn.Module, state: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor]):
+        """``model`` with ``state`` on the first ``len(xs)`` inputs. A model whose forward
+        takes ``use_cache`` (a Hugging Face decoder) gets ``use_cache=False`` unless the
+        batch sets it: a training step has no use for a generation cache."""
+        names = self.keys[:len(xs)]
+        kwargs = dict(zip(names, xs)) if self.keyword else {}
+        if "use_cache" not in kwargs and "use_cache" in _forward_parameters(model):
+            kwargs["use_cache"] = False
+        return functional_call(model, state, () if self.keyword else tuple(xs), kwargs)
+
+
+def _forward_parameters(model: nn.Module) -> Mapping[str, Any]:
+    try:
+        return inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def _loss_of(out, loss_fn: Callable | None, targets: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The step's loss: ``loss_fn(out, *targets)``, or the model's own (``out`` itself, its
+    ``.loss`` or ``["loss"]``, or a scalar first element of a tuple)."""
+    if loss_fn is not None:
+        loss, what = loss_fn(out, *targets), "loss_fn"
+    else:
+        what = "the model (compiled without loss_fn, so its output must hold the loss)"
+        loss = out
+        if isinstance(out, Mapping) and "loss" in out:
+            loss = out["loss"]
+        elif not isinstance(out, torch.Tensor) and getattr(out, "loss", None) is not None:
+            loss = out.loss
+        elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) and out[0].ndim == 0:
+            loss = out[0]
+        if loss is None or (not isinstance(loss, torch.Tensor) and hasattr(out, "loss")):
+            raise UnsupportedInputError(
+                f"{what} returned {type(out).__name__} with loss=None: give the model the "
+                "batch entry it computes the loss from (e.g. labels=...), or pass a loss_fn")
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise UnsupportedInputError(f"{what} must return a one-element loss tensor, got "
+                                    f"{type(loss).__name__} {list(getattr(loss, 'shape', []))}")
+    return loss
+
+
+def _flatten_output(out) -> tuple[list[torch.Tensor], OutputTree]:
+    """The tensors of a forward's output (a tensor, tuple, dict, dataclass or
+    ``ModelOutput``) and the tree that rebuilds it; a leaf that is neither a tensor nor a
+    plain constant (a generation cache object) is refused by name."""
+    leaves, spec = tree_flatten(out)
+    for leaf in leaves:
+        if not (isinstance(leaf, torch.Tensor) or leaf is None or isinstance(leaf, (bool, int, float, str))):
+            raise UnsupportedInputError(
+                f"the model's output holds a {type(leaf).__name__}, which is not a tensor; a "
+                "compiled program returns tensors only (for a generation cache, pass "
+                "use_cache=False)")
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    constants = tuple(None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+    is_tensor = tuple(isinstance(leaf, torch.Tensor) for leaf in leaves)
+    return tensors, OutputTree(spec, constants, is_tensor)
+
+
+def _clip_by_global_norm(grads: Mapping[str, torch.Tensor], max_norm: float):
+    """``torch.nn.utils.clip_grad_norm_`` as pure ops: the 2-norm over all gradients
+    (one sum of squares: on a sharded gradient a partial sum, reduced across the mesh),
+    and every gradient scaled by ``min(1, max_norm / (norm + 1e-6))``."""
+    total = torch.stack([(g.float() * g.float()).sum() for g in grads.values()]).sum().sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    return total, {k: g * scale.to(g.dtype) for k, g in grads.items()}
+
+
+class _BatchNormAsReductions(TorchFunctionMode):
+    """``F.batch_norm`` with batch statistics, written as sums over the batch and spatial
+    dims: ``mean = sum(x) / n``, ``var = sum((x - mean)^2) / n``. The sharding planner
+    turns a sum over a split batch into a partial sum reduced across the ranks that hold
+    the batch, so a distributed step normalizes with the statistics of the whole batch,
+    as ``nn.SyncBatchNorm`` does, and equals the single-device model; gradients follow
+    by autograd through the same sums. The running statistics are updated like torch's
+    kernel: ``running = (1 - momentum) * running + momentum * stat`` with the unbiased
+    variance. Eval mode (running statistics) goes to torch unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.batch_norm:
+            bound = _BATCH_NORM.bind(*args, **kwargs)
+            bound.apply_defaults()
+            if bound.arguments["training"]:
+                return _batch_norm_by_reductions(**bound.arguments)
+        return func(*args, **kwargs)
+
+
+_BATCH_NORM = inspect.signature(F.batch_norm)
+
+
+def _batch_norm_by_reductions(input, running_mean, running_var, weight, bias, training, momentum, eps):
+    dims = [0, *range(2, input.ndim)]
+    count = input.numel() // input.shape[1]
+    if count <= 1:
+        raise UnsupportedInputError(f"BatchNorm in training mode needs more than one value per "
+                                    f"channel, got input of shape {list(input.shape)}")
+
+    def per_channel(t):
+        return t.reshape([1, input.shape[1]] + [1] * (input.ndim - 2))
+
+    mean = input.sum(dims) / count
+    centered = input - per_channel(mean)
+    var = (centered * centered).sum(dims) / count
+    out = centered * per_channel(torch.rsqrt(var + eps))
+    if weight is not None:
+        out = out * per_channel(weight)
+    if bias is not None:
+        out = out + per_channel(bias)
+    if running_mean is not None:
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+            running_var.mul_(1 - momentum).add_(var, alpha=momentum * count / (count - 1))
+    return out
+
+
+def _drop_unchanged_buffers(gm: fx.GraphModule, inputs: Sequence[InputSpec],
+                            outputs: Sequence[OutputSpec]) -> list[OutputSpec]:
+    """Remove the buffer outputs that are only a copy of their input (buffers the step does
+    not update) from the graph's outputs; return the remaining output specs."""
+    placeholder = {i.key: i.name for i in inputs if i.role == "buffer"}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = list(output.args[0])
+    keep = []
+    for spec, value in zip(outputs, values):
+        copy_of = value
+        while isinstance(copy_of, fx.Node) and copy_of.target in _COPIES:
+            copy_of = copy_of.args[0]
+        unchanged = spec.role == "buffer" and isinstance(copy_of, fx.Node) \
+            and copy_of.name == placeholder[spec.key]
+        keep.append(not unchanged)
+    output.args = (tuple(v for v, k in zip(values, keep) if k),)
+    gm.graph.eliminate_dead_code()
+    return [s for s, k in zip(outputs, keep) if k]
+
+
+_COPIES = (torch.ops.aten.clone.default, torch.ops.aten.alias.default, torch.ops.aten.alias_copy.default)
 
 
 class _ModuleAnnotator:
@@ -238,8 +430,8 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
         for pattern, error, cause in _CAUSES:
             if pattern.search(f"{type(e).__name__} {e}"):
                 raise error(f"{cause}; the example inputs are {_describe(batch)} ({text})",
-                            where=where) from None
-        raise TraceError(f"tracing the training step failed ({text})", where=where) from None
+                            where=where) from e
+        raise TraceError(f"tracing the training step failed ({text})", where=where) from e
     finally:
         for h in hooks:
             h.remove()
@@ -261,23 +453,36 @@ def _is_user_file(filename: str) -> bool:
         and not filename.startswith("<")
 
 
+def _is_library_file(filename: str) -> bool:
+    """A third-party model library's file (transformers, timm, ...): not torch, not ddlc."""
+    path = os.path.abspath(filename)
+    return "site-packages" in path and not path.startswith(_INTERNAL_DIRS)
+
+
+def _cite(frames: Sequence[tuple[str, int | str, str, str]]) -> str | None:
+    """The user's innermost frame, and where the innermost library frame lies below it
+    (a Hugging Face model's own line), as ``file:line in func: code [in lib/file:line ...]``."""
+    users = [k for k, f in enumerate(frames) if _is_user_file(f[0])]
+    libraries = [k for k, f in enumerate(frames) if _is_library_file(f[0])]
+    parts = []
+    if users:
+        file, line, func, code = frames[users[-1]]
+        parts.append(f"{file}:{line} in {func}: {code.strip()}")
+    if libraries and (not users or libraries[-1] > users[-1]):
+        file, line, func, code = frames[libraries[-1]]
+        short = os.path.abspath(file).split("site-packages" + os.sep, 1)[-1]
+        parts.append(f"[in {short}:{line} in {func}: {code.strip()}]")
+    return " ".join(parts) or None
+
+
 def _user_frame(exc: BaseException) -> str | None:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_file(f.filename)]
-    if not frames:
-        return None
-    f = frames[-1]
-    return f'{f.filename}:{f.lineno} in {f.name}: {(f.line or "").strip()}'
+    return _cite([(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_tb(exc.__traceback__)])
 
 
 def _source_from_stack(stack_trace: str | None) -> str:
     if not stack_trace:
         return ""
-    found = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', stack_trace)
-    user = [f for f in found if _is_user_file(f[0])]
-    if not user:
-        return ""
-    file, line, func, code = user[-1]
-    return f"{file}:{line} in {func}: {code.strip()}"
+    return _cite(re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', stack_trace)) or ""
 
 
 def _rename_placeholder(node: fx.Node, spec: InputSpec) -> str:
@@ -298,31 +503,18 @@ def _check_no_input_mutation(gm: fx.GraphModule) -> None:
                 "in-place updates of buffers or inputs yet")
 
 
-def _draws_random_numbers(node: fx.Node) -> bool:
-    """Whether ``node`` is an op torch tags as seeded-random, other than one whose dropout
-    is switched off by its arguments (attention with ``dropout_p=0``, ``train=False``)."""
-    target = node.target
-    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
-        return False
-    names = [a.name for a in target._schema.arguments]
-    bound = {**dict(zip(names, node.args)), **node.kwargs}
-    defaults = {a.name: a.default_value for a in target._schema.arguments if a.has_default_value()}
-    value = lambda name: bound.get(name, defaults.get(name))  # noqa: E731
-    return not (("dropout_p" in names and value("dropout_p") == 0) or ("train" in names and value("train") is False))
-
-
-def _check_no_random_ops(gm: fx.GraphModule) -> None:
-    """Refuse a step that draws random numbers (dropout in training mode, ``torch.rand``):
-    every rank's generator would draw its own values, so replicated tensors would differ
-    between ranks and parameters drift apart -- a silent wrong result."""
+def _check_random_ops(gm: fx.GraphModule) -> None:
+    """Refuse a random op whose numbers depend on an input's values (``bernoulli`` of a
+    probability tensor, ``multinomial``): :mod:`ddlc.rng` draws every random tensor for
+    its global shape on every rank, which such an op does not allow."""
     for node in gm.graph.nodes:
-        if _draws_random_numbers(node):
+        if rng.draws_random_numbers(node) and not rng.supported(node):
             origin = ORIGIN.get(node)
             raise UnsupportedInputError(
-                f"the step draws random numbers ({node.target}, e.g. dropout in training mode); "
-                "ddlc cannot yet keep ranks' random streams consistent, so each rank would use "
-                "its own mask: set the dropout probability to 0 or put those modules in eval() "
-                "mode", where=origin.where(node.name) if origin else node.name)
+                f"the step draws random numbers with {node.target}, whose result depends on an "
+                "input's values; ddlc keeps ranks' random numbers consistent for dropout, rand, "
+                f"randn, randint, normal and uniform only ({', '.join(sorted(map(str, rng.DRAWS)))})",
+                where=origin.where(node.name) if origin else node.name)
 
 
 def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],

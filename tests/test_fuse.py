@@ -59,7 +59,7 @@ def test_fused_buckets_train_like_single_device():
     assert len(fused) < len(plain)
     assert sum(b for _, _, b in fused) == sum(b for _, _, b in plain)  # same bytes, fewer start-ups
     params = {k: v.detach() for k, v in model.named_parameters()}
-    losses, params, _ = simulate_steps(gm, mesh, params, {}, data, fuse=float("inf"))
+    losses, params, _, _ = simulate_steps(gm, mesh, params, {}, data, fuse=float("inf"))
     assert_matches_reference({"losses": losses, "params": params}, reference("mlp", "adamw", batch=DP_BATCH))
 
 
@@ -96,7 +96,7 @@ def test_split_collectives_train_like_single_device(ag_placement, kinds):
             startup = collective_time(mesh.profile.runs_as(kind), 0, 4, mesh.links[0], "ring")
             assert seconds[node.name] == pytest.approx(COLLECTIVE(node).seconds + (k - 1) * startup)
     params = {k: v.detach() for k, v in model.named_parameters()}
-    losses, params, _ = simulate_steps(gm, mesh, params, {}, data, fuse=False, partition=PIECE)
+    losses, params, _, _ = simulate_steps(gm, mesh, params, {}, data, fuse=False, partition=PIECE)
     assert_matches_reference({"losses": losses, "params": params}, reference("mlp", "adamw", batch=DP_BATCH))
 
 

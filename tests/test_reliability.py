@@ -28,20 +28,23 @@ def test_a_partial_placement_of_user_data_is_refused(key):
         pipeline.resolve_placements(gm, {key: "(P)"}, 1)
 
 
-class _Dropping(torch.nn.Module):
+class _StochasticMask(torch.nn.Module):
+    """Samples a mask from per-element probabilities: numbers that depend on a value."""
+
     def __init__(self):
         super().__init__()
         self.fc = torch.nn.Linear(4, 4)
 
     def forward(self, x):
-        return F.dropout(self.fc(x), 0.1, training=True)
+        h = self.fc(x)
+        return h * torch.bernoulli(torch.sigmoid(h))
 
 
-def test_random_ops_in_the_step_are_refused_at_the_users_line():
+def test_value_dependent_random_ops_are_refused_at_the_users_line():
     x = torch.randn(8, 4)
-    with pytest.raises(UnsupportedInputError, match="random numbers") as info:
-        ddlc.trace(_Dropping(), (x, x), F.mse_loss)
-    assert "test_reliability.py" in str(info.value) and "F.dropout" in str(info.value)
+    with pytest.raises(UnsupportedInputError, match="depends on an input's values") as info:
+        ddlc.trace(_StochasticMask(), (x, x), F.mse_loss)
+    assert "test_reliability.py" in str(info.value) and "torch.bernoulli" in str(info.value)
 
 
 @pytest.mark.parametrize("loss_fn", [None, F.mse_loss])
@@ -174,7 +177,7 @@ class _ReadsValues(torch.nn.Module):
 
 
 def _bn_model():
-    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, momentum=None))
 
 
 _X = torch.randn(8, 4)
@@ -188,10 +191,10 @@ CATALOGUE = [
     ("integer input into a float layer",
      lambda: ddlc.trace(MLP(), (torch.randint(0, 5, (8, 32)), torch.randn(8, 16)), F.mse_loss),
      ddlc.errors.TraceError, "dtypes do not fit"),
-    ("BatchNorm in training mode", lambda: ddlc.trace(_bn_model(), (_X, _X), F.mse_loss),
-     UnsupportedInputError, "BatchNorm1d '1' is in training mode"),
-    ("dropout in training mode", lambda: ddlc.trace(_Dropping(), (_X, _X), F.mse_loss),
-     UnsupportedInputError, "random numbers"),
+    ("BatchNorm with a cumulative average", lambda: ddlc.trace(_bn_model(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, "BatchNorm1d '1' has momentum=None"),
+    ("sampling from probabilities", lambda: ddlc.trace(_StochasticMask(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, "depends on an input's values"),
     ("a non-ASCII mesh", lambda: ddlc.Mesh("²"), MeshError, "cannot parse mesh shape"),
     ("an unknown compile option", lambda: CompileOptions.from_kwargs(solvr="cd"),
      ddlc.errors.OptionError, "solvr"),

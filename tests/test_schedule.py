@@ -172,7 +172,7 @@ def test_memory_cap_keeps_issue_early_from_raising_the_peak(prefetching):
     sequences = [collective_sequence(lowered((r,), max_live_bytes=cap)) for r in range(4)]
     assert all(s == sequences[0] for s in sequences)
     params = {k: v.detach() for k, v in model.named_parameters()}
-    losses, params, _ = simulate_steps(gm, mesh, params, {}, data, max_live_bytes=cap)
+    losses, params, _, _ = simulate_steps(gm, mesh, params, {}, data, max_live_bytes=cap)
     assert_matches_reference({"losses": losses, "params": params}, want)
 
 
@@ -246,7 +246,7 @@ def test_early_updates_match_single_device(model_name, link):
     gm, mesh, model, data, want = _decoupled(model_name, link)
     assert _inside_backward(_lower_rank(gm, mesh, (0,), updates="early"))[0]
     params = {k: v.detach() for k, v in model.named_parameters()}
-    losses, params, opt_state = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data,
+    losses, params, opt_state, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data,
                                                updates="early")
     assert_matches_reference({"losses": losses, "params": params, "opt_state": opt_state}, want)
 

@@ -34,7 +34,7 @@ def test_simulated_ranks_match_single_device(mesh_shape, model_name, opt_name, p
     graph = lower_rank(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, axis_group_names(mesh))
     assert collective_sequence(graph), "the plan should communicate"
     params = {k: v.detach() for k, v in model.named_parameters()}
-    losses, params, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data)
+    losses, params, _, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data)
     assert_matches_reference({"losses": losses, "params": params}, reference(model_name, opt_name))
 
 

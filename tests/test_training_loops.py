@@ -1,0 +1,182 @@
+"""Real training loops on simulated ranks (every rank's program in one process, see
+``ddlc.simulate``) against eager single-device training: BatchNorm in training mode
+(the statistics of the whole batch, as SyncBatchNorm), dropout drawn from one random
+stream for all ranks, gradient clipping by global norm, Adam with L2 weight decay,
+parameter groups, frozen parameters, dict batches and models that compute their own
+loss."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ddlc
+from conftest import assert_matches_reference
+from ddlc import zoo
+from ddlc.ir import STEP
+from ddlc.sbp import parse_sbp
+from ddlc.simulate import simulate_steps
+from passes.canonicalize import canonicalize
+from passes.sharding import shard
+
+MESHES = {(4,): "(S0)", (2, 2): "(S0, S0)"}
+#: lowering options of the simulated runs: bucketing and splitting change no numbers
+#: (their own tests cover them) and their timeline searches dominate lowering time
+LOWER = {"fuse": False, "partition": False}
+
+
+def eager(model, loss_fn, make_optimizer, data, clip=None, seed=None):
+    """Single-device training of ``model`` in place: losses, and the last gradient norm."""
+    opt = make_optimizer(model)
+    if seed is not None:
+        torch.manual_seed(seed)
+    losses, norm = [], None
+    for *inputs, target in data:
+        opt.zero_grad()
+        loss = loss_fn(model(*inputs), target)
+        loss.backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.detach())
+    return losses, norm
+
+
+def simulated(model, loss_fn, make_optimizer, data, mesh_shape, batch_sbp=None, **trace_options):
+    """The same training on simulated ranks of ``mesh_shape`` with every batch input split
+    as ``batch_sbp``: (losses, params, buffers, step graph)."""
+    gm = canonicalize(ddlc.trace(model, data[0], loss_fn, make_optimizer(model), **trace_options))
+    sig = STEP(gm)
+    sbp = parse_sbp(batch_sbp or MESHES[mesh_shape])
+    mesh = ddlc.Mesh(mesh_shape)
+    shard(gm, mesh, fixed={sig.input_name("input", k): sbp for k in sig.keys("input")})
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+    losses, params, _, buffers = simulate_steps(gm, mesh, params, buffers, data, **LOWER)
+    return losses, params, buffers, gm
+
+
+def _images(n_steps=3, batch=8, size=32, classes=10):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 3, size, size, generator=g), torch.randint(0, classes, (batch,), generator=g))
+            for _ in range(n_steps)]
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_batchnorm_training_uses_the_whole_batch_statistics(mesh_shape):
+    """ResNet-18 (tiny) in training mode, batch split over every rank: losses, parameters
+    and running statistics (num_batches_tracked included) equal single-device training,
+    which needs the batch mean and variance reduced across ranks."""
+    torch.manual_seed(0)
+    model = zoo.resnet18(num_classes=10, width=4)
+    reference = copy.deepcopy(model)
+    data = _images()
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)  # noqa: E731
+    losses, params, buffers, gm = simulated(model, F.cross_entropy, sgd, data, mesh_shape)
+    want_losses, _ = eager(reference, F.cross_entropy, sgd, data)
+    assert {o.key for o in STEP(gm).outputs if o.role == "buffer"} == {
+        k for k, _ in reference.named_buffers()}
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want_losses, "params": dict(reference.named_parameters())})
+    for name, value in reference.named_buffers():
+        torch.testing.assert_close(buffers[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert int(buffers["bn1.num_batches_tracked"]) == len(data)
+
+
+def test_batchnorm_per_rank_statistics_would_differ():
+    """The check above can fail: each quarter of the batch has other statistics."""
+    x = _images(1)[0][0]
+    whole = x.mean((0, 2, 3))
+    assert not torch.allclose(x[:2].mean((0, 2, 3)), whole, atol=1e-3)
+
+
+class _DropoutMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return F.dropout(self.fc2(self.drop(F.relu(self.fc1(x)))), 0.1, self.training)
+
+
+def _regression(n_steps=3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(n_steps)]
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_dropout_masks_equal_single_device_with_the_same_seed(mesh_shape):
+    """Dropout on a split batch: every rank draws from the program's generator (seeded
+    as the single-device run), so the masks, and with them the whole run, are equal."""
+    torch.manual_seed(0)
+    model = _DropoutMLP()
+    reference = copy.deepcopy(model)
+    data = _regression()
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)  # noqa: E731
+    losses, params, _, _ = simulated(model, F.mse_loss, sgd, data, mesh_shape)
+    want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)  # the simulated program's seed
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+    without, _ = eager(copy.deepcopy(model), F.mse_loss, sgd, data, seed=1)
+    assert not torch.allclose(torch.stack(without), torch.stack(want))  # the masks matter
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_clipping_adam_groups_and_frozen_parameters(mesh_shape):
+    """Clip to a global norm of 0.5 (the norm over sharded gradients is reduced across the
+    mesh), with Adam's L2 weight decay, two parameter groups and a frozen bias."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+    model[2].bias.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    data = _regression()
+
+    def adam(m):
+        return torch.optim.Adam([{"params": m[0].parameters(), "lr": 1e-2},
+                                 {"params": m[2].parameters(), "lr": 3e-3, "weight_decay": 0.1}],
+                                eps=1e-4)
+    losses, params, _, gm = simulated(model, F.mse_loss, adam, data, mesh_shape, clip_grad_norm=0.5)
+    want, norm = eager(reference, F.mse_loss, adam, data, clip=0.5)
+    assert norm > 0.5  # clipping is active
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+    assert [o.role for o in STEP(gm).outputs][:2] == ["loss", "grad_norm"]
+
+
+class _OwnLoss(nn.Module):
+    """A model as Hugging Face writes one: keyword inputs, a dict output with the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        hidden = self.emb(input_ids) * attention_mask[..., None]
+        logits = self.head(hidden)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten()) if labels is not None else None
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_dict_batch_and_the_models_own_loss():
+    torch.manual_seed(0)
+    model = _OwnLoss()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(0, 32, (8, 6), generator=g),
+             "attention_mask": (torch.rand(8, 6, generator=g) > 0.2).long(),
+             "labels": torch.randint(0, 32, (8, 6), generator=g)} for _ in range(3)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    losses, params, _, _ = simulated(model, None, sgd, data, (2, 2))
+    opt, want = sgd(reference), []
+    for batch in data:
+        opt.zero_grad()
+        loss = reference(**batch)["loss"]
+        loss.backward()
+        opt.step()
+        want.append(loss.detach())
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
