@@ -16,6 +16,10 @@ labels into every valid 1-D signature:
 
 ``P`` is never claimed for a non-floating tensor; a number in a linear set
 (``x + 1``) is a broadcast value, so that set gives no signature.
+
+Rules are found by operator (``RULES``) or, for a whole family, by a torch op tag the
+operator carries (``TAG_RULES``: every functional ``torch.Tag.pointwise`` overload is
+elementwise); :func:`rule_for` looks up both.
 """
 from __future__ import annotations
 
@@ -94,6 +98,34 @@ class Labels:
 
 Rule = Callable[[Call], Labels]
 RULES: dict[Any, Rule] = {}
+
+#: Rules for whole families of operators, by torch op tag (``torch.Tag.pointwise``): every
+#: functional overload carrying the tag gets the family's rule unless ``RULES`` names the op
+#: itself. In-place and ``out=`` overloads (a written argument) and overloads returning
+#: anything but tensors are not functional and get no rule from a tag.
+TAG_RULES: dict[Any, Rule] = {}
+
+
+def is_functional(op: Any) -> bool:
+    """Whether ``op`` writes none of its arguments and returns one or more plain tensors."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return not writes and all(isinstance(r.type, torch.TensorType) for r in schema.returns)
+
+
+def rule_for(target: Any) -> Optional[Rule]:
+    """The rule of an operator: its own entry in ``RULES``, else the rule of a tag it
+    carries (``TAG_RULES``, functional overloads only), else None."""
+    rule = RULES.get(target)
+    if rule is not None:
+        return rule
+    tags = getattr(target, "tags", ())
+    for tag, family_rule in TAG_RULES.items():
+        if tag in tags and is_functional(target):
+            return family_rule
+    return None
 
 
 def letters(n: int, start: int = 0) -> str:
@@ -253,7 +285,8 @@ _FALLBACK_LOGGED: set[str] = set()
 
 
 def has_rule(node: fx.Node) -> bool:
-    return node.target is operator.getitem or node.target in RULES
+    """Whether ``node`` has a rule (its own or its tag family's), i.e. does not fall back."""
+    return node.target is operator.getitem or rule_for(node.target) is not None
 
 
 def signatures_1d(node: fx.Node) -> list[Signature]:
@@ -293,7 +326,7 @@ def _signatures_1d(key: tuple, node: fx.Node) -> tuple[Signature, ...]:
 def _compute_1d(node: fx.Node) -> list[Signature]:
     if node.target is operator.getitem:
         return _getitem_signatures(node)
-    rule = RULES.get(node.target)
+    rule = rule_for(node.target)
     outputs = output_metas(_val(node))
     if rule is None:
         name = str(node.target)

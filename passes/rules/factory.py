@@ -1,11 +1,18 @@
 """Factory operators: outputs made from shapes, not values.
 
-``*_like`` ops read only the shape of their input, so it may have any SBP (``P``
-included) and the output splits with it. Sized factories (``full``, ``zeros``,
-``ones``, ``new_*``) may split any output dim: the ``size`` argument is localized.
-Zero-filled outputs may also be ``P`` (zeros sum to zeros); ones and other fills
-only ``B`` or ``S``. ``arange`` and ``scalar_tensor`` stay ``B`` (a split ``arange``
-would need per-rank start values).
+``*_like`` ops and ``fill.Scalar`` read only the shape of their input, so it may have
+any SBP (``P`` included) and the output splits with it. Sized factories (``full``,
+``zeros``, ``ones``, ``empty``, ``new_*``) may split any output dim: the ``size``
+argument is localized. Zero-filled outputs may also be ``P`` (zeros sum to zeros);
+ones and other fills only ``B`` or ``S``, and so do ``empty`` outputs (their values are
+undefined, and a plan must not read them). ``fill.Tensor`` broadcasts its 0-d value over
+``self``'s shape: linear in the value (``P`` value, ``P`` output). ``arange`` and
+``scalar_tensor`` stay ``B`` (a split ``arange`` would need per-rank start values).
+
+Random factories (``rand``, ``randn``, ``randint``, ``normal``, ``rand_like``,
+``randn_like``, ``uniform``) split the same way, never ``P``: a rule says only how shapes
+split; that each rank's piece holds its part of the numbers drawn for the global shape
+(and equal copies where ``B``) is :mod:`ddlc.rng`'s business.
 """
 from __future__ import annotations
 
@@ -17,23 +24,42 @@ aten = torch.ops.aten
 
 # op: is the output all zeros
 LIKE = {aten.zeros_like.default: True, aten.ones_like.default: False,
-        aten.full_like.default: False, aten.empty_like.default: False}
+        aten.full_like.default: False, aten.empty_like.default: False,
+        aten.fill.Scalar: False, aten.rand_like.default: False, aten.randn_like.default: False,
+        aten.uniform.default: False}
 SIZED = {aten.zeros.default: True, aten.ones.default: False, aten.full.default: False,
          aten.new_zeros.default: True, aten.new_ones.default: False,
-         aten.new_full.default: False}
+         aten.new_full.default: False, aten.empty.memory_format: False,
+         aten.new_empty.default: False, aten.rand.default: False, aten.randn.default: False,
+         aten.randint.low: False, aten.randint.default: False, aten.normal.float_float: False}
+#: op: the argument holding the fill value (a 0 fill gives zeros)
+FILL_ARG = {aten.full_like.default: "fill_value", aten.fill.Scalar: "value",
+            aten.full.default: "fill_value", aten.new_full.default: "fill_value"}
 UNSPLIT_FACTORIES = [aten.arange.default, aten.arange.start, aten.arange.start_step,
                      aten.scalar_tensor.default]
 
 
+def _zero(call: Call, table: dict) -> bool:
+    return table[call.target] or (call.target in FILL_ARG and call[FILL_ARG[call.target]] == 0)
+
+
 def like(call: Call) -> Labels:
+    """The output splits with ``self`` (shape only: any SBP); ``P`` output if all zeros."""
     labels = letters(call["self"].ndim)
-    zero = LIKE[call.target] or (call.target is aten.full_like.default and call["fill_value"] == 0)
-    return Labels({"self": labels}, [labels], shape_only=["self"], zero_output=zero)
+    return Labels({"self": labels}, [labels], shape_only=["self"], zero_output=_zero(call, LIKE))
 
 
 def sized(call: Call) -> Labels:
-    zero = SIZED[call.target] or (call.get("fill_value") == 0 and "fill_value" in call.args)
-    return Labels({}, [letters(call.outputs[0].ndim)], shape_only=["self"], zero_output=zero)
+    """Any output dim may split (``size`` localized); ``P`` output if all zeros."""
+    return Labels({}, [letters(call.outputs[0].ndim)], shape_only=["self"],
+                  zero_output=_zero(call, SIZED))
+
+
+def fill_tensor(call: Call) -> Labels:
+    """The 0-d ``value`` broadcast over ``self``'s shape (``self``: shape only)."""
+    labels = letters(call["self"].ndim)
+    return Labels({"self": labels, "value": ""}, [labels], shape_only=["self"],
+                  linear=[{"value"}])
 
 
 def unsplit(call: Call) -> Labels:
@@ -41,7 +67,7 @@ def unsplit(call: Call) -> Labels:
 
 
 RULES = {**dict.fromkeys(LIKE, like), **dict.fromkeys(SIZED, sized),
-         **dict.fromkeys(UNSPLIT_FACTORIES, unsplit)}
+         **dict.fromkeys(UNSPLIT_FACTORIES, unsplit), aten.fill.Tensor: fill_tensor}
 
 
 def local_size(call: Call, in_shapes, out_shapes) -> dict:

@@ -17,6 +17,14 @@
   spatial dims never split. The backward's outputs depend on different inputs
   (grad_input on grad_output and weight, grad_weight on grad_output and input,
   grad_bias on grad_output alone); it is linear in each input.
+- grouped convolution (groups > 1): batch splits everything. A depthwise convolution
+  (one input channel per group, MobileNet style) also splits by groups: the input's
+  channels, the weight's groups dim (0), the bias and the output's channels together,
+  ``groups`` localized to the local number of groups. (With more input channels per
+  group an even channel split need not fall on group boundaries, so it is not
+  claimed.) Linear in the input and in the weight, as without groups.
+- ``embedding_dense_backward`` with a ``padding_idx``: the padding row's gradient is
+  zero in every piece, so the index contraction holds as without one.
 - pooling: batch and channel dims split; the backward is linear in the gradient.
 """
 from __future__ import annotations
@@ -94,10 +102,14 @@ def attention(call: Call) -> Labels:
 
 
 def _conv_labels(call: Call) -> tuple[str, str, str, str]:
-    """(input, weight, bias, output) labels: n batch, c in-channels, o out-channels."""
+    """(input, weight, bias, output) labels: n batch, c in-channels, o out-channels,
+    g groups (depthwise only)."""
     spatial = UNSPLIT * (call["input"].ndim - 2)
     if call["groups"] != 1:
-        return "n" + UNSPLIT + spatial, UNSPLIT * (len(spatial) + 2), UNSPLIT, "n" + UNSPLIT + spatial
+        if call["input"].shape[1] != call["groups"]:   # batch only
+            x = "n" + UNSPLIT + spatial
+            return x, UNSPLIT * (len(spatial) + 2), UNSPLIT, x
+        return "ng" + spatial, "g" + UNSPLIT + spatial, "g", "ng" + spatial
     weight = ("co" if call["transposed"] else "oc") + spatial
     return "nc" + spatial, weight, "o", "no" + spatial
 
@@ -154,9 +166,27 @@ RULES = {
 }
 
 
-def conv_bias_sizes(call: Call, in_shapes, out_shapes) -> dict:
-    """bias_sizes is the local number of output channels (grad_output's dim 1)."""
-    return {} if call["bias_sizes"] is None else {"bias_sizes": [in_shapes[0][1]]}
+def _local_groups(call: Call, in_shapes) -> dict:
+    """``groups`` is the local number of groups (of a depthwise convolution split by groups)."""
+    slot = [name for name, _ in call.slots].index("input")
+    groups, channels = call["groups"], call["input"].shape[1]
+    if groups == 1 or in_shapes[slot][1] == channels:
+        return {}
+    return {"groups": groups * in_shapes[slot][1] // channels}
 
 
-LOCALIZERS = {aten.convolution_backward.default: conv_bias_sizes}
+def conv_groups(call: Call, in_shapes, out_shapes) -> dict:
+    return _local_groups(call, in_shapes)
+
+
+def conv_backward_args(call: Call, in_shapes, out_shapes) -> dict:
+    """bias_sizes is the local number of output channels (grad_output's dim 1); groups as
+    in the forward."""
+    changes = _local_groups(call, in_shapes)
+    if call["bias_sizes"] is not None:
+        changes["bias_sizes"] = [in_shapes[0][1]]
+    return changes
+
+
+LOCALIZERS = {aten.convolution.default: conv_groups,
+              aten.convolution_backward.default: conv_backward_args}

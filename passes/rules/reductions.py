@@ -2,10 +2,23 @@
 
 - ``sum``: a split reduced dim gives ``P``; kept dims split through; ``P->P``.
 - ``mean``: a reduced dim is never split (a local mean is not a partial sum); ``P->P``.
-- softmax / log-softmax: the softmax dim is never split; no ``P`` forward, backward
-  linear in the incoming gradient.
+- other reductions (``amax``, ``any``, ``argmax``, ``max.dim``, ``prod``, ``var``,
+  ``logsumexp``, ``linalg_vector_norm``...): a reduced dim is never split (its pieces
+  would combine by max, or, or another non-sum), kept dims split through; no ``P``.
+- ``cumsum`` (``cumprod``): the scanned dim is never split, the others split through;
+  ``cumsum`` is linear (``P->P``).
+- softmax / log-softmax / ``_safe_softmax``: the softmax dim is never split; no ``P``
+  forward, backward linear in the incoming gradient.
 - layer norm: the normalized dims are never split; the batch dims split, and in the
   backward the weight/bias gradients are contracted over them (``P``).
+- batch norm (input ``[N, C, *]``, per-channel weight, bias and statistics ``[C]``):
+  the channel dim splits everything per channel (weight, bias, running and saved
+  statistics ``S0``). In inference (``training=False``, the running statistics) every
+  other dim splits the input and output alone; the output is affine in the input,
+  jointly linear in input, bias and running mean (``P`` together). In training the
+  batch statistics span N and the spatial dims, which never split. The backward is
+  linear in the incoming gradient; in inference its batch/spatial splits contract into
+  the weight and bias gradients (``P``), in training only the channel splits.
 - nll / mse loss: with ``reduction=sum`` a batch split gives a ``P`` loss (and a
   ``P`` total_weight); with ``mean`` the batch dim is never split (a local mean is
   not a partial sum), except in ``nll_loss_backward``, whose gradient rows only
@@ -47,6 +60,34 @@ def mean(call: Call) -> Labels:
     return Labels({"self": labels}, [out], linear=[{"self"}])
 
 
+def _dims(call: Call, ndim: int) -> set[int]:
+    """The reduced dims: ``dim`` as an int or a list; None, [] or no ``dim`` is every dim."""
+    dims = call.args.get("dim")
+    if dims is None or dims == () or dims == []:
+        return set(range(ndim))
+    dims = dims if isinstance(dims, (tuple, list)) else (dims,)
+    return {d % max(ndim, 1) for d in dims}
+
+
+def reduce_unsplit(call: Call) -> Labels:
+    """A reduction whose pieces do not sum: reduced dims never split, kept dims split
+    through (every output: values and indices alike); no ``P``."""
+    ndim = call["self"].ndim
+    reduced = _dims(call, ndim)
+    labels = "".join(UNSPLIT if d in reduced else c for d, c in enumerate(letters(ndim)))
+    keep = call.get("keepdim", False)
+    out = "".join(c for d, c in enumerate(labels) if keep or d not in reduced)
+    return Labels({"self": labels}, [out] * len(call.outputs))
+
+
+def scan(call: Call) -> Labels:
+    """cumsum/cumprod: the scanned dim never splits; cumsum is linear."""
+    ndim = call["self"].ndim
+    labels = _except_dim(ndim, call.dim("dim", ndim)) if ndim else ""
+    linear = [{"self"}] if call.target is aten.cumsum.default else []
+    return Labels({"self": labels}, [labels], linear=linear)
+
+
 def _except_dim(ndim: int, d: int) -> str:
     labels = letters(ndim)
     return labels[:d] + UNSPLIT + labels[d + 1:]
@@ -81,6 +122,62 @@ def layer_norm_backward(call: Call) -> Labels:
                   linear=[{"grad_out"}, {"weight"}],
                   deps={0: {"grad_out", "input", "mean", "rstd", "weight"},
                         1: {"grad_out", "input", "mean", "rstd"}, 2: {"grad_out"}})
+
+
+CHANNEL = "C"
+
+
+def _bn_input(call: Call, name: str, training: bool) -> str:
+    """Labels of a batch norm's ``[N, C, *]`` tensor: ``C`` on the channel dim 1; the
+    other dims split only in inference."""
+    return "".join(CHANNEL if d == 1 else UNSPLIT if training else letters(1, start=d)
+                   for d in range(call[name].ndim))
+
+
+def _bn_stat(call: Call, meta) -> str:
+    """A per-channel tensor (saved statistics): ``C`` when it is ``[C]``; an empty
+    placeholder (inference on CPU saves ``[0]``) never splits."""
+    if meta is None:
+        return ""
+    if meta.ndim == 1 and meta.shape[0] == call["input"].shape[1]:
+        return CHANNEL
+    return UNSPLIT * meta.ndim
+
+
+def batch_norm(call: Call) -> Labels:
+    """native_batch_norm / _native_batch_norm_legit*: (output, save_mean, save_invstd
+    [, running_mean_out, running_var_out]); in inference the saved statistics are
+    placeholders that depend on nothing and the running ones pass through."""
+    training = bool(call.get("training", False))
+    x = _bn_input(call, "input", training)
+    inputs = {"input": x, "weight": CHANNEL, "bias": CHANNEL, "running_mean": CHANNEL,
+              "running_var": CHANNEL}
+    outputs = [x] + [_bn_stat(call, m) for m in call.outputs[1:]]
+    if training:
+        return Labels(inputs, outputs)
+    deps = {1: (), 2: (), 3: {"running_mean"}, 4: {"running_var"}}
+    return Labels(inputs, outputs, linear=[{"input", "bias", "running_mean"}],
+                  deps={k: v for k, v in deps.items() if k < len(outputs)})
+
+
+def batch_norm_backward(call: Call) -> Labels:
+    """(grad_input, grad_weight, grad_bias), ``train`` choosing batch or running
+    statistics. grad_input is linear in the weight too; in inference grad_weight is
+    jointly linear in the input and running mean (``(x - mean) * invstd``)."""
+    training = bool(call["train"])
+    x = _bn_input(call, "input", training)
+    inputs = {"grad_out": x, "input": x, "weight": CHANNEL, "running_mean": CHANNEL,
+              "running_var": CHANNEL, "save_mean": _bn_stat(call, call.get("save_mean")),
+              "save_invstd": _bn_stat(call, call.get("save_invstd"))}
+    if training:
+        deps = {0: {"grad_out", "input", "weight", "save_mean", "save_invstd"},
+                1: {"grad_out", "input", "save_mean", "save_invstd"}, 2: {"grad_out"}}
+        linear = [{"grad_out"}, {"weight"}]
+    else:
+        deps = {0: {"grad_out", "weight", "running_var"},
+                1: {"grad_out", "input", "running_mean", "running_var"}, 2: {"grad_out"}}
+        linear = [{"grad_out"}, {"weight"}, {"input", "running_mean"}]
+    return Labels(inputs, [x, CHANNEL, CHANNEL], linear=linear, deps=deps)
 
 
 def _loss_batch(call: Call, ndim: int, splittable: bool) -> str:
@@ -121,10 +218,20 @@ def mse_loss_backward(call: Call) -> Labels:
                   linear=[{"grad_output"}, {"self", "target"}])
 
 
+REDUCE_UNSPLIT = [
+    aten.amax.default, aten.amin.default, aten.aminmax.default,
+    aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims,
+    aten.argmax.default, aten.argmin.default, aten.max.default, aten.min.default,
+    aten.max.dim, aten.min.dim, aten.prod.default, aten.prod.dim_int,
+    aten.logsumexp.default, aten.var.correction, aten.std.correction,
+    aten.var_mean.correction, aten.std_mean.correction, aten.linalg_vector_norm.default,
+]
+
 RULES = {
     aten.sum.dim_IntList: sum_, aten.sum.default: sum_,
     aten.mean.dim: mean, aten.mean.default: mean,
     aten._softmax.default: softmax, aten._log_softmax.default: softmax,
+    aten._safe_softmax.default: softmax,
     aten._softmax_backward_data.default: softmax_backward,
     aten._log_softmax_backward_data.default: softmax_backward,
     aten.native_layer_norm.default: layer_norm,
@@ -133,4 +240,10 @@ RULES = {
     aten.nll_loss_backward.default: nll_loss_backward,
     aten.mse_loss.default: mse_loss,
     aten.mse_loss_backward.default: mse_loss_backward,
+    **dict.fromkeys(REDUCE_UNSPLIT, reduce_unsplit),
+    aten.cumsum.default: scan, aten.cumprod.default: scan,
+    **dict.fromkeys([aten.native_batch_norm.default, aten._native_batch_norm_legit_no_training.default,
+                     aten._native_batch_norm_legit.no_stats,
+                     aten._native_batch_norm_legit_functional.default], batch_norm),
+    aten.native_batch_norm_backward.default: batch_norm_backward,
 }

@@ -1,10 +1,17 @@
 """View-like and data-movement operators: splits follow the dims they move.
 
-All are linear (``P->P``). A reshape keeps a split when its dim survives whole or is
-the outermost component of a merged or split group of dims (size-1 dims ignored);
-any other split would need data movement and is refused. ``slice``/``split``/``cat``
-never split their own dim (unless the slice takes the whole dim); ``expand`` may
-split a broadcast dim of its output (the input is ``B`` there).
+All are linear (``P->P``; ``constant_pad_nd`` only with a 0 fill). A reshape keeps a
+split when its dim survives whole or is the outermost component of a merged or split
+group of dims (size-1 dims ignored); any other split would need data movement and is
+refused. ``slice``/``split``/``cat``/``stack``/``select``/``unbind`` never split their
+own dim (unless the slice takes the whole dim); every other dim splits through. The
+backward and scatter forms (``slice_backward``, ``select_backward``, ``slice_scatter``,
+``select_scatter``) split like the forward (their ``input_sizes`` are localized).
+``expand`` may split a broadcast dim of its output (the input is ``B`` there), and so
+may ``repeat`` on a new leading dim or a size-1 dim (``repeats`` localized); a dim
+repeated more than once never splits (the copies interleave the pieces). Padding
+(``constant_pad_nd``) never splits a padded dim; ``triu``/``tril`` only split the batch
+dims (the mask depends on the row and column of the last two).
 """
 from __future__ import annotations
 
@@ -110,6 +117,108 @@ def cat(call: Call) -> Labels:
                                for m in call.inputs]}, [labels], linear=[{"tensors"}])
 
 
+def _drop(labels: str, d: int) -> str:
+    return labels[:d] + labels[d + 1:]
+
+
+def _unsplit(labels: str, d: int) -> str:
+    return labels[:d] + UNSPLIT + labels[d + 1:]
+
+
+def select(call: Call) -> Labels:
+    """The selected dim disappears; the others split through."""
+    ndim = call["self"].ndim
+    labels = _unsplit(letters(ndim), call.dim("dim", ndim))
+    return Labels({"self": labels}, [_drop(labels, call.dim("dim", ndim))], linear=SELF)
+
+
+def select_backward(call: Call) -> Labels:
+    """The gradient placed at ``index`` of a zero tensor: the inserted dim never splits."""
+    ndim = len(call["input_sizes"])
+    d = call.dim("dim", ndim)
+    labels = _unsplit(letters(ndim), d)
+    return Labels({"grad_output": _drop(labels, d)}, [labels], linear=[{"grad_output"}])
+
+
+def slice_backward(call: Call) -> Labels:
+    """The gradient placed in a zero tensor: the sliced dim stays whole unless the
+    slice took all of it."""
+    meta = call["grad_output"]
+    d = call.dim("dim", meta.ndim)
+    labels = letters(meta.ndim)
+    if call.outputs[0].shape[d] != meta.shape[d]:
+        labels = _unsplit(labels, d)
+    return Labels({"grad_output": labels}, [labels], linear=[{"grad_output"}])
+
+
+def select_scatter(call: Call) -> Labels:
+    """``self`` with ``src`` written at ``index`` of ``dim`` (never split there)."""
+    ndim = call["self"].ndim
+    d = call.dim("dim", ndim)
+    labels = _unsplit(letters(ndim), d)
+    return Labels({"self": labels, "src": _drop(labels, d)}, [labels], linear=[{"self", "src"}])
+
+
+def slice_scatter(call: Call) -> Labels:
+    """``self`` with ``src`` written into a slice of ``dim`` (split only if it is whole)."""
+    meta = call["self"]
+    d = call.dim("dim", meta.ndim)
+    labels = letters(meta.ndim)
+    if call["src"].shape[d] != meta.shape[d]:
+        labels = _unsplit(labels, d)
+    return Labels({"self": labels, "src": labels}, [labels], linear=[{"self", "src"}])
+
+
+def unbind(call: Call) -> Labels:
+    ndim = call["self"].ndim
+    d = call.dim("dim", ndim)
+    labels = _unsplit(letters(ndim), d)
+    return Labels({"self": labels}, [_drop(labels, d)] * len(call.outputs), linear=SELF)
+
+
+def stack(call: Call) -> Labels:
+    """Equally shaped inputs split together; the new dim never splits."""
+    out = call.outputs[0]
+    d = call.dim("dim", out.ndim)
+    labels = _unsplit(letters(out.ndim), d)
+    return Labels({"tensors": [_drop(labels, d)] * len(call.inputs)}, [labels],
+                  linear=[{"tensors"}])
+
+
+def repeat(call: Call) -> Labels:
+    """Dims repeated once split through; a new leading dim or a repeated size-1 dim may
+    split the output alone (the input is ``B``); other repeated dims never split."""
+    meta, repeats = call["self"], list(call["repeats"])
+    out_labels = letters(len(repeats))
+    offset = len(repeats) - meta.ndim
+    src, out = [], list(out_labels)
+    for i, n in enumerate(meta.shape):
+        r = repeats[offset + i]
+        src.append(out_labels[offset + i] if r == 1 else UNSPLIT)
+        if r != 1 and n != 1:
+            out[offset + i] = UNSPLIT
+    return Labels({"self": "".join(src)}, ["".join(out)], linear=SELF)
+
+
+def constant_pad_nd(call: Call) -> Labels:
+    """Padded (or cropped, negative pad) dims never split; linear if the fill is 0."""
+    ndim = call["self"].ndim
+    pad = list(call["pad"])
+    labels = list(letters(ndim))
+    for k in range(len(pad) // 2):
+        if pad[2 * k] or pad[2 * k + 1]:
+            labels[ndim - 1 - k] = UNSPLIT
+    labels = "".join(labels)
+    return Labels({"self": labels}, [labels], linear=SELF if call["value"] == 0 else ())
+
+
+def triangle(call: Call) -> Labels:
+    """triu/tril: the last two dims never split, the batch dims split through."""
+    ndim = call["self"].ndim
+    labels = letters(ndim - 2) + UNSPLIT * min(ndim, 2)
+    return Labels({"self": labels}, [labels], linear=SELF)
+
+
 RULES = {
     **dict.fromkeys([aten.view.default, aten.view_copy.default, aten._unsafe_view.default,
                      aten.reshape.default, aten._reshape_copy.default], reshape),
@@ -125,6 +234,16 @@ RULES = {
     **dict.fromkeys([aten.split.Tensor, aten.split_copy.Tensor, aten.split_with_sizes.default,
                      aten.split_with_sizes_copy.default], split),
     aten.cat.default: cat,
+    **dict.fromkeys([aten.select.int, aten.select_copy.int], select),
+    aten.select_backward.default: select_backward,
+    aten.slice_backward.default: slice_backward,
+    aten.select_scatter.default: select_scatter,
+    aten.slice_scatter.default: slice_scatter,
+    **dict.fromkeys([aten.unbind.int, aten.unbind_copy.int], unbind),
+    aten.stack.default: stack,
+    aten.repeat.default: repeat,
+    aten.constant_pad_nd.default: constant_pad_nd,
+    **dict.fromkeys([aten.triu.default, aten.tril.default], triangle),
 }
 
 
@@ -133,6 +252,24 @@ def local_size(call: Call, in_shapes, out_shapes) -> dict:
     return {"size": list(out_shapes[0])}
 
 
-LOCALIZERS = dict.fromkeys([aten.view.default, aten.view_copy.default, aten._unsafe_view.default,
-                            aten.reshape.default, aten._reshape_copy.default,
-                            aten.expand.default, aten.expand_copy.default], local_size)
+def local_input_sizes(call: Call, in_shapes, out_shapes) -> dict:
+    """A backward's ``input_sizes`` become the local output shape."""
+    return {"input_sizes": list(out_shapes[0])}
+
+
+def local_repeats(call: Call, in_shapes, out_shapes) -> dict:
+    """Each repeat count is the local output length over the local input length."""
+    repeats, local_in, local_out = list(call["repeats"]), in_shapes[0], out_shapes[0]
+    offset = len(repeats) - len(local_in)
+    ins = [1] * offset + list(local_in)
+    return {"repeats": [o // n if n else r for o, n, r in zip(local_out, ins, repeats)]}
+
+
+LOCALIZERS = {
+    **dict.fromkeys([aten.view.default, aten.view_copy.default, aten._unsafe_view.default,
+                     aten.reshape.default, aten._reshape_copy.default,
+                     aten.expand.default, aten.expand_copy.default], local_size),
+    aten.select_backward.default: local_input_sizes,
+    aten.slice_backward.default: local_input_sizes,
+    aten.repeat.default: local_repeats,
+}

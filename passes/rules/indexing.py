@@ -1,0 +1,120 @@
+"""Indexing operators: a tensor read (or written) at positions another tensor holds.
+
+The indexed dim of the data tensor never splits (a local piece would need its global
+offset); the index tensor may split, and its split carries to the output. A dim that
+the data, the index and the output share position by position splits all of them.
+
+- ``gather(self, dim, index)``: the index (and output, of the index's shape) splits on
+  any dim; on a dim other than ``dim`` only where it is as long as ``self`` there, and
+  then ``self`` splits with it. Linear in ``self``.
+- ``scatter_add(self, dim, index, src)``: ``self`` + ``src`` added at the index
+  positions. ``index`` and ``src`` split together on ``dim`` (their own positions) with
+  the output ``P`` and ``self`` ``P`` with it (each piece adds its part of ``src``); on
+  another dim all four split where they are equally long. Linear in ``self`` and
+  ``src`` jointly. ``scatter`` (overwrite) splits only on the shared dims, no ``P``.
+- ``index_select(self, dim, index)``: the 1-d index splits the output's ``dim``;
+  ``self``'s other dims split through. Linear in ``self``.
+- ``index.Tensor(self, indices)``: the index tensors broadcast to one index shape that
+  replaces the indexed dims (in place if they are adjacent, else in front, as
+  torch's advanced indexing does); a split of that shape splits the index tensors
+  holding the dim (the others ``B``) and the output; the dims of ``self`` not indexed
+  split through. Bool (mask) indices give data-dependent shapes: nothing splits.
+  Linear in ``self``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .core import UNSPLIT, Call, Labels, TensorMeta, aligned, letters
+
+aten = torch.ops.aten
+SELF = ({"self"},)
+
+
+def gather(call: Call) -> Labels:
+    meta, index = call["self"], call["index"]
+    d = call.dim("dim", meta.ndim)
+    labels = letters(index.ndim)
+    if index.ndim != meta.ndim:      # 0-d self or index: nothing lines up
+        return Labels({"self": UNSPLIT * meta.ndim, "index": UNSPLIT * index.ndim},
+                      [UNSPLIT * index.ndim], linear=SELF)
+    shared = [i != d and index.shape[i] == meta.shape[i] for i in range(meta.ndim)]
+    idx = "".join(c if i == d or shared[i] else UNSPLIT for i, c in enumerate(labels))
+    src = "".join(c if shared[i] else UNSPLIT for i, c in enumerate(labels))
+    return Labels({"self": src, "index": idx}, [idx], linear=SELF)
+
+
+def _scatter_labels(call: Call, along_dim: bool) -> tuple[str, str, str]:
+    """(self/output, index, src) labels of a scatter."""
+    meta, index = call["self"], call["index"]
+    src = call.get("src")
+    others = [m for m in (index, src) if isinstance(m, TensorMeta)]
+    if any(m.ndim != meta.ndim for m in others):
+        return UNSPLIT * meta.ndim, UNSPLIT * index.ndim, UNSPLIT * getattr(src, "ndim", 0)
+    d = call.dim("dim", meta.ndim)
+    labels = letters(meta.ndim)
+    out = "".join(c if i != d and all(m.shape[i] == meta.shape[i] for m in others) else UNSPLIT
+                  for i, c in enumerate(labels))
+    idx = out
+    if along_dim and all(m.shape[d] == index.shape[d] for m in others):
+        idx = out[:d] + "z" + out[d + 1:]
+    return out, idx, idx
+
+
+def scatter_add(call: Call) -> Labels:
+    out, idx, src = _scatter_labels(call, along_dim=True)
+    return Labels({"self": out, "index": idx, "src": src}, [out], addends=["self"],
+                  linear=[{"self", "src"}])
+
+
+def scatter(call: Call) -> Labels:
+    out, idx, src = _scatter_labels(call, along_dim=False)
+    inputs = {"self": out, "index": idx}
+    if isinstance(call.get("src"), TensorMeta):
+        inputs["src"] = src
+    return Labels(inputs, [out])
+
+
+def index_select(call: Call) -> Labels:
+    meta, index = call["self"], call["index"]
+    d = call.dim("dim", meta.ndim)
+    labels = letters(meta.ndim)
+    src = labels[:d] + UNSPLIT + labels[d + 1:]
+    idx = "z" if index.ndim == 1 else UNSPLIT * index.ndim
+    out = src[:d] + (idx or UNSPLIT) + src[d + 1:] if meta.ndim else ""
+    return Labels({"self": src, "index": idx}, [out], linear=SELF)
+
+
+def index(call: Call) -> Labels:
+    meta, out = call["self"], call.outputs[0]
+    entries = list(call["indices"])
+    positions = [i for i, m in enumerate(entries) if isinstance(m, TensorMeta)]
+    tensors = [entries[i] for i in positions]
+    if not tensors or any(m.dtype in (torch.bool, torch.uint8) for m in tensors):
+        return Labels({"self": UNSPLIT * meta.ndim,
+                       "indices": [UNSPLIT * m.ndim if isinstance(m, TensorMeta) else ""
+                                   for m in entries]}, [UNSPLIT * out.ndim], linear=SELF)
+    n_index = max(m.ndim for m in tensors)
+    adjacent = positions == list(range(positions[0], positions[-1] + 1))
+    start = positions[0] if adjacent else 0      # where the index dims sit in the output
+    out_labels = letters(out.ndim)
+    index_labels = out_labels[start:start + n_index]
+    # the output dim of each dim of self that is not indexed, in order
+    rest = [i for i in range(meta.ndim) if i not in positions]
+    out_dims = [i if i < start else i - len(positions) + n_index for i in rest] if adjacent \
+        else [n_index + k for k in range(len(rest))]
+    src = [UNSPLIT] * meta.ndim
+    for i, j in zip(rest, out_dims):
+        src[i] = out_labels[j]
+    indices = [aligned(m, out.shape[start:start + n_index], index_labels)
+               if isinstance(m, TensorMeta) else "" for m in entries]
+    return Labels({"self": "".join(src), "indices": indices}, [out_labels], linear=SELF)
+
+
+RULES = {
+    aten.gather.default: gather,
+    aten.scatter_add.default: scatter_add,
+    aten.scatter.src: scatter, aten.scatter.value: scatter,
+    aten.index_select.default: index_select,
+    aten.index.Tensor: index,
+}
