@@ -202,6 +202,9 @@ class OutputTree:
     def num_tensors(self) -> int:
         return sum(self.is_tensor)
 
+    def __deepcopy__(self, memo):  # immutable; a TreeSpec does not deep-copy cleanly
+        return self
+
     def rebuild(self, tensors: Sequence[Any]):
         it = iter(tensors)
         leaves = [next(it) if t else c for t, c in zip(self.is_tensor, self.constants)]

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from .errors import RuntimeMismatchError
 
-__all__ = ["spawn", "WorkerError"]
+__all__ = ["spawn", "run", "WorkerError"]
 
 
 class WorkerError(RuntimeMismatchError):
@@ -61,6 +61,33 @@ def _worker(rank, fn, world_size, port, timeout, outdir, args):
         dist.barrier()  # nobody tears down while a peer still communicates
         dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown: C++ destructors of gloo threads can abort there
+
+
+def run(fn, world_size: int, *args, timeout: float = 60.0, deadline: float = 300.0):
+    """``fn(rank, *args)`` on every rank; rank 0's result where rank 0 runs, else None.
+
+    Under ``torchrun`` (``RANK`` set) this process is one rank: it joins the job's
+    process group (NCCL when CUDA is available, otherwise gloo; ``world_size`` is then
+    the launcher's) and calls ``fn`` once. Otherwise :func:`spawn` starts ``world_size``
+    local gloo workers and this process gets rank 0's result. So one script runs on a
+    laptop, on one node, or on several nodes::
+
+        python script.py
+        torchrun --nproc-per-node=4 script.py
+        torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 script.py
+    """
+    if "RANK" not in os.environ:
+        return spawn(fn, world_size, *args, timeout=timeout, deadline=deadline)[0]
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    try:
+        result = fn(dist.get_rank(), *args)
+        dist.barrier()
+        return result if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
 
 
 def spawn(fn, world_size: int, *args, timeout: float = 60.0, deadline: float = 300.0) -> list:

@@ -152,6 +152,9 @@ def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence
     leader = None
     if any(coord) and not _splits_evenly(gm, mesh):
         leader = _lower_passes(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, groups, options, None)
+        # a copied graph names new nodes afresh (names of erased nodes are free again), so
+        # lower a copy here too: the two programs then name their nodes alike
+        gm.graph = copy.deepcopy(gm.graph)
     _lower_passes(gm, mesh, coord, groups, options, leader)
     return gm
 

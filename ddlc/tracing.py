@@ -10,6 +10,7 @@ recorded in a :class:`ddlc.ir.StepSignature` (``ir.STEP``); every node keeps
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
@@ -156,7 +157,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
               "input": dict(zip(batch.keys, batch.tensors))}
     flat = [tables[i.role][i.key].detach() for i in inputs]
     fn = train_step if training else forward_only
-    gm = _make_fx(fn, flat, annotator, batch.tensors)
+    gm = _make_fx(fn, flat, annotator, batch.tensors, model)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = [InputSpec(_rename_placeholder(n, spec), spec.role, spec.key)
               for n, spec in zip(placeholders, inputs)]
@@ -230,21 +231,41 @@ class _Batch:
         return len(self.keys)
 
     def call(self, model: nn.Module, state: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor]):
-        """``model`` with ``state`` on the first ``len(xs)`` inputs. A model whose forward
-        takes ``use_cache`` (a Hugging Face decoder) gets ``use_cache=False`` unless the
-        batch sets it: a training step has no use for a generation cache."""
-        names = self.keys[:len(xs)]
-        kwargs = dict(zip(names, xs)) if self.keyword else {}
-        if "use_cache" not in kwargs and "use_cache" in _forward_parameters(model):
-            kwargs["use_cache"] = False
-        return functional_call(model, state, () if self.keyword else tuple(xs), kwargs)
+        """``model`` with ``state`` on the first ``len(xs)`` inputs."""
+        if self.keyword:
+            return functional_call(model, state, (), dict(zip(self.keys, xs)))
+        return functional_call(model, state, tuple(xs))
 
 
-def _forward_parameters(model: nn.Module) -> Mapping[str, Any]:
+@contextlib.contextmanager
+def _as_compiling():
+    """``torch.compiler.is_compiling()`` answers True while ddlc traces, as it does under
+    non-strict ``torch.export`` (also a make_fx trace): libraries that branch on it take
+    their traceable path. Hugging Face's mask code otherwise reads the attention mask's
+    values (to skip an all-ones mask), which one static graph cannot do."""
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
     try:
-        return inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return {}
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
+
+
+@contextlib.contextmanager
+def _without_generation_cache(model: nn.Module):
+    """``use_cache=False`` on every config of ``model`` (a Hugging Face model and its
+    sub-stacks, which keep their own copies) while tracing: a training step or a forward
+    pass has no use for a generation cache, whose objects are not tensors."""
+    configs = {id(c): c for m in model.modules()
+               if hasattr(c := getattr(m, "config", None), "use_cache")}
+    saved = {k: c.use_cache for k, c in configs.items()}
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for k, c in configs.items():
+            c.use_cache = saved[k]
 
 
 def _loss_of(out, loss_fn: Callable | None, targets: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -415,11 +436,12 @@ _CAUSES = (
 )
 
 
-def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor]) -> fx.GraphModule:
+def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor],
+             model: nn.Module) -> fx.GraphModule:
     hooks = [module_mod.register_module_forward_pre_hook(annotator.pre),
              module_mod.register_module_forward_hook(annotator.post)]
     try:
-        with fx_traceback.preserve_node_meta():
+        with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model):
             return make_fx(functionalize(fn, remove="mutations_and_views"), tracing_mode="fake",
                            record_stack_traces=True)(*flat)
     except (UnsupportedInputError, TraceError):
