@@ -92,15 +92,16 @@ def _from_rank0(value):
     return message[0]
 
 
-def _share_generator(gm: fx.GraphModule, device: torch.device) -> None:
+def _share_generator(gm: fx.GraphModule, device: torch.device, cpu_state: torch.Tensor) -> None:
     """Give the program's generator (``gm.rng``, present when the step draws random
-    numbers) rank 0's default generator state: on the CPU its full state, so a single-
-    device run seeded alike draws the same numbers; on a GPU, its seed."""
+    numbers) rank 0's default generator state as ``compile`` found it: on the CPU its
+    full state (``cpu_state``), so a single-device run seeded alike draws the same
+    numbers; on a GPU, its seed."""
     if not hasattr(gm, "rng"):
         return
     if device.type == "cpu":
         gm.rng = torch.Generator()
-        gm.rng.set_state(_from_rank0(torch.get_rng_state()))
+        gm.rng.set_state(_from_rank0(cpu_state))
     else:
         gm.rng = torch.Generator(device=device)
         gm.rng.manual_seed(_from_rank0(torch.cuda.initial_seed()))
@@ -127,6 +128,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     partition, scheduling caps, where updates run); they are validated before any work.
     """
     options = CompileOptions.from_kwargs(**options)
+    rng_state = torch.get_rng_state()  # before anything could draw from it
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeMismatchError("ddlc.compile needs an initialised process group: launch the "
                                    "script with torchrun, or use ddlc.spawn for local workers")
@@ -140,7 +142,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     fingerprint = _check_fingerprint(gm)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
-    _share_generator(gm, device)
+    _share_generator(gm, device, rng_state)
     return CompiledStep(model, gm, plan, mesh, coord, options.batch, fingerprint, device, optimizer,
                         device_mesh)
 
@@ -292,6 +294,9 @@ class CompiledStep:
         self.opt_state.update(out.get("opt_state", {}))
         self.buffers.update(out.get("buffer", {}))
         self.gradients_local = out.get("grad", {})
+        if self._optimizer is not None:
+            # this was the optimizer's step: what torch's lr schedulers check it has had
+            self._optimizer._opt_called = True
         if "grad_norm" in out:
             self.last_grad_norm = out["grad_norm"]["grad_norm"].detach()
         self.steps_done += 1

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import ddlc
-from ddlc.ir import SHARDING, NdSignature
+from ddlc.ir import STEP, SHARDING, NdSignature
 from ddlc.sbp import NdSBP, parse_sbp
 from ddlc.zoo import CNN, GPT, MLP, lm_loss
 
@@ -109,6 +109,55 @@ def assert_matches_reference(got: dict, want: dict, label: str = "", **tolerance
         for what, actual, value in pairs:
             torch.testing.assert_close(actual, value, rtol=rtol, atol=atol,
                                        msg=lambda m, what=what: f"{label} {what}: {m}".lstrip())
+
+
+# -- any model, eager and on simulated ranks ------------------------------------------------
+
+MESHES = {(4,): "(S0)", (2, 2): "(S0, S0)"}
+#: lowering options of the simulated runs: bucketing and splitting change no numbers
+#: (their own tests cover them) and their timeline searches dominate lowering time
+LOWER = {"fuse": False, "partition": False}
+
+
+def eager(model, loss_fn, make_optimizer, data, clip=None, seed=None):
+    """Single-device training of ``model`` in place: losses, and the last gradient norm.
+    A batch is a tuple ``(*inputs, target)`` for ``loss_fn``, or a dict the model takes
+    as keywords and computes its own loss from (``loss_fn`` None: ``out["loss"]``)."""
+    opt = make_optimizer(model)
+    if seed is not None:
+        torch.manual_seed(seed)
+    losses, norm = [], None
+    for batch in data:
+        opt.zero_grad()
+        if isinstance(batch, dict):
+            loss = model(**batch)["loss"]
+        else:
+            *inputs, target = batch
+            loss = loss_fn(model(*inputs), target)
+        loss.backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.detach())
+    return losses, norm
+
+
+def simulated(model, loss_fn, make_optimizer, data, mesh_shape, batch_sbp=None, **trace_options):
+    """The same training on simulated ranks of ``mesh_shape`` with every batch input split
+    as ``batch_sbp`` (default :data:`MESHES`): (losses, params, buffers, step graph)."""
+    from passes.canonicalize import canonicalize  # imported on use: see the module docstring
+    from passes.sharding import shard
+    from ddlc.simulate import simulate_steps
+    gm = canonicalize(ddlc.trace(model, data[0], loss_fn, make_optimizer(model), **trace_options))
+    sig = STEP(gm)
+    sbp = parse_sbp(batch_sbp or MESHES[mesh_shape])
+    mesh = ddlc.Mesh(mesh_shape)
+    shard(gm, mesh, fixed={sig.input_name("input", k): sbp for k in sig.keys("input")})
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+    losses, params, _, buffers = simulate_steps(gm, mesh, params, buffers, data, **LOWER)
+    return losses, params, buffers, gm
+
 
 
 # -- planned graphs -------------------------------------------------------------------------

@@ -14,50 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddlc
-from conftest import assert_matches_reference
+from conftest import MESHES, assert_matches_reference, eager, simulated
 from ddlc import zoo
 from ddlc.ir import STEP
-from ddlc.sbp import parse_sbp
-from ddlc.simulate import simulate_steps
-from passes.canonicalize import canonicalize
-from passes.sharding import shard
-
-MESHES = {(4,): "(S0)", (2, 2): "(S0, S0)"}
-#: lowering options of the simulated runs: bucketing and splitting change no numbers
-#: (their own tests cover them) and their timeline searches dominate lowering time
-LOWER = {"fuse": False, "partition": False}
-
-
-def eager(model, loss_fn, make_optimizer, data, clip=None, seed=None):
-    """Single-device training of ``model`` in place: losses, and the last gradient norm."""
-    opt = make_optimizer(model)
-    if seed is not None:
-        torch.manual_seed(seed)
-    losses, norm = [], None
-    for *inputs, target in data:
-        opt.zero_grad()
-        loss = loss_fn(model(*inputs), target)
-        loss.backward()
-        if clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.detach())
-    return losses, norm
-
-
-def simulated(model, loss_fn, make_optimizer, data, mesh_shape, batch_sbp=None, **trace_options):
-    """The same training on simulated ranks of ``mesh_shape`` with every batch input split
-    as ``batch_sbp``: (losses, params, buffers, step graph)."""
-    gm = canonicalize(ddlc.trace(model, data[0], loss_fn, make_optimizer(model), **trace_options))
-    sig = STEP(gm)
-    sbp = parse_sbp(batch_sbp or MESHES[mesh_shape])
-    mesh = ddlc.Mesh(mesh_shape)
-    shard(gm, mesh, fixed={sig.input_name("input", k): sbp for k in sig.keys("input")})
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    buffers = {k: v.detach() for k, v in model.named_buffers()}
-    losses, params, _, buffers = simulate_steps(gm, mesh, params, buffers, data, **LOWER)
-    return losses, params, buffers, gm
-
 
 def _images(n_steps=3, batch=8, size=32, classes=10):
     g = torch.Generator().manual_seed(1)
@@ -171,12 +130,6 @@ def test_a_dict_batch_and_the_models_own_loss():
              "labels": torch.randint(0, 32, (8, 6), generator=g)} for _ in range(3)]
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
     losses, params, _, _ = simulated(model, None, sgd, data, (2, 2))
-    opt, want = sgd(reference), []
-    for batch in data:
-        opt.zero_grad()
-        loss = reference(**batch)["loss"]
-        loss.backward()
-        opt.step()
-        want.append(loss.detach())
+    want, _ = eager(reference, None, sgd, data)
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())})
