@@ -133,3 +133,32 @@ def test_a_dict_batch_and_the_models_own_loss():
     want, _ = eager(reference, None, sgd, data)
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())})
+
+
+class _Autocast(nn.Module):
+    """A forward that runs its matmuls in bfloat16 under torch.autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.fc2(F.gelu(self.fc1(x))).float()
+
+
+def test_autocast_bfloat16_forward():
+    """The autocast casts are traced into the step (``_to_copy`` to bfloat16 and back); the
+    sharded program equals single-device mixed-precision training up to bfloat16's
+    rounding of differently ordered sums."""
+    torch.manual_seed(0)
+    model = _Autocast()
+    reference = copy.deepcopy(model)
+    data = _regression()
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)  # noqa: E731
+    losses, params, _, gm = simulated(model, F.mse_loss, sgd, data, (2, 2))
+    want, _ = eager(reference, F.mse_loss, sgd, data)
+    assert any(n.kwargs.get("dtype") == torch.bfloat16 for n in gm.graph.nodes if n.op == "call_function")
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())},
+                             losses=(1e-3, 1e-4), params=(1e-3, 1e-4))
