@@ -149,6 +149,7 @@ SYNTHETIC = {
                         {"value": 0.5}),
     "where": lambda: (aten.where.self, (_r(4, 6) > 0, _r(4, 6, seed=1), _r(6)), {}),
     "to_float64": lambda: (aten._to_copy.default, (_r(4, 6),), {"dtype": torch.float64}),
+    "copy_broadcast": lambda: (aten.copy.default, (_r(4, 6), _r(6, seed=1)), {}),
     "sum_default": lambda: (aten.sum.default, (_r(4, 6),), {}),
     "sum_dims": lambda: (aten.sum.dim_IntList, (_r(2, 4, 6), [0, 2]), {}),
     "mean_dim": lambda: (aten.mean.dim, (_r(2, 4, 6), [1], True), {}),

@@ -48,6 +48,7 @@ LINEAR_IN: dict = {
     aten.alias_copy.default: SELF, aten.detach_copy.default: SELF,
     aten.lift_fresh_copy.default: SELF,
     aten._to_copy.default: SELF,
+    aten.copy.default: ({"src"},),                           # self's shape, src's values
     aten.lerp.Scalar: ({"self", "end"},),                    # self + weight * (end - self)
     aten.lerp.Tensor: ({"self", "end"},),
     aten.addcmul.default: ({"self", "tensor1"}, {"self", "tensor2"}),  # self + v * t1 * t2
