@@ -167,12 +167,15 @@ RULES = {
 
 
 def _local_groups(call: Call, in_shapes) -> dict:
-    """``groups`` is the local number of groups (of a depthwise convolution split by groups)."""
-    slot = [name for name, _ in call.slots].index("input")
-    groups, channels = call["groups"], call["input"].shape[1]
-    if groups == 1 or in_shapes[slot][1] == channels:
+    """``groups`` is the local number of groups: the input's local channels over the
+    weight's input channels per group (dim 1, which no split changes). ``call`` may hold
+    local values already (localization runs in graph order), so nothing here reads the
+    input's global shape."""
+    if call["groups"] == 1:
         return {}
-    return {"groups": groups * in_shapes[slot][1] // channels}
+    slot = [name for name, _ in call.slots].index("input")
+    groups = in_shapes[slot][1] // call["weight"].shape[1]
+    return {} if groups == call["groups"] else {"groups": groups}
 
 
 def conv_groups(call: Call, in_shapes, out_shapes) -> dict:
