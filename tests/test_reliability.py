@@ -232,19 +232,41 @@ def _bad_steps(rank):
             step.step(*bad)
         except UnsupportedInputError as e:
             found.append(str(e))
+    keyword = {"x": batch[0], "target": batch[1]}
+    by_key = ddlc.compile(_KeywordMLP(), "1", keyword, optimizer=None, loss_fn=_keyword_loss)
+    loss = by_key.step(keyword)
+    assert torch.equal(loss, by_key.step(**keyword))  # step(batch) and step(**batch) alike
+    for args, kwargs in (((keyword["x"],), {}), ((), {"x": batch[0]}),
+                         ((), {**keyword, "mask": batch[0]})):
+        try:
+            by_key.step(*args, **kwargs)
+        except UnsupportedInputError as e:
+            found.append(str(e))
     extra = _WithExtraState(32, 16)
     state = ddlc.compile(extra, "1", batch, F.mse_loss).state_dict()
     extra.load_state_dict(state, strict=True)
     return found, list(state), list(extra.state_dict())
 
 
+class _KeywordMLP(MLP):
+    def forward(self, x):
+        return super().forward(x)
+
+
+def _keyword_loss(out, target):
+    return F.mse_loss(out, target)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_step_refuses_wrong_dtypes_lists_and_non_tensors():
+def test_step_refuses_wrong_dtypes_lists_non_tensors_and_other_dict_keys():
     found, keys, want = spawn(_bad_steps, 1, timeout=60, deadline=100)[0]
-    assert len(found) == 3
+    assert len(found) == 6
     assert "dtype torch.float64" in found[0] and "separate arguments" in found[1] \
         and "is a int" in found[2]
+    # a step compiled on a dict batch: positional tensors, a missing key, an extra key
+    assert "step(batch) or step(**batch)" in found[3]
+    assert "missing ['target']" in found[4] and "extra ['mask']" in found[5]
     assert keys == want  # a module's extra state stays in state_dict()
 
 
