@@ -1,0 +1,114 @@
+"""Compile time per model: trace, plan (shard + decouple on rank 0) and lower (one rank's
+program), in seconds, for the models of the README's "Supported models" table at the
+sizes the tests use (Hugging Face models from small configs: hidden 32, 2 layers,
+sequence 16, batch 8; the CNNs at width 4-8 on 32x32 images), on a (4,) mesh with the
+batch split. All in one process; a real ``compile`` adds the rank-0 broadcast and the
+fingerprint check. Each figure is the best of ``--repeat`` rounds.
+
+    python bench/compile_time.py [--repeat 1] [--models gpt2 resnet18 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+
+import ddlc
+from ddlc import pipeline, zoo
+from ddlc.options import CompileOptions
+from ddlc.sbp import parse_sbp
+from ddlc.ir import STEP
+
+MESH = (4,)
+SEQ, BATCH, VOCAB = 16, 8, 128
+
+
+def _text(**extra):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[:3, -4:] = 0
+    return {"input_ids": ids, "attention_mask": mask, **extra, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _hf(name):
+    import transformers as tf
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    if name == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2,
+                                                n_head=4)), _text()
+    if name == "bert":
+        return (tf.BertForMaskedLM(tf.BertConfig(vocab_size=VOCAB, max_position_embeddings=32, **small)),
+                _text(token_type_ids=torch.zeros(BATCH, SEQ, dtype=torch.long)))
+    if name == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, max_position_embeddings=32,
+                                                  num_key_value_heads=2, **small)), _text()
+    if name == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=VOCAB, max_position_embeddings=32,
+                                                  num_key_value_heads=2, **small)), _text()
+    if name == "t5":
+        return (tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64,
+                                                          num_layers=2, num_heads=4, decoder_start_token_id=0,
+                                                          pad_token_id=0)), _text())
+    if name == "vit":
+        g = torch.Generator().manual_seed(1)
+        return (tf.ViTForImageClassification(tf.ViTConfig(image_size=32, patch_size=8, num_labels=10, **small)),
+                {"pixel_values": torch.randn(BATCH, 3, 32, 32, generator=g),
+                 "labels": torch.randint(0, 10, (BATCH,), generator=g)})
+    raise KeyError(name)
+
+
+CNNS = {"resnet18": lambda: zoo.resnet18(width=8), "resnet50": lambda: zoo.resnet50(width=4),
+        "vgg16_bn": lambda: zoo.vgg16_bn(width=4), "mobilenet_v2": lambda: zoo.mobilenet_v2(width_mult=0.25)}
+MODELS = ["gpt2", "bert", "llama", "qwen2", "t5", "vit", *CNNS]
+
+
+def build(name):
+    torch.manual_seed(0)
+    if name in CNNS:
+        g = torch.Generator().manual_seed(1)
+        batch = (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+        return CNNS[name](), batch, F.cross_entropy
+    model, batch = _hf(name)
+    return model, batch, None
+
+
+def measure(name: str) -> dict[str, float]:
+    model, batch, loss_fn = build(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    options = CompileOptions()
+    mesh = ddlc.Mesh(MESH)
+    times = {}
+    start = time.perf_counter()
+    gm = pipeline.trace_step(model, batch, loss_fn, optimizer, options)
+    times["trace"] = time.perf_counter() - start
+    sig = STEP(gm)
+    fixed = {sig.input_name("input", k): parse_sbp("(S0)") for k in sig.keys("input")}
+    start = time.perf_counter()
+    pipeline.plan(gm, mesh, options, fixed)
+    times["plan"] = time.perf_counter() - start
+    start = time.perf_counter()
+    pipeline.lower(copy.deepcopy(gm), mesh, (1,), ["axis0"], options)
+    times["lower"] = time.perf_counter() - start
+    times["nodes"] = len(gm.graph.nodes)
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--models", nargs="*", default=MODELS)
+    args = ap.parse_args()
+    print(f"{'model':14s} {'nodes':>6s} {'trace s':>8s} {'plan s':>7s} {'lower s':>8s} {'total s':>8s}")
+    for name in args.models:
+        rounds = [measure(name) for _ in range(args.repeat)]
+        best = {k: min(r[k] for r in rounds) for k in ("trace", "plan", "lower")}
+        print(f"{name:14s} {rounds[0]['nodes']:6d} {best['trace']:8.2f} {best['plan']:7.2f} "
+              f"{best['lower']:8.2f} {sum(best.values()):8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
