@@ -114,9 +114,10 @@ def assert_matches_reference(got: dict, want: dict, label: str = "", **tolerance
 # -- any model, eager and on simulated ranks ------------------------------------------------
 
 MESHES = {(4,): "(S0)", (2, 2): "(S0, S0)"}
-#: lowering options of the simulated runs: bucketing and splitting change no numbers
-#: (their own tests cover them) and their timeline searches dominate lowering time
-LOWER = {"fuse": False, "partition": False}
+#: lowering options of the simulated runs of whole models: bucketing, splitting and the
+#: collective order change no numbers (tests/test_fuse.py and tests/test_schedule.py
+#: check that on their own), and their timeline searches are most of the lowering time
+LOWER = {"fuse": False, "partition": False, "schedule": False}
 
 
 def eager(model, loss_fn, make_optimizer, data, clip=None, seed=None):
