@@ -167,14 +167,15 @@ RULES = {
 
 
 def _local_groups(call: Call, in_shapes) -> dict:
-    """``groups`` is the local number of groups: the input's local channels over the
-    weight's input channels per group (dim 1, which no split changes). ``call`` may hold
-    local values already (localization runs in graph order), so nothing here reads the
-    input's global shape."""
+    """``groups`` is the local number of groups. Only a depthwise convolution (one input
+    channel per group) splits by groups, so its local groups are its local input channels;
+    any other keeps all its groups and channels. Hence ``min(groups, local channels)``,
+    which needs no global shape (``call`` may hold local values already: localization runs
+    in graph order) and holds for transposed convolutions too."""
     if call["groups"] == 1:
         return {}
     slot = [name for name, _ in call.slots].index("input")
-    groups = in_shapes[slot][1] // call["weight"].shape[1]
+    groups = min(call["groups"], in_shapes[slot][1])
     return {} if groups == call["groups"] else {"groups": groups}
 
 
