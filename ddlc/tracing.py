@@ -520,9 +520,9 @@ def _check_no_input_mutation(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
                 and node.args[0].op == "placeholder":
             raise UnsupportedInputError(
-                f"the step mutates its input {node.args[0].name!r} in place (for example "
-                "BatchNorm running statistics in training mode); ddlc does not support "
-                "in-place updates of buffers or inputs yet")
+                f"the step mutates its input {node.args[0].name!r} in place (a batch tensor "
+                "or a tensor captured from outside the model); ddlc carries in-place updates "
+                "of the model's own buffers only")
 
 
 def _check_random_ops(gm: fx.GraphModule) -> None:
