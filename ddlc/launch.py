@@ -2,11 +2,16 @@
 
 ``spawn(fn, world_size, *args)`` runs ``fn(rank, *args)`` on ``world_size``
 fresh processes that have joined one gloo group, returns their results in rank
-order, re-raises the first worker failure with its traceback (a worker that dies
-tearing gloo down after every rank has written its result does not fail the job: gloo's
-destructors can abort there), and never hangs:
+order, re-raises the first worker failure with its traceback, and never hangs:
 collectives time out after ``timeout`` seconds and the whole job is killed at
 ``deadline`` seconds.
+
+A worker ends by writing its result, passing a barrier with the others (so nobody
+exits while a peer still communicates) and ``os._exit(0)``: neither
+``destroy_process_group`` nor interpreter teardown runs, since gloo's C++ destructors
+(its pairs' and threads') could abort there. A worker that still dies after every rank
+has written its result does not fail the job (its work is done), but is reported with
+its stack as a :class:`WorkerDiedAfterResults` warning.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import socket
 import tempfile
 import time
 import traceback
+import warnings
 from datetime import timedelta
 
 import torch
@@ -27,11 +33,15 @@ import torch.multiprocessing as mp
 
 from .errors import RuntimeMismatchError
 
-__all__ = ["spawn", "run", "WorkerError"]
+__all__ = ["spawn", "run", "WorkerError", "WorkerDiedAfterResults"]
 
 
 class WorkerError(RuntimeMismatchError):
     """A worker process raised; the message carries its rank and traceback."""
+
+
+class WorkerDiedAfterResults(RuntimeWarning):
+    """A worker died after every rank had written its result: the job's numbers stand."""
 
 
 def _free_port() -> int:
@@ -58,9 +68,8 @@ def _worker(rank, fn, world_size, port, timeout, outdir, args):
         pickle.dump(value, f)
     os.replace(result_path + ".tmp", result_path)
     if value[0] == "ok" and dist.is_initialized():
-        dist.barrier()  # nobody tears down while a peer still communicates
-        dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown: C++ destructors of gloo threads can abort there
+        dist.barrier()  # nobody exits while a peer still communicates
+    os._exit(0)  # no process-group or interpreter teardown: gloo's destructors can abort there
 
 
 def run(fn, world_size: int, *args, timeout: float = 60.0, deadline: float = 300.0):
@@ -106,7 +115,10 @@ def spawn(fn, world_size: int, *args, timeout: float = 60.0, deadline: float = 3
                     if ctx.join(timeout=0.2):
                         break
                 except mp.ProcessExitedException as e:
-                    if _all_ok(outdir, world_size):  # died tearing gloo down, its work done
+                    if _all_ok(outdir, world_size):  # died exiting, its work done
+                        warnings.warn(f"rank {e.error_index} died after every rank had written "
+                                      f"its result ({e}); the results stand. Its stack:\n"
+                                      f"{_stacks(outdir, [e.error_index])}", WorkerDiedAfterResults)
                         break
                     died = f"a worker died: {e}\n{_stacks(outdir, [e.error_index])}"
                     raise WorkerError(_first_error(outdir, world_size) or died) from None

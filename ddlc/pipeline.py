@@ -41,7 +41,7 @@ from passes.localize import localize
 from passes.partition import partition, partition_best
 from passes.random import draw_globally
 from passes.schedule import check_waits, follow, schedule
-from passes.sharding import shard
+from passes.sharding import mesh_shapes, shard
 
 from .errors import MeshError, SBPError, UnsupportedInputError
 from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP
@@ -52,7 +52,7 @@ from .sbp import NdSBP, divides, parse_sbp
 from .tracing import trace
 
 __all__ = ["PLANNING", "LOWERING", "run_pass", "trace_step", "resolve_placements", "plan", "lower",
-           "LoweringChoices"]
+           "LoweringChoices", "mesh_shapes"]
 
 log = logging.getLogger("ddlc.pipeline")
 
@@ -143,20 +143,26 @@ def _splits_evenly(gm: fx.GraphModule, mesh: Mesh) -> bool:
 
 
 def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],
-          options: CompileOptions) -> fx.GraphModule:
-    """collectives, localize, fuse, partition, schedule: the program of the rank at mesh
-    coordinate ``coord`` whose per-axis process groups are named ``groups``, in place.
-    Needs no process group, so tests can lower every rank in one process. Where local
-    shapes differ by rank, the choices of coordinate 0's program are taken
-    (:class:`LoweringChoices`), found by lowering a copy of the graph for it first."""
-    leader = None
-    if any(coord) and not _splits_evenly(gm, mesh):
-        leader = _lower_passes(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, groups, options, None)
+          options: CompileOptions, choices: LoweringChoices | None = None) -> LoweringChoices:
+    """collectives, localize, random, fuse, partition, schedule: the program of the rank at
+    mesh coordinate ``coord`` whose per-axis process groups are named ``groups``, in place;
+    returns the choices it was lowered with. Needs no process group, so tests can lower
+    every rank in one process.
+
+    ``choices``: mesh coordinate 0's, where the caller has them (``ddlc.compile``
+    broadcasts rank 0's); the searches for them are then skipped. Without them, a rank
+    whose local shapes differ from coordinate 0's finds them by lowering a copy of the
+    graph for coordinate 0 first (its pieces are the largest, so every rank issues the same
+    collectives)."""
+    uneven = not _splits_evenly(gm, mesh)
+    if choices is None and any(coord) and uneven:
+        choices = _lower_passes(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, groups, options, None)
+    if uneven:
         # a copied graph names new nodes afresh (names of erased nodes are free again), so
-        # lower a copy here too: the two programs then name their nodes alike
+        # every rank lowers a copy: all programs then name their nodes alike, as the
+        # node order in ``choices`` needs
         gm.graph = copy.deepcopy(gm.graph)
-    _lower_passes(gm, mesh, coord, groups, options, leader)
-    return gm
+    return _lower_passes(gm, mesh, coord, groups, options, choices)
 
 
 def _lower_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],

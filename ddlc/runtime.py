@@ -3,10 +3,11 @@
 Every rank of an initialised process group calls :func:`compile` with the same
 model, inputs and mesh. Each rank traces the same graph; rank 0 plans it and
 broadcasts every node's decision (so even a time-limited solver gives one
-plan); each rank lowers it for its own mesh coordinate, checks with the others
-that the collective sequence is identical, and keeps only its own shards of
-the parameters and optimizer state (:class:`CompiledStep`). The passes
-themselves are listed and run by :mod:`ddlc.pipeline`.
+plan); rank 0 lowers it and broadcasts lowering's choices (bucket cap, piece size,
+node order), with which each other rank lowers it for its own mesh coordinate; each
+rank checks with the others that the collective sequence is identical, and keeps only
+its own shards of the parameters and optimizer state (:class:`CompiledStep`). The
+passes themselves are listed and run by :mod:`ddlc.pipeline`.
 """
 from __future__ import annotations
 
@@ -59,30 +60,63 @@ def _check_fingerprint(gm: fx.GraphModule) -> str:
     return digest
 
 
-def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> Plan:
-    """Rank 0 plans; every rank adopts its decisions (``ir.SHARDING`` by node name) and
-    the plan, so all ranks lower the same program whatever the solver does."""
+def _on_rank0(what: str, decide):
+    """``decide()`` on rank 0, broadcast to every rank: one decision for all, whatever a
+    solver's time limit or a timed search would give elsewhere, and the others need not
+    repeat the work. Rank 0's failure is raised on every rank (as itself where it is a
+    ``ddlc.errors`` error) instead of leaving the others waiting for a decision."""
     if dist.get_rank() == 0:
         try:
-            plan = make_plan()
-        except DDLCError as error:  # every rank raises it, instead of waiting for a plan
-            dist.broadcast_object_list([error], src=0)
+            message = [decide()]
+        except Exception as error:
+            shared = error if isinstance(error, DDLCError) else RuntimeMismatchError(
+                f"rank 0 failed while {what}: {type(error).__name__}: {error}")
+            dist.broadcast_object_list([shared], src=0)
             raise
-        decisions = {n.name: SHARDING(n) for n in gm.graph.nodes if SHARDING.has(n)}
-        shared = copy.copy(plan)
-        shared.problem, shared.choice = None, None
-        message = [(shared, decisions)]
     else:
         message = [None]
     dist.broadcast_object_list(message, src=0)
-    if isinstance(message[0], DDLCError):
+    if isinstance(message[0], Exception):
         raise message[0]
+    return message[0]
+
+
+def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> Plan:
+    """Rank 0 plans; every rank adopts its decisions (``ir.SHARDING`` by node name) and
+    the plan, so all ranks lower the same program whatever the solver does."""
+    plan = None
+
+    def decide():
+        nonlocal plan
+        plan = make_plan()
+        shared = copy.copy(plan)
+        shared.problem, shared.choice = None, None
+        return shared, {n.name: SHARDING(n) for n in gm.graph.nodes if SHARDING.has(n)}
+
+    shared, decisions = _on_rank0("planning", decide)
     if dist.get_rank() != 0:
-        plan, decisions = message[0]
+        plan = shared
         for node in gm.graph.nodes:
             if node.name in decisions:
                 SHARDING.set(node, decisions[node.name])
     return plan
+
+
+def _lower_after_rank0(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], groups: list[str],
+                       options: CompileOptions) -> None:
+    """Rank 0 lowers mesh coordinate 0's program, which chooses the bucket cap, piece size
+    and node order by searching over modeled timelines; every other rank lowers its own
+    program with those choices (:class:`ddlc.pipeline.LoweringChoices`) and skips the
+    searches."""
+    zero = (0,) * mesh.ndim
+
+    def lead():
+        leader = gm if coord == zero else copy.deepcopy(gm)
+        return pipeline.lower(leader, mesh, zero, groups, options)
+
+    choices = _on_rank0("lowering", lead)
+    if dist.get_rank() != 0 or coord != zero:
+        pipeline.lower(gm, mesh, coord, groups, options, choices)
 
 
 def _from_rank0(value):
@@ -138,7 +172,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     plan = _plan_on_rank0(gm, lambda: pipeline.plan(gm, mesh, options, fixed))
     coord = tuple(device_mesh.get_coordinate())
     groups = [device_mesh.get_group(i).group_name for i in range(mesh.ndim)]
-    pipeline.lower(gm, mesh, coord, groups, options)
+    _lower_after_rank0(gm, mesh, coord, groups, options)
     fingerprint = _check_fingerprint(gm)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")

@@ -21,7 +21,7 @@ from . import comm
 from .ir import SHARDING, STEP, is_collective, is_wait
 from .mesh import Mesh
 from .options import CompileOptions
-from .pipeline import lower
+from .pipeline import LoweringChoices, lower
 from .sbp import local_slices
 
 __all__ = ["axis_group_names", "lower_rank", "lower_ranks", "run_ranks", "simulate_steps"]
@@ -95,19 +95,24 @@ def run_ranks(graphs: Sequence[fx.GraphModule], mesh: Mesh, inputs: Sequence[Seq
 
 
 def lower_rank(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str] | None = None,
-               **options) -> fx.GraphModule:
+               choices: LoweringChoices | None = None, **options) -> fx.GraphModule:
     """:func:`ddlc.pipeline.lower` of a planned graph (in place) for the rank at ``coord``,
     with :class:`CompileOptions` fields as keywords; groups default to
-    :func:`axis_group_names`."""
+    :func:`axis_group_names`; ``choices`` as for :func:`ddlc.pipeline.lower`."""
     groups = axis_group_names(mesh) if groups is None else groups
-    return lower(gm, mesh, coord, groups, CompileOptions.from_kwargs(**options))
+    lower(gm, mesh, coord, groups, CompileOptions.from_kwargs(**options), choices)
+    return gm
 
 
 def lower_ranks(gm: fx.GraphModule, mesh: Mesh, **options) -> list[fx.GraphModule]:
     """Every rank's program of a planned graph, in mesh-coordinate order (``gm`` is not
-    changed); ``options`` as for :func:`lower_rank`."""
-    return [lower_rank(copy.deepcopy(gm), mesh, c, **options)
-            for c in itertools.product(*(range(p) for p in mesh.shape))]
+    changed); ``options`` as for :func:`lower_rank`. As in ``ddlc.compile``, coordinate 0
+    is lowered first and the others take its choices."""
+    coords = list(itertools.product(*(range(p) for p in mesh.shape)))
+    first = copy.deepcopy(gm)
+    choices = lower(first, mesh, coords[0], axis_group_names(mesh), CompileOptions.from_kwargs(**options))
+    return [first] + [lower_rank(copy.deepcopy(gm), mesh, c, choices=choices, **options)
+                      for c in coords[1:]]
 
 
 def simulate_steps(gm: fx.GraphModule, mesh: Mesh, params: dict, buffers: dict, batches,

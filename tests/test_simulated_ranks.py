@@ -48,3 +48,26 @@ def test_every_rank_lowers_to_the_same_collective_sequence():
     sequences = [collective_sequence(lower_rank(copy.deepcopy(gm), mesh, c, axis_group_names(mesh)))
                  for c in itertools.product(range(2), range(2), range(2))]
     assert all(s == sequences[0] for s in sequences)
+
+
+def test_taking_coordinate_0s_choices_gives_the_searched_program_without_searching(monkeypatch):
+    """ddlc.compile: rank 0 searches the bucket cap, piece size and order; the other ranks
+    take them. Each rank's program is then the one it would have found by searching."""
+    import ddlc.pipeline as pipeline
+    from ddlc.options import CompileOptions
+    model, loss_fn = model_and_loss("gpt")
+    data = batches("gpt")
+    gm = canonicalize(ddlc.trace(model, data[0], loss_fn, optimizer("adamw", model)))
+    mesh = ddlc.Mesh((2, 2), links=[ddlc.LinkModel(1e-7, 1e10)] * 2)
+    shard(gm, mesh, fixed={"input0": parse_sbp("(S0, B)")})
+    options, groups = CompileOptions.from_kwargs(), axis_group_names(mesh)
+    choices = pipeline.lower(copy.deepcopy(gm), mesh, (0, 0), groups, options)
+    searched = lower_rank(copy.deepcopy(gm), mesh, (1, 1), groups)
+
+    def no_search(*args):
+        raise AssertionError("a rank given coordinate 0's choices searched again")
+    for search in ("fuse_best", "partition_best", "schedule"):
+        monkeypatch.setattr(pipeline, search, no_search)
+    taken = lower_rank(copy.deepcopy(gm), mesh, (1, 1), groups, choices=choices)
+    assert [n.name for n in taken.graph.nodes] == [n.name for n in searched.graph.nodes]
+    assert collective_sequence(taken) == collective_sequence(searched)
