@@ -18,7 +18,8 @@ state, batch: the caller holds them) are resident throughout, and what it
 returns is never released. The result shows how much communication the order
 hides: makespan, exposed communication, a lower bound, peak memory and a Chrome
 trace. :class:`ProgramClock` builds the same timeline node by node, so the
-scheduler can ask when a channel becomes free.
+scheduler can ask when a channel becomes free; clocks over the same nodes can share
+one :class:`NodeCosts`, so each node's time is worked out once.
 """
 from __future__ import annotations
 
@@ -27,16 +28,15 @@ from collections import defaultdict
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_leaves
 
 from ddlc.ir import COLLECTIVE, is_collective
 from ddlc.mesh import HardwareProfile
 
-from .compute import op_time
+from .compute import op_time, tensors
 from .timeline import COMPUTE, Timeline, TimelineResult
 
-__all__ = ["ALIASES", "ProgramClock", "allocated_bytes", "live_bytes", "order_timeline", "owner",
-           "program_timeline", "reads_until", "releases"]
+__all__ = ["ALIASES", "NodeCosts", "ProgramClock", "allocated_bytes", "live_bytes", "order_timeline",
+           "owner", "program_timeline", "reads_until", "releases"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -45,7 +45,9 @@ ALIASES = {_c10d.wait_tensor.default: 0, operator.getitem: 0}
 
 
 def _bytes(value) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return sum(t.numel() * t.element_size() for t in tensors(value))
 
 
 def _is_alias(node: fx.Node) -> bool:
@@ -102,36 +104,71 @@ def live_bytes(nodes: list[fx.Node]) -> list[int]:
     return during
 
 
-class ProgramClock:
-    """The program timeline built node by node in program order (see the module docstring).
-    ``released``: :func:`releases` of the final order, for memory; omit it for times only."""
+class NodeCosts:
+    """What the timeline needs of each node on ``profile``, worked out once per node: the
+    stream it runs on (a collective's channel, None for compute), its seconds and the bytes
+    it allocates. They depend on the node alone (target, arguments, values,
+    ``ir.COLLECTIVE``), not on where the order puts it, so one table serves every timeline
+    of the same nodes (the orders a scheduler builds and compares). Valid while those
+    nodes are unchanged: make one per graph state (a :func:`passes.schedule.schedule`
+    call makes its own), never keep one across a pass that edits nodes."""
 
-    def __init__(self, profile: HardwareProfile, released: dict | None = None):
-        self.profile, self.released = profile, released or {}
-        self.timeline = Timeline()
-        self.task_of: dict[fx.Node, int] = {}
-        self.issue_point: int | None = None  # the last compute task so far
+    def __init__(self, profile: HardwareProfile):
+        self.profile = profile
+        self._channel: dict[fx.Node, str | None] = {}
         self._seconds: dict[fx.Node, float] = {}
+        self._alloc: dict[fx.Node, int] = {}
 
     def channel(self, node: fx.Node) -> str | None:
         """The stream a collective runs on; None for work on the compute stream."""
-        info = COLLECTIVE.get(node)
-        if info is not None and info.seconds > 0:
-            return f"axis{info.axis}:{info.axis_name}"
-        return None
+        if node not in self._channel:
+            info = COLLECTIVE.get(node)
+            communicates = info is not None and info.seconds > 0
+            self._channel[node] = f"axis{info.axis}:{info.axis_name}" if communicates else None
+        return self._channel[node]
 
-    def duration(self, node: fx.Node) -> float:
+    def seconds(self, node: fx.Node) -> float:
+        """The modeled seconds of ``node``: a collective's ``CollectiveInfo.seconds``, 0 for a
+        wait, else :func:`cost_models.compute.op_time` at its local shapes."""
         if node not in self._seconds:
-            self._seconds[node] = self._duration(node)
+            self._seconds[node] = self._time(node)
         return self._seconds[node]
 
-    def _duration(self, node: fx.Node) -> float:
+    def _time(self, node: fx.Node) -> float:
         if self.channel(node) is not None:
             return COLLECTIVE(node).seconds
         if node.target is _c10d.wait_tensor.default:
             return 0.0
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
         return op_time(node.target, args, kwargs, node.meta.get("val"), self.profile)
+
+    def alloc(self, node: fx.Node) -> int:
+        """:func:`allocated_bytes` of ``node``."""
+        if node not in self._alloc:
+            self._alloc[node] = allocated_bytes(node)
+        return self._alloc[node]
+
+
+class ProgramClock:
+    """The program timeline built node by node in program order (see the module docstring).
+    ``released``: :func:`releases` of the final order, for memory; omit it for times only.
+    ``costs``: a :class:`NodeCosts` on ``profile`` to share with other clocks over the same
+    nodes (default: a new one)."""
+
+    def __init__(self, profile: HardwareProfile, released: dict | None = None,
+                 costs: NodeCosts | None = None):
+        self.profile, self.released = profile, released or {}
+        self.costs = costs if costs is not None else NodeCosts(profile)
+        self.timeline = Timeline()
+        self.task_of: dict[fx.Node, int] = {}
+        self.issue_point: int | None = None  # the last compute task so far
+
+    def channel(self, node: fx.Node) -> str | None:
+        """The stream a collective runs on; None for work on the compute stream."""
+        return self.costs.channel(node)
+
+    def duration(self, node: fx.Node) -> float:
+        return self.costs.seconds(node)
 
     @property
     def now(self) -> float:
@@ -145,18 +182,24 @@ class ProgramClock:
         """When the task of ``node`` (added already) ends."""
         return self.timeline.end[self.task_of[node]]
 
+    @property
+    def makespan(self) -> float:
+        """When the last task added so far ends (the makespan once every node is added)."""
+        return max(self.timeline.end, default=0.0)
+
     def add(self, node: fx.Node) -> None:
         """Add ``node``'s task (none for placeholders and the output; a wait is an empty
         compute task that ends when its collective does)."""
         if node.op != "call_function":
             return
+        costs = self.costs
         deps = {self.task_of[a] for a in node.all_input_nodes if a in self.task_of}
-        channel = self.channel(node)
+        channel = costs.channel(node)
         if channel is not None and self.issue_point is not None:
             deps.add(self.issue_point)
-        free = sum(allocated_bytes(b) for b in self.released.get(node, ()))
-        task = self.timeline.add(node.name, channel or COMPUTE, self.duration(node), sorted(deps),
-                                 alloc=allocated_bytes(node), free=free,
+        free = sum(costs.alloc(b) for b in self.released.get(node, ()))
+        task = self.timeline.add(node.name, channel or COMPUTE, costs.seconds(node), sorted(deps),
+                                 alloc=costs.alloc(node), free=free,
                                  category=COLLECTIVE(node).kind if channel else "compute")
         self.task_of[node] = task
         if channel is None:
@@ -168,10 +211,12 @@ def program_timeline(gm: fx.GraphModule, profile: HardwareProfile) -> TimelineRe
     return order_timeline(list(gm.graph.nodes), profile)
 
 
-def order_timeline(nodes: list[fx.Node], profile: HardwareProfile) -> TimelineResult:
-    """Simulate the nodes of a lowered graph in the program order ``nodes``."""
-    clock = ProgramClock(profile, releases(nodes))
-    resident = sum(allocated_bytes(n) for n in nodes if n.op in ("placeholder", "get_attr"))
+def order_timeline(nodes: list[fx.Node], profile: HardwareProfile,
+                   costs: NodeCosts | None = None) -> TimelineResult:
+    """Simulate the nodes of a lowered graph in the program order ``nodes`` (``costs``: a
+    :class:`NodeCosts` of these nodes on ``profile`` to reuse)."""
+    clock = ProgramClock(profile, releases(nodes), costs)
+    resident = sum(clock.costs.alloc(n) for n in nodes if n.op in ("placeholder", "get_attr"))
     clock.timeline.add("inputs (resident)", COMPUTE, 0.0, alloc=resident, category="inputs")
     for node in nodes:
         clock.add(node)

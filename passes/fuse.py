@@ -19,6 +19,12 @@ bucket's last input; :func:`fuse_best` tries a ladder of caps and keeps the one
 whose program timeline (:mod:`cost_models.program`) is shortest, so the choice
 comes from the model, never from measured timing (:func:`choose_by_timeline`,
 which :mod:`passes.partition` shares to choose its piece size).
+
+Trying is kept cheap without changing any choice: each option is tried on a
+:class:`Trial` (a copy of the graph that never generates Python code), a cap that
+provably fuses like a smaller one tried already is skipped (it would give the same
+collectives, which are not timed twice), and the trials and the final transform
+take the fake values of the nodes they build from one :class:`FakeValues`.
 """
 from __future__ import annotations
 
@@ -38,8 +44,8 @@ from ddlc import comm
 from ddlc.ir import BUCKETABLE, COLLECTIVE, FUSED, collective_kind, collective_sequence
 from ddlc.mesh import Mesh
 
-__all__ = ["fuse", "fuse_best", "choose_by_timeline", "fake_mode", "issue_args", "pack", "unpack", "CAPS",
-           "bucketable_kind"]
+__all__ = ["fuse", "fuse_best", "choose_by_timeline", "Trial", "FakeValues", "fake_mode", "issue_args",
+           "pack", "unpack", "CAPS", "bucketable_kind"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -80,12 +86,14 @@ def unpack(kind: str, buffer: torch.Tensor, shapes: Sequence[Sequence[int]], gro
     return tuple(p.reshape(s) for p, s in zip(buffer.split(sizes), shapes))
 
 
-def _members(gm: fx.GraphModule, cap: float) -> list[list[fx.Node]]:
+def _members(gm: fx.GraphModule, cap: float, refused: list[int] | None = None) -> list[list[fx.Node]]:
     """Buckets (lists of issue nodes, in graph order) to fuse under ``cap`` bytes, first
     fit in graph order: a collective joins the earliest bucket of its (collective, process
     group, dtype) whose results are all read after its input exists and that stays under
     ``cap`` with it, else starts a new one. Collectives in between (of any kind) do not
-    matter: the fused one is issued before the first read of any member's result."""
+    matter: the fused one is issued before the first read of any member's result.
+    ``refused`` (if given) collects the byte size of every bucket-with-the-collective that
+    only the cap ruled out: with any cap below all of them the buckets are the same."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     buckets: dict[tuple, list[list]] = {}  # key -> [members, first read, bytes] per bucket
@@ -102,6 +110,8 @@ def _members(gm: fx.GraphModule, cap: float) -> list[list[fx.Node]]:
                 bucket[0].append(node)
                 bucket[1], bucket[2] = min(bucket[1], reads), bucket[2] + size
                 break
+            if inputs_at < bucket[1] and refused is not None:
+                refused.append(bucket[2] + size)
         else:
             buckets[key].append([[node], reads, size])
     fused = [members for per_key in buckets.values() for members, _, _ in per_key if len(members) > 1]
@@ -132,18 +142,31 @@ def fuse(gm: fx.GraphModule, mesh: Mesh, cap: float) -> fx.GraphModule:
     """Fuse the buckets :func:`_members` finds under ``cap`` bytes, in place (after
     :func:`_hoist_feeders`), one at a time in graph order: fusing a bucket moves its
     results to its first reader, so the buckets after it are found again."""
-    if cap:
-        _hoist_feeders(gm.graph)
-    while buckets := _members(gm, cap):
-        _fuse_bucket(gm.graph, mesh, buckets[0])
-    gm.graph.lint()
-    gm.recompile()
+    _fuse(gm, mesh, cap)
     return gm
 
 
-def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node]) -> None:
+def _fuse(gm: fx.GraphModule, mesh: Mesh, cap: float, values: FakeValues | None = None) -> float:
+    """:func:`fuse` (taking the buckets' fake values from ``values``); returns the smallest
+    bucket size the cap ruled out (inf: none). The cap enters the run only through those
+    comparisons, so every larger cap below that size (any larger cap, if none was ruled
+    out) fuses ``gm`` to the same graph, as long as ``cap`` > 0 (a cap of 0 does not
+    hoist feeders)."""
+    values = values if values is not None else FakeValues()
+    refused: list[int] = []
+    if cap:
+        _hoist_feeders(gm.graph)
+    while buckets := _members(gm, cap, refused):
+        _fuse_bucket(gm.graph, mesh, buckets[0], values)
+    gm.graph.lint()
+    gm.recompile()
+    return min(refused, default=math.inf)
+
+
+def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node], values: FakeValues) -> None:
     """Replace the collectives of ``bucket`` by one on their packed inputs, issued and
-    waited right before the first reader of any member's result, and unpacked there."""
+    waited right before the first reader of any member's result, and unpacked there
+    (their fake values from ``values``)."""
     kind, info = bucketable_kind(bucket[0]), COLLECTIVE(bucket[0])
     group, p = bucket[0].args[-1], info.group_size
     inputs = [n.args[0] for n in bucket]
@@ -154,17 +177,17 @@ def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node]) -> None:
     first_reader = min((u for w in waits for u in w.users), key=pos.__getitem__)
     with graph.inserting_before(first_reader), fake_mode(inputs[0]):
         packed = graph.call_function(pack, (kind, inputs, p))
-        packed.meta["val"] = pack(kind, [a.meta["val"] for a in inputs], p)
+        packed.meta["val"] = values.call(pack, kind, [a.meta["val"] for a in inputs], p)
         args = issue_args(kind, packed, p, group)
         issued = graph.call_function(bucket[0].target, args)
-        issued.meta["val"] = bucket[0].target(*[a.meta["val"] if isinstance(a, fx.Node) else a
-                                                for a in args])
+        issued.meta["val"] = values.call(bucket[0].target,
+                                         *[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
         COLLECTIVE.set(issued, repriced(info, nbytes, mesh))
         FUSED.set(issued, len(bucket))
         done = graph.call_function(_c10d.wait_tensor.default, (issued,))
         done.meta["val"] = issued.meta["val"]
         parts = graph.call_function(unpack, (kind, done, shapes, p))
-        parts.meta["val"] = unpack(kind, done.meta["val"], shapes, p)
+        parts.meta["val"] = values.call(unpack, kind, done.meta["val"], shapes, p)
         for i, wait in enumerate(waits):
             piece = graph.call_function(operator.getitem, (parts, i))
             piece.meta["val"] = parts.meta["val"][i]
@@ -174,6 +197,46 @@ def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node]) -> None:
         graph.erase_node(node)
 
 
+class FakeValues:
+    """Results of functions of fake values (``pack``, a collective, ``unpack``, the ops a
+    split is made of), remembered by the function, the identity of the fake tensors among
+    the arguments and the other arguments, for one :func:`fuse_best` or
+    :func:`passes.partition.partition_best` call: its trials and its final transform
+    build many of the same values (a trial copies the graph, and the copy shares the
+    nodes' values; a remembered result is the same object again, so what is built from it
+    is found too), and each is worked out once. Fake values are never changed in place (a
+    pass gives a node a new one), and an entry keeps the tensors it is keyed on alive (so
+    their ids stay theirs): a remembered result is never stale."""
+
+    def __init__(self):
+        self._known: dict[tuple, tuple] = {}
+
+    def call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, worked out the first time only."""
+        held: list[torch.Tensor] = []
+        key = (fn, _identities(args, held), _identities(kwargs, held))
+        try:
+            hash(key)
+        except TypeError:  # an argument that cannot be a key (a symbolic size)
+            return fn(*args, **kwargs)
+        if key not in self._known:
+            self._known[key] = (held, fn(*args, **kwargs))
+        return self._known[key][1]
+
+
+def _identities(x, held: list):
+    """``x`` as a hashable key: tensors by identity (appended to ``held``), lists, tuples
+    and dicts by their items, anything else as itself."""
+    if isinstance(x, torch.Tensor):
+        held.append(x)
+        return (torch.Tensor, id(x))
+    if isinstance(x, (list, tuple)):
+        return (type(x), tuple(_identities(i, held) for i in x))
+    if isinstance(x, dict):
+        return (dict, tuple((k, _identities(v, held)) for k, v in x.items()))
+    return (type(x), x)
+
+
 def fake_mode(node: fx.Node):
     """The fake mode of ``node``'s value (to build new values alike), or a no-op context."""
     return detect_fake_mode([node.meta["val"]]) or nullcontext()
@@ -181,18 +244,36 @@ def fake_mode(node: fx.Node):
 
 def fuse_best(gm: fx.GraphModule, mesh: Mesh, schedule_fn=None) -> float:
     """Fuse ``gm`` in place with the cap of :data:`CAPS` whose scheduled program timeline
-    is shortest (ties: the smaller cap); returns that cap."""
-    return choose_by_timeline(gm, mesh, CAPS, lambda g, cap: fuse(g, mesh, cap), schedule_fn)
+    is shortest (ties: the smaller cap); returns that cap. A cap that :func:`_fuse` shows
+    to fuse like a smaller one tried already (no bucket that one refused is within it)
+    is not tried: it gives the same collectives."""
+    refused_from: dict[float, float] = {}  # cap tried -> the smallest bucket size it refused
+    values = FakeValues()  # shared by the trials and the final fuse
+
+    def transform(g: fx.GraphModule, cap: float) -> fx.GraphModule:
+        refused_from[cap] = _fuse(g, mesh, cap, values)
+        return g
+
+    def tried_alike(cap: float) -> bool:
+        return any(0 < tried < cap and (cap < refused or refused == math.inf)
+                   for tried, refused in refused_from.items())
+
+    return choose_by_timeline(gm, mesh, CAPS, transform, schedule_fn, tried_alike)
 
 
-def choose_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, schedule_fn=None):
+def choose_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, schedule_fn=None,
+                       tried_alike=None):
     """Apply ``transform(gm, option)`` in place for the option of ``options`` whose program
     (after ``schedule_fn``) has the shortest modeled makespan; ties go to the earlier
-    option, and an option giving the same collectives as an earlier one is not re-timed.
-    Returns the option. Deterministic: the same graph gives the same choice on every rank."""
+    option, and an option giving the same collectives as an earlier one is not re-timed,
+    nor tried at all if ``tried_alike(option)`` says it transforms like an earlier one.
+    Each option is tried on a :class:`Trial` copy of ``gm``. Returns the option.
+    Deterministic: the same graph gives the same choice on every rank."""
     best, seen = None, set()
     for option in options:
-        trial = transform(copy.deepcopy(gm), option)
+        if tried_alike is not None and tried_alike(option):
+            continue
+        trial = transform(Trial(gm), option)
         key = tuple(collective_sequence(trial))
         if key in seen:
             continue
@@ -204,3 +285,18 @@ def choose_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
             best = (makespan, option)
     transform(gm, best[1])
     return best[1]
+
+
+class Trial(fx.GraphModule):
+    """A scratch copy of ``gm`` to try a transform on: a copy of its graph (``copy.deepcopy``
+    of the graph, as ``copy.deepcopy(gm)`` makes: the same node names, and node ``meta``
+    dicts copied shallowly, so values are shared), a shallow copy of ``gm.meta``, and no
+    Python code: a trial is transformed, scheduled and timed but never run, so
+    :meth:`recompile` (code generation, which every pass ends with) does nothing."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, copy.deepcopy(gm.graph))
+        self.meta = dict(gm.meta)
+
+    def recompile(self) -> None:
+        """Nothing: a trial has no code (see the class docstring)."""

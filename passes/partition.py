@@ -19,7 +19,8 @@ of its bytes) and is marked with its :class:`ddlc.ir.Piece` (``ir.PIECE``: the n
 the split collective, its index, k), so that the scheduler can put urgent collectives
 between pieces; the reader waits for the last piece. :func:`partition_best`
 tries :data:`SIZES` and keeps the size whose scheduled program timeline is
-shortest, so the choice comes from the model, never from measured timing.
+shortest, so the choice comes from the model, never from measured timing (a size
+that splits nothing, or splits every collective as a larger one does, is not tried).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from cost_models.collectives import repriced
 from ddlc.ir import COLLECTIVE, PIECE, Piece
 from ddlc.mesh import Mesh
 
-from .fuse import bucketable_kind, choose_by_timeline, fake_mode, issue_args
+from .fuse import FakeValues, bucketable_kind, choose_by_timeline, fake_mode, issue_args
 
 __all__ = ["partition", "partition_best", "SIZES", "MAX_PIECES"]
 
@@ -51,31 +52,37 @@ def _chunks(total: int, k: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
-    node = graph.call_function(target, args, kwargs)
-    vals = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
-    node.meta["val"] = target(*vals[0], **vals[1])
-    return node
+class _Builder:
+    """Adds nodes to ``graph``, each with its fake value (taken from ``values``)."""
+
+    def __init__(self, graph: fx.Graph, values: FakeValues):
+        self.graph, self.values = graph, values
+
+    def __call__(self, target, *args, **kwargs) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
+        vals = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
+        node.meta["val"] = self.values.call(target, *vals[0], **vals[1])
+        return node
 
 
-def _split(graph, kind: str, x: fx.Node, p: int, k: int) -> list[fx.Node]:
+def _split(call: _Builder, kind: str, x: fx.Node, p: int, k: int) -> list[fx.Node]:
     """The inputs of the ``k`` pieces (see the module docstring)."""
     if kind == "reduce_scatter":
-        grid = _call(graph, aten.view.default, x, [p, -1])
-        return [_call(graph, aten.view.default,
-                      _call(graph, aten.clone.default, _call(graph, aten.slice.Tensor, grid, 1, a, b),
-                            memory_format=torch.contiguous_format), [-1])
+        grid = call(aten.view.default, x, [p, -1])
+        return [call(aten.view.default,
+                     call(aten.clone.default, call(aten.slice.Tensor, grid, 1, a, b),
+                          memory_format=torch.contiguous_format), [-1])
                 for a, b in _chunks(grid.meta["val"].shape[1], k)]
-    flat = _call(graph, aten.view.default, x, [-1])
-    return [_call(graph, aten.slice.Tensor, flat, 0, a, b) for a, b in _chunks(flat.meta["val"].numel(), k)]
+    flat = call(aten.view.default, x, [-1])
+    return [call(aten.slice.Tensor, flat, 0, a, b) for a, b in _chunks(flat.meta["val"].numel(), k)]
 
 
-def _merge(graph, kind: str, results: list[fx.Node], p: int, shape) -> fx.Node:
+def _merge(call: _Builder, kind: str, results: list[fx.Node], p: int, shape) -> fx.Node:
     """The split collective's result from its pieces' results."""
     if kind == "all_gather":
-        grids = [_call(graph, aten.view.default, r, [p, -1]) for r in results]
-        return _call(graph, aten.view.default, _call(graph, aten.cat.default, grids, 1), list(shape))
-    return _call(graph, aten.view.default, _call(graph, aten.cat.default, results), list(shape))
+        grids = [call(aten.view.default, r, [p, -1]) for r in results]
+        return call(aten.view.default, call(aten.cat.default, grids, 1), list(shape))
+    return call(aten.view.default, call(aten.cat.default, results), list(shape))
 
 
 def _pieces(node: fx.Node, size: float) -> int:
@@ -87,23 +94,25 @@ def _pieces(node: fx.Node, size: float) -> int:
     return max(1, min(wanted, MAX_PIECES, x.meta["val"].numel() // info.group_size))
 
 
-def _split_one(graph: fx.Graph, node: fx.Node, k: int, mesh: Mesh) -> None:
-    """Replace collective ``node`` (and its wait) by ``k`` pieces and their merge."""
+def _split_one(graph: fx.Graph, node: fx.Node, k: int, mesh: Mesh, values: FakeValues) -> None:
+    """Replace collective ``node`` (and its wait) by ``k`` pieces and their merge (their
+    fake values from ``values``)."""
     kind, info, x = bucketable_kind(node), COLLECTIVE(node), node.args[0]
     (wait,) = node.users
     p, group = info.group_size, node.args[-1]
+    call = _Builder(graph, values)
     with graph.inserting_before(node), fake_mode(x):
-        inputs = _split(graph, kind, x, p, k)
+        inputs = _split(call, kind, x, p, k)
         total = sum(i.meta["val"].numel() for i in inputs)
         waits = []
         for index, piece in enumerate(inputs):
             nbytes = info.nbytes * piece.meta["val"].numel() // total
-            issued = _call(graph, node.target, *issue_args(kind, piece, p, group))
+            issued = call(node.target, *issue_args(kind, piece, p, group))
             COLLECTIVE.set(issued, repriced(info, nbytes, mesh))
             PIECE.set(issued, Piece(node.name, index, k))
-            waits.append(_call(graph, _c10d.wait_tensor.default, issued))
+            waits.append(call(_c10d.wait_tensor.default, issued))
     with graph.inserting_before(wait), fake_mode(x):
-        merged = _merge(graph, kind, waits, p, wait.meta["val"].shape)
+        merged = _merge(call, kind, waits, p, wait.meta["val"].shape)
     wait.replace_all_uses_with(merged)
     graph.erase_node(wait)
     graph.erase_node(node)
@@ -115,11 +124,14 @@ def _splits(gm: fx.GraphModule, size: float) -> list[tuple[fx.Node, int]]:
     return [(n, k) for n, k in found if k > 1]
 
 
-def partition(gm: fx.GraphModule, mesh: Mesh, size: float) -> fx.GraphModule:
-    """Split every collective of more than ``size`` bytes, in place."""
+def partition(gm: fx.GraphModule, mesh: Mesh, size: float,
+              values: FakeValues | None = None) -> fx.GraphModule:
+    """Split every collective of more than ``size`` bytes, in place (the new nodes' fake
+    values from ``values``, if given)."""
     splits = _splits(gm, size)
+    values = values if values is not None else FakeValues()
     for node, k in splits:
-        _split_one(gm.graph, node, k, mesh)
+        _split_one(gm.graph, node, k, mesh, values)
     if splits:
         gm.graph.lint()
         gm.recompile()
@@ -129,8 +141,16 @@ def partition(gm: fx.GraphModule, mesh: Mesh, size: float) -> fx.GraphModule:
 def partition_best(gm: fx.GraphModule, mesh: Mesh, schedule_fn=None) -> float:
     """Partition ``gm`` in place with the size of :data:`SIZES` whose scheduled program
     timeline is shortest (ties: the larger size, fewer pieces); returns that size. Sizes
-    that split nothing are not tried."""
-    sizes = [s for s in SIZES if s == math.inf or _splits(gm, s)]
+    that split nothing are not tried, nor a size that splits every collective into as many
+    pieces as a larger one (it gives the same program)."""
+    sizes, plans = [], []
+    for size in SIZES:
+        plan = _splits(gm, size)
+        if (size == math.inf or plan) and plan not in plans:
+            sizes.append(size)
+            plans.append(plan)
     if sizes == [math.inf]:
         return math.inf
-    return choose_by_timeline(gm, mesh, sizes, lambda g, size: partition(g, mesh, size), schedule_fn)
+    values = FakeValues()  # shared by the trials and the final partition
+    return choose_by_timeline(gm, mesh, sizes, lambda g, size: partition(g, mesh, size, values),
+                              schedule_fn)

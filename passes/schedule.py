@@ -40,7 +40,8 @@ gradient and is waited just before the optimizer update reads it (at the end
 of backward, or inside it with early updates), and a parameter's all-gather
 for the forward pass starts ahead of the layers before it. ``updates="auto"``
 builds both orders and keeps the one with the shorter modeled makespan
-(:func:`cost_models.program.order_timeline`; ties: "end"). The order depends on
+(:func:`cost_models.program.order_timeline`, or the scheduler's own clock where it
+timed the order as it built it; ties: "end"). The order depends on
 the graph and the cost model alone, never on measured time (ties go to the
 original position), so every rank computes the same collective sequence.
 :func:`check_waits` verifies statically that no collective output is read
@@ -54,8 +55,8 @@ import numpy as np
 import torch
 from torch import fx
 
-from cost_models.program import (ProgramClock, allocated_bytes, live_bytes, order_timeline, owner,
-                                  reads_until, releases)
+from cost_models.program import (NodeCosts, ProgramClock, allocated_bytes, live_bytes, order_timeline,
+                                  owner, reads_until, releases)
 from ddlc.errors import LoweringError
 from ddlc.ir import ORIGIN, PIECE, ROLE, UPDATES as UPDATES_KEY, is_collective as is_issue, is_wait
 from ddlc.mesh import HardwareProfile
@@ -239,10 +240,11 @@ class _Pieces:
 
 
 class _Scheduler:
-    """One run of the list scheduler over ``nodes`` (see the module docstring)."""
+    """One run of the list scheduler over ``nodes`` (see the module docstring). ``costs``:
+    the :class:`cost_models.program.NodeCosts` of ``nodes`` on ``profile`` for its clock."""
 
     def __init__(self, nodes: list[fx.Node], max_inflight_bytes: float, max_live_bytes: float | None,
-                 profile: HardwareProfile | None, updates: str = "end"):
+                 profile: HardwareProfile | None, updates: str = "end", costs: NodeCosts | None = None):
         self.position = {n: i for i, n in enumerate(nodes)}
         self.early, self.static = _updates(nodes) if updates == "early" else (set(), set())
         self.eager = _eager(nodes) - self.early - self.static
@@ -250,7 +252,7 @@ class _Scheduler:
         self.memory = _LiveCap(nodes, max_live_bytes) if max_live_bytes is not None else None
         split = any(PIECE.has(n) for n in nodes)
         timed = profile is not None and (split or updates == "early")
-        self.clock = ProgramClock(profile) if timed else None
+        self.clock = ProgramClock(profile, costs=costs) if timed else None
         self.pieces = _Pieces(nodes, self.clock) if timed and split else None
         deps = {n: _depends_on(n) - self.static if n in self.early else _depends_on(n) for n in nodes}
         self.waiting_on = {n: [] for n in nodes}
@@ -393,6 +395,12 @@ class _Scheduler:
             self.emit(node)
         return self.order
 
+    @property
+    def makespan(self) -> float | None:
+        """The modeled makespan of the order built (by the clock, which added every node
+        of it in order), None if untimed."""
+        return self.clock.makespan if self.clock else None
+
 
 def schedule(gm: fx.GraphModule, max_inflight_bytes: float = float("inf"),
              max_live_bytes: float | None = None, profile: HardwareProfile | None = None,
@@ -410,30 +418,40 @@ def schedule(gm: fx.GraphModule, max_inflight_bytes: float = float("inf"),
     if profile is None and "early" in options:
         raise ValueError(f"updates={updates!r} needs a profile to time the program")
     nodes = list(gm.graph.nodes)
-    orders = {u: _order(nodes, max_inflight_bytes, max_live_bytes, profile, u) for u in options}
-    chosen = UPDATES_KEY.set(gm, _shortest(orders, profile))
-    _reorder(gm, orders[chosen])
+    costs = NodeCosts(profile) if profile is not None else None  # the nodes stay as they are
+    orders = {u: _order(nodes, max_inflight_bytes, max_live_bytes, profile, u, costs) for u in options}
+    chosen = UPDATES_KEY.set(gm, _shortest(orders, profile, costs))
+    _reorder(gm, orders[chosen][0])
     check_waits(gm)
     return gm
 
 
 def _order(nodes: list[fx.Node], max_inflight_bytes: float, max_live_bytes: float | None,
-           profile: HardwareProfile | None, updates: str) -> list[fx.Node]:
-    """The scheduled order; again under the live-bytes cap if the first one exceeds it."""
-    order = _Scheduler(nodes, max_inflight_bytes, None, profile, updates).run(nodes)
+           profile: HardwareProfile | None, updates: str,
+           costs: NodeCosts | None) -> tuple[list[fx.Node], float | None]:
+    """The scheduled order; again under the live-bytes cap if the first one exceeds it.
+    With it, its modeled makespan if the scheduler timed it (else None)."""
+    run = _Scheduler(nodes, max_inflight_bytes, None, profile, updates, costs)
+    order = run.run(nodes)
     if max_live_bytes is not None and max(live_bytes(order)) > max_live_bytes:
-        order = _Scheduler(nodes, max_inflight_bytes, max_live_bytes, profile, updates).run(nodes)
-    return order
+        run = _Scheduler(nodes, max_inflight_bytes, max_live_bytes, profile, updates, costs)
+        order = run.run(nodes)
+    return order, run.makespan
 
 
-def _shortest(orders: dict[str, list[fx.Node]], profile: HardwareProfile | None) -> str:
+def _shortest(orders: dict[str, tuple[list[fx.Node], float | None]], profile: HardwareProfile | None,
+              costs: NodeCosts | None) -> str:
     """The key of the order with the shortest modeled makespan; ties go to the earlier key
-    (a single order, or one equal to the best so far, is not timed)."""
+    (a single order, or one equal to the best so far, is not timed; an order the scheduler
+    timed as it built it is not timed again: :func:`order_timeline` gives the same)."""
     best = None
-    for key, order in orders.items():
-        if best is not None and order == orders[best[1]]:
+    for key, (order, timed) in orders.items():
+        if best is not None and order == orders[best[1]][0]:
             continue
-        makespan = order_timeline(order, profile).makespan if len(orders) > 1 else 0.0
+        if len(orders) == 1:
+            makespan = 0.0
+        else:
+            makespan = timed if timed is not None else order_timeline(order, profile, costs).makespan
         if best is None or makespan < best[0] - 1e-12:
             best = (makespan, key)
     return best[1]

@@ -225,3 +225,105 @@ def test_dim_moves_go_up_to_their_input():
     graph.output((graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (issued,)), later))
     _hoist_feeders(graph)
     assert list(graph.nodes)[:3] == [x, moved, later]
+
+
+def _program(gm):
+    """What a lowered program is made of, node by node (the decisions fusion takes)."""
+    return [(n.name, str(n.target), str(n.args), str(n.kwargs), repr(COLLECTIVE.get(n)))
+            for n in gm.graph.nodes]
+
+
+@pytest.fixture(scope="module")
+def unfused():
+    """Rank 0's program of the data-parallel MLP (decoupled) before fusion and partition."""
+    gm, mesh, _, _ = data_parallel_mlp("adamw")
+    replicate_updates(gm, mesh)
+    decouple(gm, mesh, "forward")
+    return lower_rank(gm, mesh, (0,), axis_group_names(mesh), fuse=False, partition=False,
+                      schedule=False), mesh
+
+
+def test_caps_below_the_smallest_refused_bucket_fuse_alike(unfused):
+    """:func:`passes.fuse._fuse` returns the smallest bucket the cap ruled out; every cap
+    from it up to below that fuses to the same program, and a cap that admits the bucket
+    fuses differently."""
+    from passes.fuse import Trial, _fuse
+    gm, mesh = unfused
+    refused = _fuse(Trial(gm), mesh, 64)
+    assert 64 < refused < math.inf
+    programs = {}
+    for cap in (64, (64 + refused) // 2, refused - 1, refused):
+        trial = Trial(gm)
+        _fuse(trial, mesh, cap)
+        programs[cap] = _program(trial)
+    assert programs[64] == programs[(64 + refused) // 2] == programs[refused - 1] != programs[refused]
+
+
+def test_skipping_caps_that_fuse_alike_keeps_the_choice(unfused):
+    """fuse_best skips the caps that fuse like one tried already; trying every cap, as
+    choose_by_timeline does without ``tried_alike``, chooses the same cap and program."""
+    from passes.fuse import CAPS, Trial, choose_by_timeline, fuse, fuse_best
+    from passes.schedule import schedule
+    gm, mesh = unfused
+    order = lambda g: schedule(g, profile=mesh.profile, updates="auto")  # noqa: E731
+    every, skipping = Trial(gm), Trial(gm)
+    assert choose_by_timeline(every, mesh, CAPS, lambda g, cap: fuse(g, mesh, cap), order) == \
+        fuse_best(skipping, mesh, order)
+    assert _program(every) == _program(skipping)
+
+
+def test_trial_copies_the_graph_without_code(unfused):
+    """A Trial has the graph's nodes under the same names, its own graph and meta, and
+    never generates code; the module it copies is left as it was."""
+    from passes.fuse import Trial, fuse
+    gm, mesh = unfused
+    before, code = _program(gm), gm.code
+    trial = Trial(gm)
+    assert _program(trial) == before == _program(copy.deepcopy(gm))
+    fuse(trial, mesh, math.inf)
+    trial.meta["ddlc_updates"] = "end"
+    assert _program(trial) != before
+    assert _program(gm) == before and gm.code == code and "ddlc_updates" not in gm.meta
+    assert not hasattr(trial, "_code")  # recompile did nothing
+
+
+def test_fake_values_are_worked_out_once():
+    """FakeValues returns the very result of the first call with the same function, the
+    same tensors (by identity) and the same other arguments, and works out the others."""
+    from passes.fuse import FakeValues
+    calls = []
+
+    def stack(ts, dim):
+        calls.append(dim)
+        return torch.stack(ts, int(dim))
+
+    a, b = torch.zeros(2, 3), torch.ones(2, 3)
+    values = FakeValues()
+    first = values.call(stack, [a, b], 1)
+    assert values.call(stack, [a, b], 1) is first and calls == [1]
+    assert values.call(stack, [a, b], 0) is not first
+    assert values.call(stack, [a, torch.ones(2, 3)], 1) is not first
+    assert values.call(stack, [a, b], dim=1) is not first  # as a keyword: another call
+    assert values.call(stack, [a, b], True) is not first  # True is not 1
+    assert calls == [1, 0, 1, 1, True]
+
+
+def test_sizes_that_split_alike_are_tried_once(unfused, monkeypatch):
+    """partition_best tries a size only if it splits some collective differently from every
+    larger size (tiny sizes all split into the most pieces there can be); trying them all
+    chooses the same size and program."""
+    import passes.partition as partition_module
+    from passes.fuse import Trial, choose_by_timeline, fuse
+    from passes.partition import _splits, partition, partition_best
+    from passes.schedule import schedule
+    gm, mesh = unfused
+    fused = fuse(Trial(gm), mesh, 2**16)
+    sizes = (math.inf, 2**16, 4096, 1024, 512, 256, 128)
+    assert _splits(fused, 256) == _splits(fused, 128) != _splits(fused, 512)
+    monkeypatch.setattr(partition_module, "SIZES", sizes)
+    order = lambda g: schedule(g, profile=mesh.profile, updates="auto")  # noqa: E731
+    tried = [s for s in sizes if s == math.inf or _splits(fused, s)]
+    every, skipping = Trial(fused), Trial(fused)
+    assert choose_by_timeline(every, mesh, tried, lambda g, s: partition(g, mesh, s), order) == \
+        partition_best(skipping, mesh, order)
+    assert _program(every) == _program(skipping)

@@ -288,3 +288,19 @@ def test_early_updates_respect_the_caps():
         outstanding += is_issue(node) - is_wait(node)
         assert outstanding <= 1
     assert _inside_backward(one)[0]
+
+
+@pytest.mark.parametrize("updates", UPDATES)
+def test_the_schedulers_clock_times_its_order_like_the_program_timeline(planned, updates):
+    """schedule does not time an order again that its scheduler timed while building it:
+    the clock's makespan is the order's program timeline makespan, exactly."""
+    from cost_models.program import NodeCosts, order_timeline
+    from passes.schedule import _Scheduler
+    mesh = planned[1]
+    nodes = list(_lowered(planned, (0, 0), False, partition=512).graph.nodes)
+    costs = NodeCosts(mesh.profile)
+    run = _Scheduler(nodes, float("inf"), None, mesh.profile, updates, costs)
+    order = run.run(nodes)
+    assert run.makespan is not None  # the pieces of split collectives need the clock
+    assert run.makespan == order_timeline(order, mesh.profile).makespan == \
+        order_timeline(order, mesh.profile, costs).makespan

@@ -79,3 +79,52 @@ def test_bad_tasks_are_rejected(kwargs, message):
     tl.add("first", COMPUTE, 1.0)
     with pytest.raises(ValueError, match=message):
         tl.add("bad", COMPUTE, **kwargs)
+
+
+def test_shared_node_costs_time_like_fresh_ones():
+    """Clocks over the same nodes may share one NodeCosts: each node's time, stream and
+    bytes are worked out once, and every order times as with costs of its own."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import ddlc
+    from cost_models.program import NodeCosts, order_timeline
+    from ddlc.simulate import axis_group_names, lower_rank
+    from ddlc.zoo import MLP
+    from passes.canonicalize import canonicalize
+    from passes.sharding import shard
+
+    torch.manual_seed(0)
+    model = MLP()
+    batch = (torch.randn(8, 32), torch.randn(8, 16))
+    gm = canonicalize(ddlc.trace(model, batch, F.mse_loss, torch.optim.AdamW(model.parameters())))
+    mesh = ddlc.Mesh((4,))
+    names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
+    shard(gm, mesh, fixed={names["input0"]: ddlc.sbp.parse_sbp("(S0)")})
+    nodes = list(lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh)).graph.nodes)
+    fresh, costs = order_timeline(nodes, mesh.profile), NodeCosts(mesh.profile)
+    for _ in range(2):  # working the costs out, then reusing them
+        shared = order_timeline(nodes, mesh.profile, costs)
+        assert (shared.tasks, shared.start, shared.end) == (fresh.tasks, fresh.start, fresh.end)
+        assert shared.peak_memory == fresh.peak_memory
+
+
+@pytest.mark.parametrize("tree", [
+    ([1, (2.0, None)], {"b": 3, "a": [4]}),
+    (slice(0, 2), "s", True),
+])
+def test_tensors_are_the_tensor_leaves_in_pytree_order(tree):
+    """cost_models.compute.tensors walks fx arguments faster than tree_leaves, alike."""
+    import torch
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+    from torch.utils._pytree import tree_leaves
+
+    from cost_models.compute import tensors
+
+    t = [torch.zeros(i + 1) for i in range(6)]
+    tree = (tree, t[0], [t[1], (t[2],)], immutable_list([t[3], immutable_dict(b=t[4], a=t[5])]),
+            torch.return_types.max((t[5], t[0])), torch.Size([2, 3]))
+    expected = [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+    assert [id(x) for x in tensors(tree)] == [id(x) for x in expected]
