@@ -8,8 +8,11 @@ layer from a roofline, max(FLOPs / achievable FLOP/s, bytes / memory bandwidth),
 numbers of the ``dgx-h100-ib`` hardware profile (bf16; activations and weights read or
 written once); backward = 2x forward. The all-reduce fit is a ring over the 8 GPUs of one
 node on that profile's intra-node link: a = 2(p-1)α, b = 2(p-1)/p · 2 bytes / bandwidth
-(bf16 gradients). Each link bandwidth scale divides b; a stays. Every ratio printed is
-computed in this run against :func:`cost_models.layer_schedules.lower_bound`.
+(bf16 gradients). A link cost of k x multiplies both a and b by k. Per strategy the bench
+prints the iteration time, its ratio to :func:`cost_models.layer_schedules.lower_bound`
+(computed in this run), the peak of live gradient buffers and the time the strategy took
+to build its schedule; ``ddlc, cap`` is ddlc's search with the memory cap set to DeAR's
+peak. ``descent`` is ddlc's search before the run search (coordinate descent).
 
 First, ddlc's own example models (``ddlc.zoo``): traced, planned data parallel on 8
 GPUs of the same profile, and turned into per-layer profiles by
@@ -25,14 +28,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cost_models.layer_schedules import STRATEGIES, LayerProfile, lower_bound  # noqa: E402
+from cost_models.layer_schedules import (STRATEGIES, LayerProfile, lower_bound,  # noqa: E402
+                                         search_schedule)
 from ddlc.mesh import load_profile  # noqa: E402
 
 HARDWARE = load_profile("dgx-h100-ib")
 GPUS = 8
 BYTES = 2                                   # bf16 activations, weights and gradients
 FLOPS = HARDWARE.flops_for("bfloat16")
-BANDWIDTH_SCALES = (1, 1 / 2, 1 / 5, 1 / 10, 1 / 20, 1 / 50)
+LINK_COSTS = (1, 2, 5, 10, 20, 50)
 
 
 def linear(name, tokens, d_in, d_out, bias=True):
@@ -100,34 +104,31 @@ MODELS = {"VGG16 (batch 64, 224x224)": vgg16, "BERT-base (batch 64, seq 128)": b
           "GPT-2 small (batch 8, seq 1024)": gpt2}
 
 
-def allreduce_fit(scale: float) -> dict:
-    """Ring all-reduce over GPUS devices: a + b*n seconds for n bf16 elements."""
+def allreduce_fit(cost: float) -> dict:
+    """Ring all-reduce over GPUS devices: a + b*n seconds for n bf16 elements, on a link
+    ``cost`` times as slow as the hardware profile's (latency and bandwidth)."""
     link = HARDWARE.intra_node
-    return {"a": 2 * (GPUS - 1) * link.latency,
-            "b": 2 * (GPUS - 1) / GPUS * BYTES / (link.bandwidth * scale)}
+    return {"a": 2 * (GPUS - 1) * link.latency * cost,
+            "b": 2 * (GPUS - 1) / GPUS * BYTES / link.bandwidth * cost}
 
 
-def profile_dict(layers, scale: float) -> dict:
+def profile_dict(layers, cost: float) -> dict:
     """The per-layer profile form: roofline forward time, backward twice that."""
     rows = []
     for name, params, flops, nbytes in layers:
         forward = max(flops / FLOPS, nbytes / HARDWARE.memory_bandwidth)
         rows.append({"name": name, "params": params, "forward": forward, "backward": 2 * forward})
-    return {"allreduce": allreduce_fit(scale), "layers": rows}
-
-
-def scale_name(scale: float) -> str:
-    return "1x" if scale == 1 else f"1/{round(1 / scale)}x"
+    return {"allreduce": allreduce_fit(cost), "layers": rows}
 
 
 def report(title: str, layers) -> None:
-    report_profile(title, lambda scale: profile_dict(layers, scale))
+    report_profile(title, lambda cost: profile_dict(layers, cost))
 
 
 def zoo_profile(name: str):
     """A data-parallel plan of one of ddlc's example models on 8 GPUs of the hardware
     profile, as a per-layer profile (``passes.decouple.layer_profile``); returns a
-    function from bandwidth scale to profile dict."""
+    function from link cost to profile dict."""
     import torch
     import torch.nn.functional as F
 
@@ -149,8 +150,8 @@ def zoo_profile(name: str):
             for i in gm.meta["ddlc_step"].inputs}
     shard(gm, mesh, fixed=pins)
     base = layer_profile(gm, mesh)
-    return lambda scale: {**base, "allreduce": {"a": base["allreduce"]["a"],
-                                                "b": base["allreduce"]["b"] / scale}}
+    return lambda cost: {**base, "allreduce": {"a": base["allreduce"]["a"] * cost,
+                                               "b": base["allreduce"]["b"] * cost}}
 
 
 ZOO = {"ddlc.zoo MLP 1024-4096x3-1024 (batch 512)": "mlp",
@@ -160,19 +161,27 @@ ZOO = {"ddlc.zoo MLP 1024-4096x3-1024 (batch 512)": "mlp",
 
 def report_profile(title: str, profile_at) -> None:
     base = LayerProfile.from_dict(profile_at(1))
-    fit = base.a, base.b
     print(f"\n{title}: {len(base.layers)} layers ({len(base.param_layers)} with parameters), "
           f"{base.params / 1e6:.1f} M parameters, compute {base.compute_time * 1e3:.2f} ms/iteration")
-    print(f"all-reduce fit at 1x: a = {fit[0] * 1e6:.0f} us, b = {fit[1]:.3g} s/element")
-    header = f"{'link':>7} {'bound ms':>9} " + " ".join(f"{name:>17}" for name in STRATEGIES)
-    print(header + f" {'run s':>6}")
-    for scale in BANDWIDTH_SCALES:
-        profile = LayerProfile.from_dict(profile_at(scale))
+    print(f"all-reduce fit at 1x: a = {base.a * 1e6:.0f} us, b = {base.b:.3g} s/element")
+    print(f"{'link':>5} {'strategy':>11} {'ms':>9} {'/ bound':>8} {'peak MiB':>9} {'search s':>9}")
+    for cost in LINK_COSTS:
+        profile = LayerProfile.from_dict(profile_at(cost))
         bound = lower_bound(profile)
-        started = time.perf_counter()
-        times = {name: strategy(profile).iteration_time for name, strategy in STRATEGIES.items()}
-        cells = " ".join(f"{t * 1e3:8.2f} ({t / bound:5.3f})" for t in times.values())
-        print(f"{scale_name(scale):>7} {bound * 1e3:9.2f} {cells} {time.perf_counter() - started:6.1f}")
+        print(f"{cost:>4}x {'bound':>11} {bound * 1e3:9.2f}")
+        built = {name: timed(strategy, profile) for name, strategy in STRATEGIES.items()}
+        built["ddlc, cap"] = timed(search_schedule, profile, memory_cap=built["dear"][0].peak_memory)
+        for name, (schedule, seconds) in built.items():
+            t = schedule.iteration_time
+            print(f"{'':>5} {name:>11} {t * 1e3:9.2f} {t / bound:8.3f} "
+                  f"{schedule.peak_memory / 2 ** 20:9.1f} {seconds:9.3f}")
+
+
+def timed(strategy, profile, **options):
+    """The strategy's schedule and the seconds it took to build it."""
+    started = time.perf_counter()
+    schedule = strategy(profile, **options)
+    return schedule, time.perf_counter() - started
 
 
 def main(argv=None) -> None:
@@ -180,7 +189,8 @@ def main(argv=None) -> None:
     parser.add_argument("--write-profiles", metavar="DIR", help="also write the 1x profiles as JSON")
     parser.add_argument("--zoo-only", action="store_true", help="only ddlc's example models")
     args = parser.parse_args(argv)
-    print("iteration time in ms per strategy, (ratio to the lower bound); link = bandwidth scale")
+    print("per strategy: iteration time, ratio to the lower bound, peak gradient memory, search "
+          "time; link = link cost (a and b multiplied)")
     for title, name in ZOO.items():
         report_profile(title + ", data parallel on 8 GPUs, per-layer profile from the plan",
                        zoo_profile(name))

@@ -21,11 +21,23 @@ window repeats exactly (``iterations=k`` builds k chained windows, k times as lo
 forward+backward iteration is the same period shifted. The optimizer update runs on the
 shard between a layer's RS and AG and is not in the profile (taken as 0 s).
 
-Strategies: :func:`no_overlap`, :func:`wfbp`, :func:`dear`, :func:`pipedap`, :func:`search_schedule` (ddlc's);
-:func:`lower_bound`; :func:`compare` runs them all.
+**ddlc's search** (:func:`search_schedule`) works on runs of consecutive layers
+(:class:`Run`): each run's RS and AG go merged in one backward message, split (RS in
+backward, AG deferred to the forward, alone or with other runs' AGs), piggy-backed on the
+next RS message, or *held*: RS and AG together in one message of the forward phase, so a
+huge early-ready layer does not block the link ahead of later gradients. Runs may share one
+backward message. A dynamic programme over runs with dominance and branch and bound finds
+the optimum of that space on tens of layers and a beam of it beyond; a local search with
+compound moves polishes the result. Its space contains DeAR's, PipeDAP's and the per-layer
+choices of :func:`descent`.
+
+Strategies: :func:`no_overlap`, :func:`wfbp`, :func:`dear`, :func:`pipedap`, :func:`descent`,
+:func:`search_schedule` (ddlc's); :func:`lower_bound`; :func:`compare` runs them all.
 """
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import json
 import math
@@ -36,7 +48,8 @@ from .timeline import COMPUTE, Timeline, TimelineResult
 
 __all__ = ["Layer", "LayerProfile", "Collective", "Schedule", "Window", "Choice", "PLACEMENTS",
            "START_UPS", "ELEMENT_PASSES", "CHANNEL", "simulate", "no_overlap", "wfbp", "dear",
-           "pipedap", "search_schedule", "lower_bound", "STRATEGIES", "schedules", "compare"]
+           "pipedap", "descent", "Run", "RUN_MODES", "run_collectives", "search_schedule", "lower_bound",
+           "STRATEGIES", "schedules", "compare"]
 
 CHANNEL = "dp"
 START_UPS = {"rs": 1, "ag": 1, "ar": 2}        # start-ups of a/2 when the kind is sent alone
@@ -265,6 +278,11 @@ class Schedule:
     def simulate(self, iterations: int = 1) -> TimelineResult:
         return simulate(self.profile, self.collectives, iterations)[0]
 
+    @property
+    def peak_memory(self) -> int:
+        """Peak bytes of live gradient buffers (fp32, from backward until reduced)."""
+        return self.simulate().peak_memory
+
     def rows(self) -> list[dict]:
         """One row per collective: order, label, elements, seconds, placement of each AG."""
         return [{"order": i, "collective": c.label(self.profile),
@@ -391,17 +409,18 @@ def _forward_waits(result: TimelineResult, window: Window) -> list[float]:
     return [result.start[f] - result.end[p] for f, p in zip(window.forward, previous)]
 
 
-def search_schedule(profile: LayerProfile, max_sweeps: int = 50) -> Schedule:
-    """ddlc's search over AG placements and fusion buckets, priced by the timeline.
+def descent(profile: LayerProfile, max_sweeps: int = 50) -> Schedule:
+    """Coordinate descent over per-layer :class:`Choice` s (ddlc's search before the run
+    search; kept as a baseline).
 
-    Local search by coordinate descent from three starts: DeAR's choices, PipeDAP's, and the
-    fastest size-capped fusion (:func:`_bucketed_seeds`). Sweep the layers in forward order
-    and for each try every other :class:`Choice` (RS fused with the previous RS or not; AG
-    deferred, merged or piggy-backed; a deferred AG fused with the previous one or not),
-    keeping a change when it shortens the simulated iteration. Stop after a sweep without
-    improvement (or ``max_sweeps``). Keep the best run, the earlier start on ties: never
-    slower than DeAR or PipeDAP, and deterministic (no randomness, fixed visiting order).
+    From three starts: DeAR's choices, PipeDAP's, and the fastest size-capped fusion
+    (:func:`_bucketed_seeds`), sweep the layers in forward order and for each try every
+    other choice (RS fused with the previous RS or not; AG deferred, merged or
+    piggy-backed; a deferred AG fused with the previous one or not), keeping a change when
+    it shortens the iteration. Stop after a sweep without improvement (or ``max_sweeps``);
+    keep the best run, the earlier start on ties.
     """
+    clock = _Clock.of(profile)
     cache: dict = {}
 
     def time_of(choices) -> float:
@@ -409,14 +428,14 @@ def search_schedule(profile: LayerProfile, max_sweeps: int = 50) -> Schedule:
         if collectives is None:
             return math.inf
         if collectives not in cache:
-            cache[collectives] = _iteration_time(profile, collectives)
+            cache[collectives] = clock.price(profile, collectives)[0]
         return cache[collectives]
 
     starts = [[DEAR_CHOICE] * len(profile.param_layers), _pipedap_choices(profile),
               min(_bucketed_seeds(profile), key=time_of)]
     starts = [start for i, start in enumerate(starts) if start not in starts[:i]]
     best = min((_improve(start, time_of, max_sweeps) for start in starts), key=lambda r: r[0])
-    return _schedule("ddlc", profile, _collectives_of(profile, best[1]))
+    return _schedule("descent", profile, _collectives_of(profile, best[1]))
 
 
 def _bucketed_seeds(profile: LayerProfile) -> list[list[Choice]]:
@@ -464,31 +483,422 @@ def _improve(choices: list[Choice], time_of, max_sweeps: int) -> tuple[float, li
     return best, choices
 
 
+# -- fast pricing -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Clock:
+    """The compute side of one window, which communication never delays until the forward.
+
+    Backward runs back to back, so layer l's gradient is ready at ``ready[l]`` and its
+    buffer is allocated at ``ready[l] - backward(l)``; unrolling the forward recurrence, the
+    iteration ends at ``max(compute, max over layers l of arrival(l) + tail[l])``, with
+    ``tail[l]`` the forward time of layers >= l and arrival(l) the end of the message that
+    delivers l's parameters. The arithmetic repeats :class:`Timeline`'s, operation by
+    operation, for the link and the gradient buffers.
+    """
+
+    ready: tuple[float, ...]
+    tail: tuple[float, ...]
+    compute: float
+
+    @staticmethod
+    def of(profile: LayerProfile) -> "_Clock":
+        ready, t = [0.0] * len(profile.layers), 0.0
+        for l in reversed(range(len(profile.layers))):
+            t += profile.layers[l].backward
+            ready[l] = t
+        tail, t = [0.0] * len(profile.layers), 0.0
+        for l in reversed(range(len(profile.layers))):
+            t += profile.layers[l].forward
+            tail[l] = t
+        return _Clock(tuple(ready), tuple(tail), ready[0] + tail[0])
+
+    def price(self, profile: LayerProfile, collectives) -> tuple[float, int]:
+        """Iteration time and peak gradient bytes of ``collectives``, as :func:`simulate`
+        gives them, without building a timeline: buffers are allocated as backward reaches
+        their layer and freed when the message that reduces them ends, frees first at equal
+        times."""
+        link, end, frees = 0.0, self.compute, []
+        for c in collectives:
+            reduced = c.reduced_layers()
+            ready = self.ready[0] if c.after_full_backward else \
+                max((self.ready[l] for l in reduced), default=0.0)
+            link = max(link, ready) + c.duration(profile)
+            end = max([end] + [link + self.tail[l] for k, l in c.parts if k != "rs"])
+            frees.append((link, sum(profile.layers[l].params for l in reduced)))
+        allocations = sorted((self.ready[l] - layer.backward, layer.params)
+                             for l, layer in enumerate(profile.layers))
+        live = peak = freed = 0
+        for t, n in allocations:
+            while freed < len(frees) and frees[freed][0] <= t:
+                live -= frees[freed][1]
+                freed += 1
+            live += n
+            peak = max(peak, live)
+        return end, peak * GRADIENT_BYTES_PER_ELEMENT
+
+
+# -- ddlc's search: runs of consecutive layers --------------------------------------------------
+
+RUN_MODES = ("merged", "deferred", "held", "piggy-backed", "fused")
+
+
+class Run(NamedTuple):
+    """Layers ``order[start:stop]`` (backward order) sent as one unit, with ``mode``:
+
+    - ``merged``: one message with the run's RS and AG, in backward;
+    - ``deferred``: the RS message in backward, the AG message in the next forward (DeAR);
+    - ``held``: RS and AG together in one message in the next forward, after every
+      backward message (the RS waits for the link there, not for its gradient);
+    - ``piggy-backed``: the RS message in backward; the AG rides on the next RS message;
+    - ``fused``: the RS message in backward; the AG rides on the next deferred or held run's
+      forward message (so deferred AG messages may span several RS messages).
+
+    ``joins``: the run's backward parts join the previous backward message instead of
+    opening one (so one RS message may hold runs of different modes; a piggy-backed AG
+    then rides on the next message opened).
+    """
+
+    start: int
+    stop: int
+    mode: str
+    joins: bool = False
+
+
+def run_collectives(profile: LayerProfile, runs) -> tuple[Collective, ...] | None:
+    """The messages of ``runs`` (consecutive, covering the layers with parameters in backward
+    order): the backward messages in order, then the forward messages in forward order;
+    None if a piggy-backed or fused AG is left without a message to ride on, or a run joins
+    where there is no backward message to join (or is held)."""
+    order = profile.param_layers[::-1]
+    backward, forward, piggy, fused = [], [], [], []
+    for start, stop, mode, joins in runs:
+        rs = [("rs", l) for l in order[start:stop]]
+        ag = [("ag", l) for l in reversed(order[start:stop])]
+        if joins and (mode == "held" or not backward):
+            return None
+        if mode == "held":
+            forward.append(rs + ag + fused)
+            fused = []
+            continue
+        riding = ag if mode == "piggy-backed" else []
+        if joins:
+            backward[-1] += rs + (ag if mode == "merged" else [])
+            piggy = riding + piggy
+        else:
+            backward.append(rs + (ag if mode == "merged" else []) + piggy)
+            piggy = riding
+        if mode == "deferred":
+            forward.append(ag + fused)
+            fused = []
+        elif mode == "fused":
+            fused = ag + fused
+    if piggy or fused:
+        return None
+    return tuple(Collective(tuple(parts)) for parts in backward + forward[::-1])
+
+
+class _State(NamedTuple):
+    """A partial run schedule over a prefix of the layers (backward order).
+
+    ``link``: when the backward messages so far end; ``late``: the latest
+    arrival + tail so far; ``forward_span``: over the forward messages so far (a suffix of
+    the forward order), max over m of (durations up to m + tail of m), so that they end the
+    iteration at ``link_at_the_end + forward_span`` at the earliest; pending AGs that ride
+    on the next RS message (``piggy`` elements, ``piggy_tail``) or on the next forward
+    message (``fused`` elements); ``held`` gradient elements still live; the last backward
+    message, which a run may join: when the link before it was free (``open_start``), its
+    elements, the largest tail it delivers, and the elements freed before it. Every field of
+    :meth:`key` is better smaller, which makes dominance exact.
+    """
+
+    link: float
+    late: float
+    forward_span: float
+    piggy: int
+    piggy_tail: float
+    fused: int
+    held: int
+    open_start: float
+    open_elements: int
+    open_tail: float
+    open_freed: int
+    parent: "_State | None"
+    run: Run | None
+
+    def key(self) -> tuple:
+        return self[:10] + (-self.open_freed,)
+
+    def pattern(self) -> tuple[bool, bool, bool]:
+        """Which pending parts exist; states compare only within a pattern."""
+        return self.piggy > 0, self.fused > 0, self.open_elements > 0
+
+
+class _RunSearch:
+    """Dynamic programme over runs of consecutive layers (:class:`Run`).
+
+    Layers are taken in backward order; a state after the first k layers keeps what the
+    rest of the schedule can depend on (:class:`_State`), and from it every run k..k' in
+    every mode, opening a backward message or joining the last one, leads to a state after
+    k' layers. The iteration time of a complete state is ``max(compute, late, link +
+    forward_span)``: a backward message starts at max(link before it, its last gradient
+    ready); a forward message m, ``d`` long, ready at ``r`` (held) and delivering a run
+    whose tail is ``q``, is prepended to the forward messages already placed (they run in
+    forward order after every backward message): ``forward_span = d + max(q,
+    forward_span)`` and, because it cannot start before r, ``late >= r + forward_span``.
+
+    At every k, states dominated in all fields (within the same pending-AG pattern) are
+    dropped, which loses no optimum; when more than ``beam`` remain, the ``beam`` with the
+    smallest bound are kept and the result is no longer proven optimal (``exact`` is false).
+    States and runs whose bound reaches the best schedule known are cut (branch and bound;
+    the bound grows with the run's length, so a cut run ends the loop over lengths), and so
+    are runs whose message would let the live gradient buffers exceed ``memory_cap``.
+    """
+
+    def __init__(self, profile: LayerProfile, memory_cap: float | None, beam: int):
+        self.profile, self.memory_cap, self.beam = profile, memory_cap, beam
+        self.clock = clock = _Clock.of(profile)
+        self.order = order = profile.param_layers[::-1]
+        self.elements = list(itertools.accumulate((profile.layers[l].params for l in order), initial=0))
+        self.ready = [clock.ready[l] for l in order]
+        self.tail = [clock.tail[l] for l in order]
+        allocations = sorted((clock.ready[l] - layer.backward, layer.params)
+                             for l, layer in enumerate(profile.layers))
+        self.alloc_times = [t for t, _ in allocations]
+        self.allocated = list(itertools.accumulate((n for _, n in allocations), initial=0))
+        self.exact = True
+
+    def duration(self, elements: int) -> float:
+        return self.profile.a / 2 + self.profile.b / 2 * elements
+
+    def fits(self, end: float, freed: int) -> bool:
+        """Whether the buffers allocated before a message ending at ``end`` (frees happen
+        first at equal times), less the ``freed`` elements, fit the cap."""
+        if self.memory_cap is None:
+            return True
+        allocated = self.allocated[bisect.bisect_left(self.alloc_times, end)]
+        return (allocated - freed) * GRADIENT_BYTES_PER_ELEMENT <= self.memory_cap
+
+    def bound(self, s: _State, k: int) -> float:
+        """No completion of ``s`` (after k layers) ends before this."""
+        bound = max(self.clock.compute, s.late, s.link + s.forward_span)
+        rest = self.elements[-1] - self.elements[k]
+        if rest:                # all of it is sent before the forward messages placed so far
+            work = self.duration(2 * rest + s.piggy + s.fused)
+            bound = max(bound, max(s.link, self.ready[k]) + work + max(self.tail[k], s.forward_span))
+        return bound
+
+    def extend(self, s: _State, run: Run) -> _State | None:
+        """The state after sending ``run`` from ``s``; None if its message breaks the memory
+        cap."""
+        start, stop, mode, joins = run
+        n = self.elements[stop] - self.elements[start]
+        ready, tail = self.ready[stop - 1], self.tail[stop - 1]
+        if mode == "held":
+            span = self.duration(2 * n + s.fused) + max(tail, s.forward_span)
+            return s._replace(late=max(s.late, ready + span), forward_span=span, fused=0,
+                              held=s.held + n, parent=s, run=run)
+        merged_tail = tail if mode == "merged" else -math.inf
+        if joins:
+            base, elements, freed = s.open_start, s.open_elements, s.open_freed
+            delivered = max(s.open_tail, merged_tail)
+        else:
+            base, elements, freed = s.link, s.piggy, self.elements[start] - s.held
+            delivered = max(s.piggy_tail, merged_tail)
+        elements += n * (1 + (mode == "merged"))
+        link = max(base, ready) + self.duration(elements)
+        if not self.fits(link, freed):
+            return None
+        span, fused = s.forward_span, s.fused
+        if mode == "deferred":
+            span, fused = self.duration(n + s.fused) + max(tail, s.forward_span), 0
+        elif mode == "fused":
+            fused += n
+        piggy, piggy_tail = (s.piggy, s.piggy_tail) if joins else (0, -math.inf)
+        if mode == "piggy-backed":
+            piggy, piggy_tail = piggy + n, max(piggy_tail, tail)
+        return _State(link, max(s.late, link + delivered), span, piggy, piggy_tail, fused, s.held,
+                      base, elements, delivered, freed, s, run)
+
+    def done(self, s: _State) -> bool:
+        return not (s.piggy or s.fused) and (self.memory_cap is None or s.link > self.alloc_times[-1]
+                                             or self.fits(math.inf, self.elements[-1] - s.held))
+
+    def search(self, incumbent: float) -> _State | None:
+        """The fastest complete state below ``incumbent`` (None if there is none)."""
+        n = len(self.order)
+        frontier: list[list[_State]] = [[] for _ in range(n + 1)]
+        frontier[0] = [_State(0.0, -math.inf, -math.inf, 0, -math.inf, 0, 0,
+                              0.0, 0, -math.inf, 0, None, None)]
+        best, best_time = None, incumbent
+        for k in range(n):
+            for s in self.prune(frontier[k], k, best_time):
+                for mode, joins in itertools.product(RUN_MODES, (False, True)):
+                    if joins and (mode == "held" or not s.open_elements):
+                        continue
+                    for stop in range(k + 1, n + 1):
+                        t = self.extend(s, Run(k, stop, mode, joins))
+                        if t is None or max(t.late, t.link + t.forward_span) >= best_time:
+                            break               # both only grow with the run's length
+                        if self.bound(t, stop) >= best_time:
+                            continue
+                        if stop < n:
+                            frontier[stop].append(t)
+                        elif self.done(t) and self.bound(t, n) < best_time:
+                            best, best_time = t, self.bound(t, n)
+        return best
+
+    def prune(self, states: list[_State], k: int, cutoff: float) -> list[_State]:
+        """The first ``beam`` non-dominated states below ``cutoff``, by smallest bound, then
+        fields (deterministic; a dominating state always comes first, as the bound grows
+        with every field)."""
+        kept: list[_State] = []
+        ranked = sorted(((self.bound(s, k), s.key(), s) for s in states), key=lambda r: r[:2])
+        for bound, key, s in ranked:
+            if bound >= cutoff:
+                break
+            if any(all(x <= y for x, y in zip(other.key(), key)) for other in kept
+                   if other.pattern() == s.pattern()):
+                continue
+            if len(kept) == self.beam:
+                self.exact = False
+                break
+            kept.append(s)
+        return kept
+
+
+def _runs_of(state: _State) -> list[Run]:
+    runs = []
+    while state.run is not None:
+        runs.append(state.run)
+        state = state.parent
+    return runs[::-1]
+
+
+def _polish(profile: LayerProfile, runs: list[Run], memory_cap: float | None) -> list[Run]:
+    """Local search over run lists with compound moves (:func:`_moves`): visit the runs in
+    order, apply the best move around each that shortens the iteration (and keeps under
+    ``memory_cap``), and repeat until a pass changes nothing. Deterministic."""
+    clock, cache = _Clock.of(profile), {}
+
+    def time_of(candidate) -> float:
+        key = tuple(candidate)
+        if key not in cache:
+            collectives = run_collectives(profile, candidate)
+            time, peak = clock.price(profile, collectives) if collectives else (math.inf, 0)
+            cache[key] = time if memory_cap is None or peak <= memory_cap else math.inf
+        return cache[key]
+
+    best, improved = time_of(runs), True
+    while improved:
+        improved, i = False, 0
+        while i < len(runs):
+            candidate = min(_moves(runs, i), key=time_of, default=runs)
+            if time_of(candidate) < best * (1 - 1e-12):
+                runs, best, improved = candidate, time_of(candidate), True
+            i += 1
+    return runs
+
+
+def _moves(runs: list[Run], i: int):
+    """Run lists one compound move from ``runs`` around run i: change its mode or whether it
+    joins the previous message; split it at any layer; merge it with the next run (either
+    mode); move the boundary with the next run by 1, 2, 4, ... layers either way (a group
+    of layers changes run together); swap the two runs' modes. Invalid lists (a join with
+    nothing to join) are priced as never faster."""
+    start, stop, mode, joins = runs[i]
+    before, after = runs[:i], runs[i + 1:]
+    for other, other_joins in itertools.product(RUN_MODES, (False, True)):
+        if (other, other_joins) != (mode, joins):
+            yield before + [Run(start, stop, other, other_joins)] + after
+    for cut in range(start + 1, stop):
+        for second_joins in (False, True):
+            yield before + [Run(start, cut, mode, joins), Run(cut, stop, mode, second_joins)] + after
+    if not after:
+        return
+    nxt, rest = after[0], after[1:]
+    for merged_mode in dict.fromkeys((mode, nxt.mode)):
+        yield before + [Run(start, nxt.stop, merged_mode, joins)] + rest
+    shift = 1
+    while shift < nxt.stop - start:
+        for cut in (stop - shift, stop + shift):
+            if start < cut < nxt.stop:
+                yield before + [Run(start, cut, mode, joins), nxt._replace(start=cut)] + rest
+        shift *= 2
+    if mode != nxt.mode:
+        yield before + [Run(start, stop, nxt.mode, joins), nxt._replace(mode=mode)] + rest
+
+
+def search_schedule(profile: LayerProfile, memory_cap: float | None = None,
+                    beam: int | None = None) -> Schedule:
+    """ddlc's schedule: a run schedule (:class:`Run`) found by the dynamic programme
+    (:class:`_RunSearch`, at most ``beam`` states per layer; by default 4096 / layers², so
+    exact or nearly on tens of layers and one state per layer on a hundred) and polished
+    by local search (:func:`_polish`); DeAR's or PipeDAP's order where neither is faster.
+
+    ``memory_cap`` (bytes) bounds the peak of live gradient buffers (the schedule's
+    ``peak_memory``; the programme counts held runs' buffers live until the backward pass
+    ends, which is safe). A beam can then dead-end on the cap, so DeAR's order is polished
+    too. Raises ValueError when no schedule considered keeps under the cap.
+    """
+    layers = len(profile.param_layers)
+    beam = beam or max(1, 4096 // max(layers, 1) ** 2)
+    baselines = [s for s in (dear(profile), pipedap(profile))
+                 if memory_cap is None or s.peak_memory <= memory_cap]
+    incumbent = min((s.iteration_time for s in baselines), default=math.inf)
+    found = _RunSearch(profile, memory_cap, beam).search(incumbent)
+    starts = [_runs_of(found)] if found is not None else []
+    if memory_cap is not None:          # the beam can dead-end on the cap: also start from DeAR
+        starts.append([Run(i, i + 1, "deferred") for i in range(layers)])
+    polished = [_schedule("ddlc", profile, run_collectives(profile, _polish(profile, runs, memory_cap)))
+                for runs in starts]
+    feasible = [s for s in polished if memory_cap is None or s.peak_memory <= memory_cap]
+    if not feasible + baselines:
+        raise ValueError(f"no schedule keeps the gradient buffers under {memory_cap:,.0f} bytes")
+    fastest = min(feasible + baselines, key=lambda s: s.iteration_time)
+    return Schedule("ddlc", profile, fastest.collectives, fastest.iteration_time)
+
+
 # -- bound and comparison ---------------------------------------------------------------------
 
 def lower_bound(profile: LayerProfile) -> float:
-    """No schedule's iteration is shorter than all compute, nor, for any layer j with
-    parameters, than ``B(>=j) + max(C(<j), a/2 + b*N(<=j)) + F(>=j)``.
+    """No schedule's iteration is shorter: max(all compute, J + a/2).
 
-    B(>=j): backward of layers >= j, which runs before layer j's gradient exists; F(>=j):
-    forward of layers >= j. In between, the compute stream runs C(<j), the backward and
-    forward of layers < j, and the channel carries every element of the RS and AG of layers
-    <= j (b/2 per element each, none ready before layer j's gradient) with at least one
-    start-up a/2; the last of those layers' parameters to arrive is needed before the
-    forward of layer j. With j the last layer with parameters this is the link bound (all
-    bytes, once), with j = 0 the cycle through the first layer's gradient.
+    J is the optimum of a relaxation solved exactly by Jackson's preemptive rule: one job
+    per layer with parameters, released when its gradient is ready, ``b * params`` of link
+    work (its RS and AG, every element once each), and a tail of the forward of the layers
+    from it on; the link may switch jobs at any instant, and J is the latest job end plus
+    tail, with the jobs of longest tail run first. Any real schedule is a feasible
+    relaxed schedule, its parts ending at least a/2 (the start-up of their message) earlier
+    if each message sends its elements first, so it takes at least J + a/2. The bound holds
+    the link's busy time from the first gradient, each layer's readiness, and the forward
+    that must follow each all-gather.
     """
-    layers = profile.layers
-    bound = profile.compute_time
-    for j in profile.param_layers:
-        before = sum(layer.forward + layer.backward for layer in layers[:j])
-        elements = sum(layer.params for layer in layers[:j + 1])
-        bound = max(bound, profile.compute_time - before
-                    + max(before, profile.a / 2 + profile.b * elements))
-    return bound
+    clock = _Clock.of(profile)
+    jobs = sorted((clock.ready[l], l) for l in profile.param_layers)
+    work = {l: profile.b * profile.layers[l].params for l in profile.param_layers}
+    running: list[tuple[float, int]] = []
+    t, latest, i = 0.0, -math.inf, 0
+    while i < len(jobs) or running:
+        if not running:
+            t = max(t, jobs[i][0])
+        while i < len(jobs) and jobs[i][0] <= t:
+            heapq.heappush(running, (-clock.tail[jobs[i][1]], jobs[i][1]))
+            i += 1
+        _, l = running[0]
+        release = jobs[i][0] if i < len(jobs) else math.inf
+        if t + work[l] <= release:
+            t += work[l]
+            heapq.heappop(running)
+            latest = max(latest, t + clock.tail[l])
+        else:
+            work[l] -= release - t
+            t = release
+    return max(profile.compute_time, latest + profile.a / 2)
 
 
-STRATEGIES = {"no_overlap": no_overlap, "wfbp": wfbp, "dear": dear, "pipedap": pipedap, "ddlc": search_schedule}
+STRATEGIES = {"no_overlap": no_overlap, "wfbp": wfbp, "dear": dear, "pipedap": pipedap,
+              "descent": descent, "ddlc": search_schedule}
 
 
 def schedules(profile: LayerProfile) -> dict[str, Schedule]:

@@ -1,4 +1,6 @@
-"""Per-layer schedules: hand-computed timelines, ordering properties, validation, CLI."""
+"""Per-layer schedules: hand-computed timelines, ordering properties, the run search against
+brute force, validation, CLI."""
+import itertools
 import json
 import subprocess
 import sys
@@ -6,8 +8,9 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cost_models.layer_schedules import (LayerProfile, compare, dear, lower_bound, search_schedule,
-                                         no_overlap, pipedap, schedules, simulate, wfbp)
+from cost_models.layer_schedules import (RUN_MODES, LayerProfile, Run, _Clock, _RunSearch, compare,
+                                         dear, descent, lower_bound, no_overlap, pipedap,
+                                         run_collectives, schedules, search_schedule, simulate, wfbp)
 
 
 def profile(a, b, *layers):
@@ -79,8 +82,18 @@ def test_baselines_by_hand():
     assert no_overlap(p).iteration_time == 25
     # WFBP: AR(2) 2-8, AR(1) 8-11, AR(0) 11-15; forward 15-19
     assert wfbp(p).iteration_time == 19
-    # the bound: compute 12; j = 0: 12 - 0 + max(0, 1 + 0.002 * 1000) = 15
+    # the bound: jobs (ready, link work b*n, tail) = l2 (2, 4, 1), l1 (6, 1, 3), l0 (8, 2, 4);
+    # longest tail first: l2 2-6, l1 6-7, l0 8-10; latest end + tail 10 + 4, + a/2 = 15
     assert lower_bound(p) == 15
+
+
+def test_lower_bound_holds_each_layers_readiness():
+    # l1's gradient is ready at 1, l0's at 11. Link work b*n = 8 and 1, tails 11 and 1.
+    # Preemptive longest-tail-first: l1 1-9 (end + tail 10), l0 11-12 (+ tail 11 = 23);
+    # + a/2 = 23.5. A bound from the link's total alone (1 + 9 + 1 + 0.5) is far lower.
+    p = profile(1, 0.001, (1000, 10, 10), (8000, 1, 1))
+    assert lower_bound(p) == pytest.approx(23.5)
+    assert search_schedule(p).iteration_time >= lower_bound(p)
 
 
 def test_window_is_the_steady_state_period():
@@ -100,7 +113,8 @@ def test_strategy_ordering_and_bound(a, b, layers):
     results = schedules(p)
     times = {name: s.iteration_time for name, s in results.items()}
     bound = lower_bound(p)
-    assert times["ddlc"] <= times["pipedap"] <= times["dear"]
+    assert times["ddlc"] <= min(times["descent"], times["pipedap"]) * (1 + 1e-12)
+    assert times["pipedap"] <= times["dear"]
     assert times["wfbp"] <= times["no_overlap"]
     assert all(t >= bound * (1 - 1e-12) for t in times.values()), (times, bound)
     for s in results.values():             # every element charged once per pass, start-ups apart
@@ -111,7 +125,80 @@ def test_strategy_ordering_and_bound(a, b, layers):
 def test_ddlc_is_deterministic():
     p = profile(2, 0.002, *[(500 * (i % 3 + 1), 1 + i % 2, 2 + i % 3) for i in range(8)])
     assert search_schedule(p) == search_schedule(p)
-    assert compare(p).keys() == {"no_overlap", "wfbp", "dear", "pipedap", "ddlc", "lower_bound"}
+    wide = profile(1, 2e-4, *[(1000 * (i % 4 + 1) ** 3, 1 + i % 3, 2 * (i % 2 + 1)) for i in range(24)])
+    assert search_schedule(wide) == search_schedule(wide)        # the beam truncates here
+    assert compare(p).keys() == {"no_overlap", "wfbp", "dear", "pipedap", "descent", "ddlc",
+                                 "lower_bound"}
+
+
+def all_runs(layers: int):
+    """Every run list over ``layers`` layers: each composition, each run in every mode,
+    joining the previous message or not."""
+    for cuts in itertools.product((False, True), repeat=layers - 1):
+        bounds = [0] + [i + 1 for i, cut in enumerate(cuts) if cut] + [layers]
+        spans = list(zip(bounds, bounds[1:]))
+        for kinds in itertools.product(itertools.product(RUN_MODES, (False, True)), repeat=len(spans)):
+            yield [Run(start, stop, mode, joins) for (start, stop), (mode, joins) in zip(spans, kinds)]
+
+
+def brute_force(p, memory_cap=None):
+    """The fastest run schedule by enumeration, priced by the timeline; also checks the
+    search's fast pricing against the timeline on every schedule."""
+    clock, best = _Clock.of(p), float("inf")
+    for runs in all_runs(len(p.param_layers)):
+        collectives = run_collectives(p, runs)
+        if collectives is None:
+            continue
+        result, _ = simulate(p, collectives, labelled=False)
+        assert clock.price(p, collectives) == pytest.approx((result.makespan, result.peak_memory))
+        if memory_cap is None or result.peak_memory <= memory_cap:
+            best = min(best, result.makespan)
+    return best
+
+
+small = st.lists(st.tuples(st.integers(1, 4000), st.integers(0, 40), st.integers(0, 40)),
+                 min_size=1, max_size=3)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(a=st.integers(0, 20), b=st.integers(1, 20), layers=small)
+def test_run_search_equals_brute_force(a, b, layers):
+    p = profile(a / 10, b / 1e4, *[(n, f / 10, bw / 10) for n, f, bw in layers])
+    optimum = brute_force(p)
+    search = _RunSearch(p, None, beam=10_000)
+    found = search.search(float("inf"))
+    assert search.exact
+    assert search.bound(found, len(p.param_layers)) == pytest.approx(optimum)
+    assert search_schedule(p).iteration_time == pytest.approx(optimum)
+    assert lower_bound(p) <= optimum * (1 + 1e-12)
+
+
+FOUR = profile(0.5, 2e-4, (3000, 2, 4), (500, 1, 2), (4000, 0.5, 1), (1500, 1, 2))
+
+
+def test_run_search_equals_brute_force_on_four_layers():
+    assert search_schedule(FOUR).iteration_time == pytest.approx(brute_force(FOUR))
+
+
+def test_memory_cap_is_respected_and_the_peak_reported():
+    free = search_schedule(FOUR)
+    assert free.peak_memory == free.simulate().peak_memory
+    least = min(s.peak_memory for s in schedules(FOUR).values())
+    for cap in sorted({least, (least + free.peak_memory) // 2, free.peak_memory}):
+        capped = search_schedule(FOUR, memory_cap=cap)
+        assert capped.peak_memory <= cap
+        assert capped.iteration_time >= brute_force(FOUR, memory_cap=cap) * (1 - 1e-12)
+    assert search_schedule(FOUR, memory_cap=free.peak_memory) == free
+    with pytest.raises(ValueError, match="no schedule keeps the gradient buffers under"):
+        search_schedule(FOUR, memory_cap=least - 1)
+
+
+def test_held_runs_send_their_reduce_scatter_with_the_all_gather():
+    p = profile(1, 0.001, (100, 5, 5), (1000, 1, 1), (2000, 1, 1))
+    labels = [c.label(p) for c in run_collectives(p, [Run(0, 2, "held"), Run(2, 3, "deferred")])]
+    # backward order l2, l1, l0: the RS of l0 goes in backward, l2 and l1 wait for the forward
+    assert labels == ["RS l0", "AG l0", "RS l2,l1 + AG l1,l2"]
+    assert run_collectives(p, [Run(0, 3, "merged", joins=True)]) is None
 
 
 GOOD = {"allreduce": {"a": 0.0013, "b": 2.4e-10},
