@@ -5,7 +5,13 @@ sequence 16, batch 8; the CNNs at width 4-8 on 32x32 images), on a (4,) mesh wit
 batch split. All in one process; a real ``compile`` adds the rank-0 broadcast and the
 fingerprint check. Each figure is the best of ``--repeat`` rounds.
 
+``--ranks 1 4``: ``ddlc.compile`` itself on that many local gloo processes (all ranks
+trace; rank 0 plans and lowers, the others lower with its choices), for the zoo GPT the
+issue measured (3 layers, d 192) and the models given; the figure is the slowest rank's
+wall time of the ``compile`` call, and the ratio to the first rank count is printed.
+
     python bench/compile_time.py [--repeat 1] [--models gpt2 resnet18 ...]
+    python bench/compile_time.py --ranks 1 4 [--models zoo_gpt gpt2]
 """
 from __future__ import annotations
 
@@ -64,10 +70,15 @@ def _hf(name):
 CNNS = {"resnet18": lambda: zoo.resnet18(width=8), "resnet50": lambda: zoo.resnet50(width=4),
         "vgg16_bn": lambda: zoo.vgg16_bn(width=4), "mobilenet_v2": lambda: zoo.mobilenet_v2(width_mult=0.25)}
 MODELS = ["gpt2", "bert", "llama", "qwen2", "t5", "vit", *CNNS]
+ZOO_GPT = dict(vocab=512, d_model=192, n_heads=4, n_layers=3, seq_len=64)
 
 
 def build(name):
     torch.manual_seed(0)
+    if name == "zoo_gpt":
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, ZOO_GPT["vocab"], (16, ZOO_GPT["seq_len"] + 1), generator=g)
+        return zoo.GPT(**ZOO_GPT), (tokens[:, :-1], tokens[:, 1:]), zoo.lm_loss
     if name in CNNS:
         g = torch.Generator().manual_seed(1)
         batch = (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
@@ -97,11 +108,38 @@ def measure(name: str) -> dict[str, float]:
     return times
 
 
+def _compile_rank(rank: int, name: str) -> float:
+    """One rank of a local gloo job: seconds of its ``ddlc.compile`` call."""
+    import torch.distributed as dist
+    model, batch, loss_fn = build(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dist.barrier()
+    start = time.perf_counter()
+    ddlc.compile(model, (dist.get_world_size(),), batch, loss_fn, optimizer)
+    return time.perf_counter() - start
+
+
+def compile_on_ranks(names, rank_counts, repeat: int) -> None:
+    print(f"{'model':14s}" + "".join(f"{f'{n} ranks s':>12s}" for n in rank_counts)
+          + "".join(f"{f'{n}/{rank_counts[0]}':>8s}" for n in rank_counts[1:]))
+    for name in names:
+        best = [min(max(ddlc.spawn(_compile_rank, n, name, timeout=600, deadline=1200))
+                    for _ in range(repeat)) for n in rank_counts]
+        print(f"{name:14s}" + "".join(f"{t:12.2f}" for t in best)
+              + "".join(f"{t / best[0]:8.2f}" for t in best[1:]), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--models", nargs="*", default=MODELS)
+    ap.add_argument("--models", nargs="*", default=None)
+    ap.add_argument("--ranks", nargs="*", type=int, help="compile on this many local gloo "
+                    "processes each (e.g. 1 4) instead of the one-process pass timings")
     args = ap.parse_args()
+    if args.ranks:
+        compile_on_ranks(args.models or ["zoo_gpt"], args.ranks, args.repeat)
+        return
+    args.models = args.models or MODELS
     print(f"{'model':14s} {'nodes':>6s} {'trace s':>8s} {'plan s':>7s} {'lower s':>8s} {'total s':>8s}")
     for name in args.models:
         rounds = [measure(name) for _ in range(args.repeat)]

@@ -143,17 +143,19 @@ def _splits_evenly(gm: fx.GraphModule, mesh: Mesh) -> bool:
 
 
 def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],
-          options: CompileOptions, choices: LoweringChoices | None = None) -> LoweringChoices:
+          options: CompileOptions,
+          choices: LoweringChoices | Callable[[], LoweringChoices] | None = None) -> LoweringChoices:
     """collectives, localize, random, fuse, partition, schedule: the program of the rank at
     mesh coordinate ``coord`` whose per-axis process groups are named ``groups``, in place;
     returns the choices it was lowered with. Needs no process group, so tests can lower
     every rank in one process.
 
-    ``choices``: mesh coordinate 0's, where the caller has them (``ddlc.compile``
-    broadcasts rank 0's); the searches for them are then skipped. Without them, a rank
-    whose local shapes differ from coordinate 0's finds them by lowering a copy of the
-    graph for coordinate 0 first (its pieces are the largest, so every rank issues the same
-    collectives)."""
+    ``choices``: mesh coordinate 0's, where the caller has them, or a function that returns
+    them, called once this rank's program is local (``ddlc.compile`` waits there for rank
+    0's broadcast, so the passes before overlap rank 0's search); the searches for them are
+    then skipped. Without them, a rank whose local shapes differ from coordinate 0's finds
+    them by lowering a copy of the graph for coordinate 0 first (its pieces are the
+    largest, so every rank issues the same collectives)."""
     uneven = not _splits_evenly(gm, mesh)
     if choices is None and any(coord) and uneven:
         choices = _lower_passes(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, groups, options, None)
@@ -166,11 +168,14 @@ def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence
 
 
 def _lower_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],
-                  options: CompileOptions, leader: LoweringChoices | None) -> LoweringChoices:
+                  options: CompileOptions,
+                  leader: LoweringChoices | Callable[[], LoweringChoices] | None) -> LoweringChoices:
     run_pass("collectives", insert_collectives, gm, mesh, groups, coord)
     run_pass("localize", localize, gm, mesh, coord)
     run_pass("random", draw_globally, gm, mesh, coord)
     # from here on, shapes are local and every collective carries ir.COLLECTIVE
+    if callable(leader):
+        leader = leader()
 
     def order(graph: fx.GraphModule) -> fx.GraphModule:
         return schedule(graph, options.max_inflight_bytes, options.max_live_bytes, mesh.profile,

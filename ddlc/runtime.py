@@ -61,10 +61,10 @@ def _check_fingerprint(gm: fx.GraphModule) -> str:
 
 
 def _on_rank0(what: str, decide):
-    """``decide()`` on rank 0, broadcast to every rank: one decision for all, whatever a
-    solver's time limit or a timed search would give elsewhere, and the others need not
-    repeat the work. Rank 0's failure is raised on every rank (as itself where it is a
-    ``ddlc.errors`` error) instead of leaving the others waiting for a decision."""
+    """``decide()`` on rank 0 (the others pass None), broadcast to every rank: one decision
+    for all, whatever a solver's time limit or a timed search would give elsewhere, and
+    the others need not repeat the work. Rank 0's failure is raised on every rank (as
+    itself where it is a ``ddlc.errors`` error) instead of leaving the others waiting."""
     if dist.get_rank() == 0:
         try:
             message = [decide()]
@@ -105,17 +105,20 @@ def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> Plan:
 def _lower_after_rank0(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], groups: list[str],
                        options: CompileOptions) -> None:
     """Rank 0 lowers mesh coordinate 0's program, which chooses the bucket cap, piece size
-    and node order by searching over modeled timelines; every other rank lowers its own
-    program with those choices (:class:`ddlc.pipeline.LoweringChoices`) and skips the
-    searches."""
+    and node order by searching over modeled timelines, and broadcasts those choices
+    (:class:`ddlc.pipeline.LoweringChoices`). Every other rank meanwhile localizes its own
+    program, then takes the choices and skips the searches."""
     zero = (0,) * mesh.ndim
+    if dist.get_rank() != 0:
+        pipeline.lower(gm, mesh, coord, groups, options, lambda: _on_rank0("lowering", None))
+        return
 
     def lead():
         leader = gm if coord == zero else copy.deepcopy(gm)
         return pipeline.lower(leader, mesh, zero, groups, options)
 
     choices = _on_rank0("lowering", lead)
-    if dist.get_rank() != 0 or coord != zero:
+    if coord != zero:
         pipeline.lower(gm, mesh, coord, groups, options, choices)
 
 
