@@ -1,53 +1,299 @@
-"""Command line: ``python -m ddlc <command> ...``.
+"""Command line: ``ddlc <command> ...`` (or ``python -m ddlc``).
 
-Each subcommand imports what it needs when it runs, so ``--help`` stays light.
+- ``plan FACTORY --mesh 2x4``: trace, plan and lower rank 0's program in this one process
+  (no process group, no workers) and print the plan per module, the modeled step and the
+  collectives per step; ``--graph`` the per-rank graph by module, ``--json``/``--svg``/
+  ``--html`` write the plan and its picture. ``--mesh 8`` (a device count) plans every mesh
+  shape of 8 devices and reports the best.
+- ``schedule FACTORY --mesh 4``: the compiled program's collectives in issue order on its
+  modeled timeline (``--trace OUT.json``: Chrome / Perfetto); ``schedule --layer-profile
+  FILE`` compares gradient-communication strategies on a per-layer profile
+  (:mod:`cost_models.layer_schedules`).
+- ``calibrate``: measure a hardware profile on this machine.
 
-``schedule --layer-profile FILE``: iteration time of every gradient-communication strategy
-on a per-layer profile (see :mod:`cost_models.layer_schedules`); ``--json`` prints exactly
-one JSON object on stdout, ``--trace OUT.json`` writes the Chrome trace of ddlc's schedule.
+FACTORY is ``path/to/file.py:function`` or ``package.module:function``, returning ``(model,
+example_inputs, loss_fn)`` (:mod:`ddlc.factory`). Standard output carries only the report;
+logs (``-v``: one line per compiler pass with its time) and errors go to standard error. A
+ddlc error prints one line naming its cause and exits with status 2 (``-v`` adds the
+traceback). Each subcommand imports the compiler only when it runs, so ``--help`` stays light.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
+import re
 import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, replace
 
-from cost_models.layer_schedules import LayerProfile, lower_bound, schedules
+from .errors import DDLCError, OptionError
 
 TRACE_ITERATIONS = 2
+SEARCH_SHOWN = 5
+log = logging.getLogger("ddlc.cli")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddlc", description="ddlc: a distributed "
-                                     "deep-learning compiler for PyTorch")
+    args = _parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    try:
+        return args.run(args)
+    except DDLCError as error:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"ddlc {args.command}: error: {_one_line(error)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
+def _configure_logging(verbose: bool) -> None:
+    """The ``ddlc`` logger writes to stderr: INFO with ``-v`` (a line per pass), else WARNING."""
+    logger = logging.getLogger("ddlc")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    logger.propagate = False
+
+
+# -- arguments -----------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddlc", description="ddlc: a distributed deep-learning "
+                                     "compiler for PyTorch")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
-    schedule = commands.add_parser("schedule", help="compare communication schedules on a "
-                                   "per-layer profile")
-    schedule.add_argument("--layer-profile", required=True, metavar="FILE",
-                          help='JSON: {"allreduce": {"a", "b"}, "layers": [{name, params, '
-                               'forward, backward}, ...]} (seconds; b per element)')
-    schedule.add_argument("--json", action="store_true", help="print one JSON object of "
-                          "iteration times (s) and nothing else")
-    schedule.add_argument("--trace", metavar="OUT.json", help="write the Chrome trace of "
-                          f"ddlc's schedule ({TRACE_ITERATIONS} iterations)")
+    plan = commands.add_parser("plan", help="plan a model's training step for a mesh and print "
+                               "what ddlc decided (no workers needed)")
+    _compile_arguments(plan, required=True)
+    plan.add_argument("--graph", action="store_true", help="also print rank 0's annotated "
+                      "program, grouped by module")
+    plan.add_argument("--json", metavar="OUT.json", help="write the plan (loadable with "
+                      "ddlc.Plan.load) and the report as JSON")
+    plan.add_argument("--svg", metavar="OUT.svg", help="write the picture of the step")
+    plan.add_argument("--html", metavar="OUT.html", help="write a page with the picture and the report")
+    plan.set_defaults(run=_plan)
+    schedule = commands.add_parser("schedule", help="the communication schedule of a compiled "
+                                   "step, or strategies compared on a per-layer profile")
+    _compile_arguments(schedule, required=False)
+    schedule.add_argument("--layer-profile", metavar="FILE",
+                          help='instead of a factory: JSON {"allreduce": {"a", "b"}, "layers": '
+                               '[{name, params, forward, backward}, ...]} (seconds; b per element)')
+    schedule.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    schedule.add_argument("--trace", metavar="OUT.json", help="write the Chrome trace of the "
+                          f"modeled timeline (a layer profile: ddlc's schedule, {TRACE_ITERATIONS} "
+                          "iterations)")
     schedule.set_defaults(run=_schedule)
     calibrate = commands.add_parser("calibrate", help="measure a hardware profile (compute and "
                                     "gloo links) on this machine and print it as JSON")
     calibrate.add_argument("--world-size", type=int, default=4, help="local gloo processes")
     calibrate.add_argument("--name", default="calibrated", help="the profile's name")
     calibrate.add_argument("--out", metavar="FILE.json", help="also write the profile here")
+    calibrate.add_argument("-v", "--verbose", action="store_true", help="log to stderr; tracebacks")
     calibrate.set_defaults(run=_calibrate)
-    args = parser.parse_args(argv)
-    return args.run(args)
+    return parser
 
 
-def _calibrate(args) -> int:
-    # imported when used: calibration starts worker processes, the other commands do not
-    from ddlc.calibrate import main as calibrate_main
-    return calibrate_main(args)
+def _compile_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("factory", nargs=None if required else "?", metavar="FACTORY",
+                        help="path/to/file.py:function or package.module:function returning "
+                             "(model, example_inputs, loss_fn)")
+    parser.add_argument("--mesh", help="mesh shape such as 2x4, or a device count (8) to search "
+                        "the mesh shapes")
+    parser.add_argument("--profile", help="hardware profile: a name (cpu-gloo, dgx-h100-ib) or a "
+                        "JSON file (default cpu-gloo)")
+    parser.add_argument("--memory", metavar="BYTES", help="memory budget per device, e.g. 16GB, "
+                        "512MiB (default: the profile's device memory)")
+    parser.add_argument("--solver", choices=("cd", "exact"), default="cd")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw",
+                        help="the optimizer of the step (none: gradients, or inference without loss)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every pass with its time "
+                        "to stderr; tracebacks on errors")
 
+
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """``16GB`` -> 16e9, ``512MiB`` -> 512 * 2**20, ``1e9`` -> 1e9 (decimal and binary units)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).upper() not in _UNITS:
+        raise OptionError(f"--memory {text!r}: write a size such as 16GB, 512MiB or 1e9")
+    value = float(match.group(1)) * _UNITS[match.group(2).upper()]
+    if value <= 0:
+        raise OptionError(f"--memory {text!r}: the budget must be positive")
+    return value
+
+
+# -- compiling rank 0 in this process ------------------------------------------------------
+
+@dataclass
+class Compiled:
+    """Rank 0's planned and lowered step, with what the report needs."""
+
+    plan: object
+    program: object        # the lowered fx.GraphModule of rank 0
+    mesh: object
+    signature: object
+    budget: float
+    searched: list         # [(shape, objective or None, note)] when the mesh was searched
+
+
+def _mesh_request(text: str | None):
+    """``(Mesh-able shape, None)`` or ``(None, device count)`` for ``--mesh``."""
+    from .errors import MeshError
+    from .mesh import Mesh
+    if text is None:
+        raise MeshError("give --mesh: a shape such as 2x4, or a device count such as 8")
+    if text.strip().isdigit():
+        if int(text) < 1:
+            raise MeshError(f"--mesh {text}: a device count must be at least 1")
+        return None, int(text)
+    return Mesh(text).shape, None
+
+
+def _optimizer(name: str, model):
+    import torch
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    return None
+
+
+def _compile_rank0(args) -> Compiled:
+    """Load the factory, trace the step, plan it (on every mesh shape when ``--mesh`` is a
+    device count) and lower mesh coordinate 0's program, all in this process."""
+    shape, devices = _mesh_request(args.mesh)
+    budget = parse_bytes(args.memory) if args.memory else None
+    from . import pipeline
+    from .factory import call_factory
+    from .ir import STEP
+    from .mesh import Mesh, load_profile
+    from .options import CompileOptions
+    from .simulate import axis_group_names
+    profile = load_profile(args.profile or "cpu-gloo")
+    options = CompileOptions.from_kwargs(solver=args.solver, memory_budget=budget, profile=profile)
+    start = time.perf_counter()
+    model, inputs, loss_fn = call_factory(args.factory)
+    log.info("factory      %8.1f ms  %s", (time.perf_counter() - start) * 1e3, args.factory)
+    gm = pipeline.trace_step(model, inputs, loss_fn, _optimizer(args.optimizer, model), options)
+    searched = []
+    if devices is not None:
+        shape, searched = _search_meshes(gm, devices, profile, options)
+    mesh = Mesh(shape, profile=profile)
+    plan = pipeline.plan(gm, mesh, options, {})
+    signature = STEP(gm)
+    pipeline.lower(gm, mesh, (0,) * mesh.ndim, axis_group_names(mesh), options)
+    return Compiled(plan, gm, mesh, signature, budget or profile.memory_capacity, searched)
+
+
+def _search_meshes(gm, devices: int, profile, options):
+    """Plan ``gm`` on every mesh shape of ``devices`` devices (without decoupling, which
+    does not change the planner's objective) and return the best shape and, per shape,
+    (shape, objective or None, note). A progress bar on a terminal."""
+    from tqdm import tqdm
+    from . import pipeline
+    from .errors import ShardingError
+    from .mesh import Mesh
+    shapes = pipeline.mesh_shapes(devices)
+    results = []
+    for shape in tqdm(shapes, desc="mesh shapes", file=sys.stderr, disable=not sys.stderr.isatty()):
+        try:
+            plan = pipeline.plan(gm, Mesh(shape, profile=profile), replace(options, decouple=False), {})
+            results.append((shape, plan.objective, ""))
+        except ShardingError as e:
+            results.append((shape, None, _one_line(e)))
+    feasible = [r for r in results if r[1] is not None]
+    if not feasible:
+        raise ShardingError(f"no mesh shape of {devices} devices admits a plan: "
+                            + "; ".join(f"{'x'.join(map(str, s))}: {note}" for s, _, note in results))
+    best = min(feasible, key=lambda r: r[1])  # min keeps the first of equal objectives
+    return best[0], results
+
+
+# -- plan -----------------------------------------------------------------------------------
+
+def _plan(args) -> int:
+    from .printing import format_graph_by_module
+    from .report import collective_rows, format_report, module_rows, report_data, step_breakdown
+    compiled = _compile_rank0(args)
+    rows = module_rows(compiled.plan, compiled.signature)
+    step = step_breakdown(compiled.plan, compiled.program, compiled.mesh, compiled.budget)
+    collectives = collective_rows(compiled.program)
+    text = format_report(compiled.plan, rows, step, collectives)
+    if compiled.searched:
+        text = _format_search(compiled.searched) + "\n\n" + text
+    print(text)
+    if args.graph:
+        print("\nrank 0's program by module\n" + format_graph_by_module(compiled.program))
+    if args.json:
+        data = json.loads(compiled.plan.to_json()) | report_data(rows, step, collectives)
+        # wall-clock timings are logged, not written: the file is the same on every run
+        data["stats"] = {k: v for k, v in data["stats"].items() if not k.endswith("seconds")}
+        _write(args.json, json.dumps(data, indent=1) + "\n")
+    if args.svg or args.html:
+        _pictures(args, compiled, rows, text)
+    return 0
+
+
+def _format_search(results) -> str:
+    ranked = sorted((r for r in results if r[1] is not None), key=lambda r: r[1])
+    lines = [f"mesh shapes of {math.prod(results[0][0])} devices, best {min(SEARCH_SHOWN, len(ranked))} of {len(results)} by planner objective"]
+    lines += [f"  {'x'.join(map(str, s)):>8}  {obj * 1e3:10.3f} ms" for s, obj, _ in ranked[:SEARCH_SHOWN]]
+    lines += [f"  {'x'.join(map(str, s)):>8}  no plan: {note}" for s, obj, note in results if obj is None]
+    return "\n".join(lines)
+
+
+def _pictures(args, compiled: Compiled, rows, report: str) -> None:
+    from .picture import html_page, step_graph, write_picture
+    from .report import repeats_of
+    graph = step_graph(compiled.plan, compiled.program, rows, repeats_of(compiled.plan, compiled.signature))
+    title = f"{args.factory} on mesh {compiled.mesh}, profile {compiled.plan.profile}"
+    if args.svg:
+        write_picture(graph, title, args.svg)
+    if args.html:
+        _write(args.html, html_page(graph, title, report))
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise OptionError(f"cannot write {path}: {e.strerror}") from e
+
+
+# -- schedule --------------------------------------------------------------------------------
 
 def _schedule(args) -> int:
+    if (args.layer_profile is None) == (args.factory is None):
+        raise OptionError("give either a FACTORY (with --mesh) or --layer-profile FILE")
+    if args.layer_profile is not None:
+        return _layer_schedule(args)
+    from .report import format_schedule, scheduled_collectives
+    compiled = _compile_rank0(args)
+    rows, result = scheduled_collectives(compiled.program, compiled.mesh)
+    if args.trace:
+        result.write_chrome_trace(args.trace)
+    if args.json:
+        print(json.dumps({"makespan": result.makespan, "exposed_communication": result.exposed_communication,
+                          "lower_bound": result.lower_bound, "peak_memory": result.peak_memory,
+                          "collectives": [asdict(r) for r in rows]}))
+        return 0
+    print(f"schedule of rank 0's program on mesh {compiled.mesh}, profile {compiled.plan.profile}\n")
+    print(format_schedule(rows, result))
+    return 0
+
+
+def _layer_schedule(args) -> int:
+    from cost_models.layer_schedules import LayerProfile, lower_bound, schedules
     try:
         profile = LayerProfile.load(args.layer_profile)
     except (OSError, ValueError) as e:
@@ -83,3 +329,11 @@ def _table(profile, results, bound) -> str:
         lines.append(f"{row['order']:>4}  {row['seconds'] * 1e3:>8.3f}  {row['elements']:>12,}"
                      f"  {row['collective']}{placement}")
     return "\n".join(lines)
+
+
+# -- calibrate -------------------------------------------------------------------------------
+
+def _calibrate(args) -> int:
+    # imported when used: calibration starts worker processes, the other commands do not
+    from .calibrate import main as calibrate_main
+    return calibrate_main(args)

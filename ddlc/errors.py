@@ -22,6 +22,11 @@ class SBPError(DDLCError, ValueError):
     """An SBP or placement that is malformed or does not fit a tensor."""
 
 
+class FactoryError(DDLCError, ValueError):
+    """A model factory (``file.py:name`` or ``module:name``) that cannot be found, loaded or
+    called, or that returns something other than ``(model, example_inputs, loss_fn)``."""
+
+
 class TraceError(DDLCError):
     """The model or training step cannot be traced into one graph."""
 

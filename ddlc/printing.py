@@ -14,7 +14,8 @@ from torch.utils._pytree import tree_leaves
 
 from .ir import COLLECTIVE, ORIGIN, SHARDING, NdSignature
 
-__all__ = ["format_bytes", "format_graph", "format_sbps", "format_sharding", "op_name", "op_summary"]
+__all__ = ["format_bytes", "format_graph", "format_graph_by_module", "format_sbps", "format_sharding",
+           "op_name", "op_summary"]
 
 
 def format_bytes(n: float) -> str:
@@ -62,15 +63,40 @@ def op_summary(gm: fx.GraphModule) -> Counter:
     return Counter(op_name(n) for n in gm.graph.nodes if n.op == "call_function")
 
 
+def _row(node: fx.Node) -> tuple[str, str, str, str]:
+    return (node.name, op_name(node) if node.op == "call_function" else node.op, _shape(node),
+            _annotation(node))
+
+
+def _align(rows: list[tuple[str, ...]], indent: str = "") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
 def format_graph(gm: fx.GraphModule, limit: int | None = None) -> str:
     """The graph as aligned text; ``limit`` keeps the first N lines."""
     rows = []
     for node in gm.graph.nodes:
         origin = ORIGIN.get(node)
-        where = f"{origin.phase}:{origin.module}" if origin else ""
-        rows.append((node.name, op_name(node) if node.op == "call_function" else node.op,
-                     _shape(node), _annotation(node), where))
+        rows.append((*_row(node), f"{origin.phase}:{origin.module}" if origin else ""))
     if limit is not None and len(rows) > limit:
         rows = rows[:limit] + [(f"... {len(rows) - limit} more nodes", "", "", "", "")]
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join(_align(rows))
+
+
+def format_graph_by_module(gm: fx.GraphModule) -> str:
+    """The graph in program order, cut into runs of consecutive nodes from the same phase
+    and module: a ``[phase] module`` header line, then the run's nodes indented, columns
+    aligned within the run. Nodes without an origin (buckets of fused collectives, the
+    output) form runs headed ``[-]``."""
+    runs: list[tuple[tuple[str, str], list]] = []
+    for node in gm.graph.nodes:
+        origin = ORIGIN.get(node)
+        key = (origin.phase, origin.module or "(root)") if origin else ("-", "")
+        if not runs or runs[-1][0] != key:
+            runs.append((key, []))
+        runs[-1][1].append(_row(node))
+    lines = []
+    for (phase, module), rows in runs:
+        lines += [f"[{phase}] {module}".rstrip(), *_align(rows, "    ")]
+    return "\n".join(lines)

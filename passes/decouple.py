@@ -84,8 +84,8 @@ def update_chain(gm: fx.GraphModule, key: str) -> tuple[list[fx.Node], list[fx.N
     # when only it reads them and they map the parameter's elements one to one: one tensor
     # input of the parameter's size (a matmul whose operands happen to have that many
     # elements, as when the batch equals the width, is no reshape)
-    shape = next(n.meta["val"].shape for n in gm.graph.nodes
-                 if n.op == "placeholder" and n.name == {i.key: i.name for i in sig.inputs}[key])
+    param = next(i.name for i in sig.inputs if i.key == key)
+    shape = next(n.meta["val"].shape for n in gm.graph.nodes if n.op == "placeholder" and n.name == param)
     grew = True
     while grew:
         grew = False
@@ -97,9 +97,9 @@ def update_chain(gm: fx.GraphModule, key: str) -> tuple[list[fx.Node], list[fx.N
                     getattr(vals[0], "numel", lambda: -1)() == math.prod(shape):
                 chain.add(node)
                 grew = True
+    own_states = {i.name for i in sig.inputs if i.key.startswith(key + ":")}
     states = [n for n in gm.graph.nodes if n.op == "placeholder"
-              and ROLE.get(n) == "opt_state" and n.name in
-              {i.name for i in sig.inputs if i.key.startswith(key + ":")}]
+              and ROLE.get(n) == "opt_state" and n.name in own_states]
     return [n for n in gm.graph.nodes if n in chain], states
 
 

@@ -37,7 +37,8 @@ LAYERS = (
     ("passes", ("passes", "passes.", "ddlc.tracing")),
     ("pipeline", ("ddlc.pipeline",)),
     ("runtime", ("ddlc.runtime", "ddlc.simulate")),
-    ("public", ("ddlc", "ddlc.__main__", "ddlc.calibrate", "ddlc.cli", "ddlc.launch", "ddlc.zoo")),
+    ("public", ("ddlc", "ddlc.__main__", "ddlc.calibrate", "ddlc.cli", "ddlc.factory", "ddlc.launch",
+                "ddlc.picture", "ddlc.report", "ddlc.zoo")),
 )
 
 

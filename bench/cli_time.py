@@ -1,0 +1,58 @@
+"""Wall time of ``ddlc plan`` on a GPT-2-small-shaped model (12 layers, hidden 768, vocab
+50304, sequence 1024, batch 8, AdamW) on a 2x4 mesh: the whole command in a fresh process
+(interpreter start, imports, building the model, tracing, planning, lowering rank 0's
+program, the report), and the per-pass times it logs with ``-v``. The target is 5 s on a
+2-core machine; this script measures, it does not assert.
+
+    python bench/cli_time.py [--repeat 1] [--factory examples/factories.py:gpt2_small] [--mesh 2x4]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LINE = re.compile(r"^ddlc\.(?:pipeline|cli): (\S+)\s+([0-9.]+) ms")
+
+
+def measure(factory: str, mesh: str, profile: str) -> tuple[float, dict[str, float]]:
+    """(wall seconds of the whole command, pass -> seconds from its log)."""
+    command = [sys.executable, "-m", "ddlc", "plan", factory, "--mesh", mesh, "--profile", profile, "-v"]
+    start = time.perf_counter()
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if out.returncode != 0:
+        raise SystemExit(f"ddlc plan failed ({out.returncode}):\n{out.stderr}")
+    passes: dict[str, float] = {}
+    for line in out.stderr.splitlines():
+        match = LINE.match(line)
+        if match:
+            passes[match.group(1)] = passes.get(match.group(1), 0.0) + float(match.group(2)) / 1e3
+    return wall, passes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--factory", default="examples/factories.py:gpt2_small")
+    ap.add_argument("--mesh", default="2x4")
+    ap.add_argument("--profile", default="dgx-h100-ib")
+    ap.add_argument("--repeat", type=int, default=1)
+    args = ap.parse_args()
+    print(f"ddlc plan {args.factory} --mesh {args.mesh} --profile {args.profile}; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    rounds = [measure(args.factory, args.mesh, args.profile) for _ in range(args.repeat)]
+    wall, passes = min(rounds, key=lambda r: r[0])
+    accounted = sum(passes.values())
+    print(f"whole command {wall:.2f} s (best of {args.repeat}; target 5 s)")
+    for name, seconds in passes.items():
+        print(f"  {name:<13} {seconds:8.2f} s")
+    print(f"  {'other':<13} {wall - accounted:8.2f} s  (interpreter, imports, report)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""What ``ddlc plan`` prints: the plan per module, the modeled step and the collectives.
+
+Three pieces, each a pure function of the plan, the step's signature and rank 0's
+lowered program:
+
+- :func:`module_rows`: one row per module (its parameters' and its output activation's
+  SBP, compute, communication, memory), with repeated layers collapsed
+  (:class:`Repeats`);
+- :func:`step_breakdown`: the program timeline of the lowered program (makespan, compute,
+  exposed and hidden communication, peak memory against the budget);
+- :func:`collective_rows`: the communicating collectives per step by phase, kind and
+  mesh axis (count, bytes, modeled seconds).
+
+:func:`format_report` lays them out as text; :func:`report_data` as JSON-ready data.
+For ``ddlc schedule``, :func:`scheduled_collectives` places every collective on the
+program timeline (start, end, the stall at its wait) and :func:`format_schedule` prints it.
+Nothing here reads a clock or a hash-ordered container, so the text is the same under
+every ``PYTHONHASHSEED``.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+from torch import fx
+
+from cost_models.program import program_timeline
+from cost_models.timeline import COMPUTE
+
+from .ir import COLLECTIVE, ORIGIN, StepSignature
+from .mesh import Mesh
+from .plan import Plan
+from .printing import format_bytes
+
+__all__ = ["Repeats", "repeats_of", "ModuleRow", "StepBreakdown", "CollectiveRow", "module_rows", "step_breakdown",
+           "collective_rows", "format_report", "report_data", "ScheduledCollective",
+           "scheduled_collectives", "format_schedule", "ROOT"]
+
+ROOT = "(root)"
+_INDEX = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
+
+
+def _instance(module: str) -> tuple[str, int, str] | None:
+    """``blocks.3.attn.qkv`` -> ``("blocks", 3, "attn.qkv")``: the first numbered path
+    component (a ModuleList / Sequential entry) splits a path; None without one."""
+    match = _INDEX.search(module)
+    if match is None:
+        return None
+    return module[:match.start(1)].rstrip("."), int(match.group(1)), module[match.end(1):].lstrip(".")
+
+
+class Repeats:
+    """Runs of identical repeated layers, and the label each module path gets.
+
+    Instances of a numbered container (``blocks.0``, ``blocks.1``, ...) are identical when
+    their fingerprints are equal (:func:`repeats_of`: what the plan decided in them).
+    Consecutive identical instances form a run, labelled ``blocks.[1-11]`` (a run of one
+    keeps its own number)."""
+
+    def __init__(self, fingerprints: dict[tuple[str, int], object]):
+        self._run: dict[tuple[str, int], tuple[int, int]] = {}
+        for container in sorted({c for c, _ in fingerprints}):
+            indices = sorted(i for c, i in fingerprints if c == container)
+            start = indices[0]
+            for prev, i in zip(indices, indices[1:] + [None]):
+                if i is None or i != prev + 1 or fingerprints[(container, i)] != fingerprints[(container, prev)]:
+                    for k in range(start, prev + 1):
+                        self._run[(container, k)] = (start, prev)
+                    start = i
+
+    def label(self, module: str) -> tuple[str, int]:
+        """(display path, number of layers it stands for) of a module path."""
+        inst = _instance(module)
+        if inst is None or inst[:2] not in self._run:
+            return module or ROOT, 1
+        container, index, rest = inst
+        first, last = self._run[(container, index)]
+        number = str(first) if first == last else f"[{first}-{last}]"
+        return ".".join(p for p in (container, number, rest) if p), last - first + 1
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    """One module of the plan; costs are per layer (the mean over the ``layers`` identical
+    layers the row stands for)."""
+
+    module: str
+    layers: int
+    parameters: str     # "weight (S0, B) bias (B, B)"
+    activation: str     # the SBP of the module's last forward output
+    placement: str      # what colours it in pictures: its first parameter's SBP, else its activation's
+    compute: float      # seconds, all phases
+    communication: float
+    memory: float       # resident bytes per device
+
+
+@dataclass
+class _Module:
+    """What the plan decided for one module path, and what it costs."""
+
+    parameters: list = field(default_factory=list)   # [(own name, SBP)]
+    activation: str = ""                             # SBPs of its last forward output(s)
+    placement: str = ""                              # the first of them
+    compute: float = 0.0
+    communication: float = 0.0
+    memory: float = 0.0
+    first_forward: float = math.inf                  # plan position of its first forward node
+
+
+def _modules(plan: Plan, signature: StepSignature) -> dict[str, _Module]:
+    """Module path -> its decisions and costs, summed over its nodes in every phase (a
+    parameter's placeholder counts for the module that owns the parameter)."""
+    param_of = {s.name: s.key for s in signature.inputs if s.role == "param"}
+    modules: dict[str, _Module] = {}
+    for position, n in enumerate(plan.nodes):
+        module = n.module
+        if n.name in param_of:
+            module, _, leaf = param_of[n.name].rpartition(".")
+        m = modules.setdefault(module, _Module())
+        if n.name in param_of:
+            m.parameters.append((leaf, n.outputs[0]))
+        m.compute += n.compute
+        m.communication += n.communication
+        m.memory += n.memory
+        if n.phase == "forward" and n.outputs:
+            m.activation, m.placement = ", ".join(n.outputs), n.outputs[0]
+            m.first_forward = min(m.first_forward, position)
+    return modules
+
+
+def repeats_of(plan: Plan, signature: StepSignature) -> Repeats:
+    """The repeated layers of the plan: an instance's fingerprint is, per module inside it
+    (by its path relative to the instance), its parameters' SBPs and its activation's SBP --
+    the decisions the plan table shows."""
+    prints: dict[tuple[str, int], list] = {}
+    for module, m in _modules(plan, signature).items():
+        inst = _instance(module)
+        if inst is not None:
+            prints.setdefault(inst[:2], []).append((inst[2], tuple(m.parameters), m.activation))
+    return Repeats({k: tuple(v) for k, v in prints.items()})
+
+
+def module_rows(plan: Plan, signature: StepSignature) -> list[ModuleRow]:
+    """The plan per module, one row per run of identical layers (costs averaged over the
+    run), in order of first forward use (modules with no forward node last)."""
+    repeats = repeats_of(plan, signature)
+    merged: dict[str, list] = {}
+    modules = _modules(plan, signature)
+    for module, m in modules.items():
+        label, layers = repeats.label(module)
+        merged.setdefault(label, [layers, m, 0.0, 0.0, 0.0])
+        entry = merged[label]
+        entry[2] += m.compute / layers
+        entry[3] += m.communication / layers
+        entry[4] += m.memory / layers
+    rows = []
+    for label, (layers, m, compute, comm, memory) in merged.items():
+        sbps = " ".join(f"{leaf} {sbp}" for leaf, sbp in m.parameters)
+        placement = m.parameters[0][1] if m.parameters else m.placement
+        rows.append((m.first_forward, ModuleRow(label, layers, sbps or "-", m.activation or "-",
+                                                placement or "-", compute, comm, memory)))
+    return [row for _, row in sorted(rows, key=lambda r: r[0])]
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """The modeled step of rank 0's lowered program (seconds, bytes)."""
+
+    step: float
+    compute: float
+    exposed: float
+    hidden: float
+    peak_memory: int
+    budget: float
+    planner_objective: float
+
+
+def step_breakdown(plan: Plan, program: fx.GraphModule, mesh: Mesh, budget: float) -> StepBreakdown:
+    """Simulate ``program`` (:func:`cost_models.program.program_timeline`): compute is the
+    compute stream's busy time, exposed communication the rest of the makespan, hidden
+    communication the channels' busy time that the compute stream did not wait for."""
+    result = program_timeline(program, mesh.profile)
+    busy = sum(result.busy(s) for s in result.streams if s != COMPUTE)
+    exposed = result.exposed_communication
+    return StepBreakdown(result.makespan, result.busy(COMPUTE), exposed, max(busy - exposed, 0.0),
+                         result.peak_memory, budget, plan.objective)
+
+
+@dataclass(frozen=True)
+class CollectiveRow:
+    """The collectives of one phase, kind and mesh axis in one step."""
+
+    phase: str
+    kind: str
+    axis: str
+    count: int
+    nbytes: int
+    seconds: float
+
+
+def collective_rows(program: fx.GraphModule) -> list[CollectiveRow]:
+    """Communicating collectives of ``program`` grouped by (phase, kind, axis), in order of
+    first issue; a bucket (fused collectives, no module of its own) counts as phase
+    ``bucket``."""
+    groups: dict[tuple[str, str, str], list] = {}
+    for node in program.graph.nodes:
+        info = COLLECTIVE.get(node)
+        if info is None or not info.communicates:
+            continue
+        origin = ORIGIN.get(node)
+        key = (origin.phase if origin else "bucket", info.kind, info.axis_name)
+        entry = groups.setdefault(key, [0, 0, 0.0])
+        entry[0] += 1
+        entry[1] += info.nbytes
+        entry[2] += info.seconds
+    return [CollectiveRow(*key, *entry) for key, entry in groups.items()]
+
+
+def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
+    """Aligned columns; columns in ``right`` are right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if i in right else c.ljust(w)
+                      for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+
+
+def _format_step(plan: Plan, b: StepBreakdown) -> list[str]:
+    ms = lambda s: f"{s * 1e3:10.3f} ms"  # noqa: E731
+    share = f"{b.peak_memory / b.budget:.1%}" if b.budget else "-"
+    return [f"modeled step {b.step * 1e3:.3f} ms (rank 0's lowered program, timeline model)",
+            f"  compute                 {ms(b.compute)}",
+            f"  communication exposed   {ms(b.exposed)}",
+            f"  communication hidden    {ms(b.hidden)}",
+            f"  peak memory per device  {format_bytes(b.peak_memory):>13} of {format_bytes(b.budget)} "
+            f"budget ({share})",
+            f"  planner objective       {ms(b.planner_objective)} (compute + communication before "
+            "bucketing and overlap)"]
+
+
+def format_report(plan: Plan, rows: list[ModuleRow], step: StepBreakdown,
+                  collectives: list[CollectiveRow]) -> str:
+    """The plan table, the modeled step and the collectives per step, as text."""
+    mesh = "x".join(map(str, plan.mesh_shape)) + f"({','.join(plan.axis_names)})"
+    lines = [f"plan on mesh {mesh}, profile {plan.profile}, solver {plan.solver}", ""]
+    table = [("module", "layers", "parameters", "activation", "compute us", "comm us", "memory")]
+    table += [(r.module, str(r.layers), r.parameters, r.activation, f"{r.compute * 1e6:.1f}",
+               f"{r.communication * 1e6:.1f}", format_bytes(r.memory)) for r in rows]
+    lines += _table(table, {1, 4, 5, 6})
+    lines += ["(costs per layer; a row of several layers stands for each of them)", ""]
+    lines += _format_step(plan, step) + ["", "collectives per step"]
+    coll = [("phase", "kind", "axis", "count", "bytes", "modeled us")]
+    coll += [(c.phase, c.kind, c.axis, str(c.count), format_bytes(c.nbytes), f"{c.seconds * 1e6:.1f}")
+             for c in collectives]
+    lines += _table(coll, {3, 4, 5}) if collectives else ["  none"]
+    return "\n".join(lines)
+
+
+def report_data(rows: list[ModuleRow], step: StepBreakdown,
+                collectives: list[CollectiveRow]) -> dict:
+    """The report as JSON-ready data (added to the plan's own JSON by ``--json``)."""
+    return {"modules": [asdict(r) for r in rows], "modeled_step": asdict(step),
+            "collectives": [asdict(c) for c in collectives]}
+
+
+
+@dataclass(frozen=True)
+class ScheduledCollective:
+    """One collective of the program timeline: when it runs and how long the compute
+    stream stalls at its wait (seconds)."""
+
+    order: int
+    name: str
+    kind: str
+    axis: str
+    nbytes: int
+    start: float
+    end: float
+    stall: float
+    phase: str
+    module: str
+
+
+def scheduled_collectives(program: fx.GraphModule, mesh: Mesh) -> tuple[list[ScheduledCollective], object]:
+    """Every communicating collective of ``program`` in issue order with its modeled start
+    and end, and the stall at its wait: how long the wait's (empty) compute task starts
+    after the compute task before it ended. Returns the rows and the timeline result."""
+    result = program_timeline(program, mesh.profile)
+    task = {t.label: i for i, t in enumerate(result.tasks)}
+    stall_at, compute_end = {}, 0.0
+    for i, t in enumerate(result.tasks):
+        if t.stream == COMPUTE:
+            stall_at[t.label] = result.start[i] - compute_end
+            compute_end = result.end[i]
+    rows = []
+    for node in program.graph.nodes:
+        info = COLLECTIVE.get(node)
+        if info is None or not info.communicates or node.name not in task:
+            continue
+        i = task[node.name]
+        waits = [u.name for u in node.users if u.name in stall_at]
+        origin = ORIGIN.get(node)
+        rows.append(ScheduledCollective(len(rows), node.name, info.kind, info.axis_name, info.nbytes,
+                                        result.start[i], result.end[i],
+                                        max((stall_at[w] for w in waits), default=0.0),
+                                        origin.phase if origin else "bucket",
+                                        (origin.module or ROOT) if origin else "-"))
+    return rows, result
+
+
+def format_schedule(rows: list[ScheduledCollective], result) -> str:
+    """The timeline summary and the collectives in issue order."""
+    busy = sum(result.busy(s) for s in result.streams if s != COMPUTE)
+    lines = [f"modeled step {result.makespan * 1e3:.3f} ms: compute {result.busy(COMPUTE) * 1e3:.3f} ms, "
+             f"communication {busy * 1e3:.3f} ms of which exposed {result.exposed_communication * 1e3:.3f} ms; "
+             f"lower bound {result.lower_bound * 1e3:.3f} ms; peak memory {format_bytes(result.peak_memory)}", ""]
+    table = [("#", "start ms", "end ms", "stall ms", "kind", "axis", "bytes", "phase", "module")]
+    table += [(str(r.order), f"{r.start * 1e3:.3f}", f"{r.end * 1e3:.3f}", f"{r.stall * 1e3:.3f}", r.kind,
+               r.axis, format_bytes(r.nbytes), r.phase, r.module) for r in rows]
+    return "\n".join(lines + (_table(table, {0, 1, 2, 3, 6}) if rows else ["no collectives"]))

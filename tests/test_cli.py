@@ -1,0 +1,218 @@
+"""The command line, called as users call it: ``python -m ddlc ...`` in a subprocess.
+
+Every command of this module starts at once (a thread pool, module fixture) so that their
+imports of torch overlap; each test then waits for its own. Tiny models
+(``examples/factories.py``) keep each process to a few seconds of CPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from ddlc.calibrate import fit_errors, format_fit
+from ddlc.cli import parse_bytes
+from ddlc.errors import FactoryError, OptionError
+from ddlc.factory import load_factory
+from ddlc.plan import Plan
+from ddlc.report import Repeats
+from ddlc.zoo import MLP
+
+ROOT = Path(__file__).resolve().parents[1]
+FACTORIES = "examples/factories.py"
+TIMEOUT = 150
+
+RAISING = '''
+def broken():
+    raise ValueError("no weights for this model")
+'''
+
+
+def _commands(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (arguments of ``python -m ddlc``, PYTHONHASHSEED)."""
+    (tmp / "raising.py").write_text(RAISING)
+    full = ["plan", f"{FACTORIES}:mlp_deep", "--mesh", "2x2", "--graph", "--json", str(tmp / "plan.json"),
+            "--svg", str(tmp / "plan.svg"), "--html", str(tmp / "plan.html")]
+    return {
+        "plan": (full, "1"),
+        "plan_other_seed": ([*full[:-6], "--json", str(tmp / "plan2.json")], "12345"),
+        "search": (["plan", f"{FACTORIES}:mlp", "--mesh", "4"], "0"),
+        "schedule": (["schedule", f"{FACTORIES}:mlp", "--mesh", "2", "--trace", str(tmp / "trace.json")], "0"),
+        "missing_file": (["plan", "no/such/file.py:gpt", "--mesh", "2x2"], "0"),
+        "factory_raises": (["plan", f"{tmp / 'raising.py'}:broken", "--mesh", "2"], "0"),
+        "factory_raises_verbose": (["plan", f"{tmp / 'raising.py'}:broken", "--mesh", "2", "-v"], "0"),
+        "bad_mesh": (["plan", f"{FACTORIES}:mlp", "--mesh", "2y4"], "0"),
+        "over_budget": (["plan", f"{FACTORIES}:mlp", "--mesh", "2", "--memory", "1KB"], "0"),
+    }
+
+
+def _run(args: list[str], seed: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONHASHSEED": seed}
+    return subprocess.run([sys.executable, "-m", "ddlc", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    pool = ThreadPoolExecutor(max_workers=3)
+    futures = {name: pool.submit(_run, *command) for name, command in _commands(tmp).items()}
+    yield tmp, futures
+    pool.shutdown(cancel_futures=True)
+
+
+def _result(runs, name: str) -> subprocess.CompletedProcess:
+    return runs[1][name].result(timeout=TIMEOUT)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_plan_prints_the_report(runs):
+    out = _result(runs, "plan")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert text.startswith("plan on mesh 2x2(dp,tp), profile cpu-gloo, solver cd")
+    assert "layers.[1-3]" in text  # the identical hidden layers share one row
+    for part in ("module", "parameters", "activation", "modeled step", "communication exposed",
+                 "communication hidden", "peak memory per device", "collectives per step",
+                 "rank 0's program by module", "[forward] layers.0"):
+        assert part in text, part
+    assert "ddlc.pipeline" not in text  # logs never reach stdout
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_plan_json_loads_as_a_plan(runs):
+    assert _result(runs, "plan").returncode == 0
+    path = runs[0] / "plan.json"
+    plan = Plan.load(str(path))
+    assert plan.mesh_shape == (2, 2) and plan.nodes
+    data = json.loads(path.read_text())
+    assert data["modeled_step"]["step"] > 0
+    assert any(row["module"] == "layers.[1-3]" and row["layers"] == 3 for row in data["modules"])
+    assert data["collectives"] and all(c["count"] >= 1 for c in data["collectives"])
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_plan_svg_and_html_render(runs):
+    assert _result(runs, "plan").returncode == 0
+    svg = ET.parse(runs[0] / "plan.svg").getroot()
+    ids = {e.get("id") for e in svg.iter() if e.get("id")}
+    assert {"column:forward", "column:backward", "column:optimizer"} <= ids
+    assert {"module:forward:layers.0", "module:forward:layers.[1-3]", "module:optimizer:layers.[1-3]"} <= ids
+    texts = " ".join("".join(e.itertext()) for e in svg.iter() if e.tag.endswith("text"))
+    assert "layers.[1-3]  ×3" in texts and "placement (" in texts
+    collectives = [e for e in svg.iter() if (e.get("id") or "").startswith("collective:")]
+    assert collectives
+    assert any(kind in "".join(e.itertext()) for e in collectives for kind in ("all_gather", "reduce_scatter",
+                                                                              "all_reduce", "all_to_all"))
+    page = (runs[0] / "plan.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "modeled step" in page
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_plan_is_identical_under_other_hash_seeds(runs):
+    first, second = _result(runs, "plan"), _result(runs, "plan_other_seed")
+    assert first.returncode == second.returncode == 0, second.stderr
+    assert first.stdout == second.stdout
+    assert (runs[0] / "plan.json").read_text() == (runs[0] / "plan2.json").read_text()
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_mesh_search_lists_the_shapes(runs):
+    out = _result(runs, "search")
+    assert out.returncode == 0, out.stderr
+    head = out.stdout.split("\n\n")[0]
+    assert head.startswith("mesh shapes of 4 devices, best 2 of 2")
+    assert " 4 " in head and "2x2" in head
+    assert "plan on mesh" in out.stdout
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_schedule_prints_the_timeline_and_writes_a_trace(runs):
+    out = _result(runs, "schedule")
+    assert out.returncode == 0, out.stderr
+    assert "modeled step" in out.stdout and "stall ms" in out.stdout
+    trace = json.loads((runs[0] / "trace.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert "compute" in names and any(n.startswith("axis0") for n in names)
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("name, cause", [
+    ("missing_file", "no such file 'no/such/file.py'"),
+    ("factory_raises", "the factory raised ValueError: no weights for this model"),
+    ("bad_mesh", "cannot parse mesh shape '2y4'"),
+    ("over_budget", "no sharding fits the memory budget of 1000 B per device"),
+])
+def test_bad_input_is_one_line_and_exit_2(runs, name, cause):
+    out = _result(runs, name)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddlc plan: error: ") and cause in lines[0], out.stderr
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_verbose_bad_input_shows_the_traceback(runs):
+    out = _result(runs, "factory_raises_verbose")
+    assert out.returncode == 2
+    assert "Traceback" in out.stderr and "ValueError: no weights for this model" in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("ddlc plan: error: ")
+
+
+@pytest.mark.parametrize("text, value", [("16GB", 16e9), ("512MiB", 512 * 2**20), ("1e9", 1e9), ("2 kb", 2e3)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["lots", "16 parsecs", "-1GB", "0"])
+def test_parse_bytes_refuses(text):
+    with pytest.raises(OptionError, match="--memory"):
+        parse_bytes(text)
+
+
+def test_repeats_collapse_consecutive_identical_layers_only():
+    prints = {("blocks", 0): "a", ("blocks", 1): "b", ("blocks", 2): "b", ("blocks", 3): "b",
+              ("blocks", 4): "a", ("heads", 0): "b"}
+    repeats = Repeats(prints)
+    assert repeats.label("blocks.2.attn.qkv") == ("blocks.[1-3].attn.qkv", 3)
+    assert repeats.label("blocks.0") == ("blocks.0", 1)
+    assert repeats.label("blocks.4.fc") == ("blocks.4.fc", 1)
+    assert repeats.label("heads.0") == ("heads.0", 1)
+    assert repeats.label("") == ("(root)", 1)
+    assert repeats.label("ln_f") == ("ln_f", 1)
+
+
+def test_calibration_fit_errors_are_relative_to_the_measurement():
+    sizes, alpha, bandwidth, p = [2**12, 2**20, 2**24], 20e-6, 2e9, 4
+    times = [2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bandwidth for n in sizes]
+    times[1] *= 1.1  # measured 10% slower than the model says
+    rows = fit_errors(sizes, times, p, alpha, bandwidth)
+    assert [r["bytes"] for r in rows] == sizes
+    assert rows[0]["error"] == pytest.approx(0, abs=1e-12)
+    assert rows[1]["error"] == pytest.approx(1 / 1.1 - 1)
+    text = format_fit({"links": {"intra_node": {"latency": alpha, "bandwidth": bandwidth}},
+                       "fit": {"all_reduce": rows}})
+    assert text.splitlines()[0] == "all_reduce ring fit: latency 20.0 us, bandwidth 2 GB/s"
+    assert "-9.1%" in text.splitlines()[3]
+
+
+def test_factories_load_by_module_path_too():
+    assert load_factory("ddlc.zoo:MLP") is MLP
+    assert len(load_factory("examples.factories:mlp")()) == 3
+
+
+@pytest.mark.parametrize("spec, cause", [
+    ("no.such.module:f", "no module 'no.such.module'"),
+    ("ddlc.zoo:nothing_here", "ddlc.zoo has no function 'nothing_here'"),
+    ("ddlc.zoo", "name a factory as path/to/file.py:function"),
+])
+def test_factory_names_that_do_not_load(spec, cause):
+    with pytest.raises(FactoryError, match=re.escape(cause)):
+        load_factory(spec)
