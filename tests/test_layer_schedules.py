@@ -8,7 +8,7 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cost_models.layer_schedules import (RUN_MODES, LayerProfile, Run, _Clock, _RunSearch, compare,
+from cost_models.layer_schedules import (RUN_MODES, Collective, LayerProfile, Run, _Clock, _RunSearch, compare,
                                          dear, descent, lower_bound, no_overlap, pipedap,
                                          run_collectives, schedules, search_schedule, simulate, wfbp)
 
@@ -254,3 +254,57 @@ def test_cli_prints_one_json_object(tmp_path):
     assert json.loads(out.stdout) == pytest.approx(compare(LayerProfile.from_dict(data)))
     assert out.stdout.count("\n") == 1
     assert any(e["ph"] == "X" for e in json.loads(trace.read_text())["traceEvents"])
+
+
+def fifo_optimum(p):
+    """The fastest schedule of any messages in any order on the FIFO channel, by exhaustive
+    search independent of runs: each next message is any set of the parts left (an AG only
+    with or after its layer's RS), complete lists priced by the timeline. Branch and bound:
+    a schedule ends no earlier than its latest arrival + tail so far, nor than its link so
+    far plus the elements left and one start-up (the last message delivers an AG)."""
+    clock, best = _Clock.of(p), [float("inf")]
+
+    def visit(sent, left, link, late):
+        if not left:
+            best[0] = min(best[0], simulate(p, sent, labelled=False)[0].makespan)
+            return
+        rest = p.b / 2 * sum(p.layers[l].params for _, l in left) + p.a / 2
+        if max(late, link + rest, clock.compute) >= best[0]:
+            return
+        for size in range(1, len(left) + 1):
+            for parts in itertools.combinations(left, size):
+                if any(k == "ag" and ("rs", l) in left and ("rs", l) not in parts for k, l in parts):
+                    continue
+                c = Collective(parts)
+                end = max([link] + [clock.ready[l] for l in c.reduced_layers()]) + c.duration(p)
+                arrival = max([late] + [end + clock.tail[l] for k, l in parts if k == "ag"])
+                visit(sent + (c,), tuple(x for x in left if x not in parts), end, arrival)
+
+    visit((), tuple((k, l) for l in p.param_layers for k in ("rs", "ag")), 0.0, -float("inf"))
+    return best[0]
+
+
+def reduced_vgg16(cost):
+    """bench/schedule.py's VGG16 at link cost ``cost``, layers summed into conv1_1-conv4_3,
+    conv5_1-conv5_3, fc6 and fc7-fc8 (params, forward, backward)."""
+    return profile(1.4e-4 * cost, 9.722222222222221e-12 * cost,
+                   (7635264, 3.11887607277037e-3, 6.23775214554074e-3),
+                   (7079424, 2.9595009024e-4, 5.9190018048e-4),
+                   (102764544, 7.750542222222222e-5, 1.5501084444444443e-4),
+                   (20878312, 1.6095365925925927e-05, 3.2190731851851855e-05))
+
+
+@pytest.mark.parametrize("cost", [10, 20, 50])
+def test_run_search_finds_the_free_fifo_optimum_on_a_reduced_vgg16(cost):
+    # The huge fc6 goes with the convolutions: at 20x its RS alone in backward and its AG
+    # riding on the convolutions' message (31.31 ms, descent 31.37); at 50x its RS held into
+    # that message too. Three messages are needed (fc RS before the convolutions are ready,
+    # the convolutions' before their long forward, fc6's AG last), so no schedule beats
+    # first gradient + b*N + 3 a/2 = 31.11 ms at 20x: the issue's 6% below descent is not
+    # reachable in this timeline model.
+    p = reduced_vgg16(cost)
+    optimum = fifo_optimum(p)
+    assert search_schedule(p).iteration_time == pytest.approx(optimum)
+    assert optimum <= descent(p).iteration_time
+    first = min(_Clock.of(p).ready)
+    assert optimum >= first + p.b * p.params + 3 * p.a / 2
