@@ -170,11 +170,15 @@ def _example(name):
 
 
 MESHES = [(4,), (2, 2), (2, 4), (8,), (2, 2, 2)]
+#: the exact solver's slowest cases (20-40 s each on 2 cores), not run to keep the suite in
+#: its time: the 3-D mesh is checked on the MLP and the untied GPT, the tied GPT and the
+#: CNN on every 1-D and 2-D mesh
+NOT_RUN = {("gpt_tied", (2, 2, 2)), ("cnn", (2, 2, 2))}
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
-@pytest.mark.parametrize("name", ["mlp", "gpt", "gpt_tied", "cnn"])
+@pytest.mark.parametrize("name,mesh_shape", [(n, m) for n in ["mlp", "gpt", "gpt_tied", "cnn"]
+                                             for m in MESHES if (n, m) not in NOT_RUN], ids=str)
 def test_coordinate_descent_matches_exact(name, mesh_shape):
     gm = _example(name)
     mesh = ddlc.Mesh(mesh_shape)

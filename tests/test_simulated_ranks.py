@@ -55,11 +55,11 @@ def test_taking_coordinate_0s_choices_gives_the_searched_program_without_searchi
     take them. Each rank's program is then the one it would have found by searching."""
     import ddlc.pipeline as pipeline
     from ddlc.options import CompileOptions
-    model, loss_fn = model_and_loss("gpt")
-    data = batches("gpt")
+    model, loss_fn = model_and_loss("mlp")
+    data = batches("mlp")
     gm = canonicalize(ddlc.trace(model, data[0], loss_fn, optimizer("adamw", model)))
     mesh = ddlc.Mesh((2, 2), links=[ddlc.LinkModel(1e-7, 1e10)] * 2)
-    shard(gm, mesh, fixed={"input0": parse_sbp("(S0, B)")})
+    shard(gm, mesh, fixed={"input0": parse_sbp("(S0, B)"), "p_layers_0_weight": parse_sbp("(B, S0)")})
     options, groups = CompileOptions.from_kwargs(), axis_group_names(mesh)
     choices = pipeline.lower(copy.deepcopy(gm), mesh, (0, 0), groups, options)
     searched = lower_rank(copy.deepcopy(gm), mesh, (1, 1), groups)
