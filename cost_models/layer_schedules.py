@@ -777,25 +777,36 @@ def _runs_of(state: _State) -> list[Run]:
 
 def _polish(profile: LayerProfile, runs: list[Run], memory_cap: float | None) -> list[Run]:
     """Local search over run lists with compound moves (:func:`_moves`): visit the runs in
-    order, apply the best move around each that shortens the iteration (and keeps under
-    ``memory_cap``), and repeat until a pass changes nothing. Deterministic."""
+    order, apply the move around each that shortens the iteration most (keeping under
+    ``memory_cap``) or, where none does, the one that lowers the peak of gradient buffers
+    most without lengthening it; repeat until a pass changes nothing. Deterministic."""
     clock, cache = _Clock.of(profile), {}
 
-    def time_of(candidate) -> float:
+    def cost_of(candidate) -> tuple[float, float]:
+        """(iteration time, peak), (inf, inf) if invalid or over the cap."""
         key = tuple(candidate)
         if key not in cache:
             collectives = run_collectives(profile, candidate)
-            time, peak = clock.price(profile, collectives) if collectives else (math.inf, 0)
-            cache[key] = time if memory_cap is None or peak <= memory_cap else math.inf
+            time, peak = clock.price(profile, collectives) if collectives else (math.inf, math.inf)
+            cache[key] = (time, peak) if memory_cap is None or peak <= memory_cap else (math.inf, math.inf)
         return cache[key]
 
-    best, improved = time_of(runs), True
+    def better(candidates: list, time: float, peak: float):
+        """The fastest candidate if it is faster, else the lowest-peak one as fast, or None."""
+        fastest = min(candidates, key=lambda c: cost_of(c)[0], default=None)
+        if fastest is not None and cost_of(fastest)[0] < time * (1 - 1e-12):
+            return fastest
+        as_fast = [c for c in candidates if cost_of(c)[0] <= time * (1 + 1e-12)]
+        leanest = min(as_fast, key=lambda c: cost_of(c)[1], default=None)
+        return leanest if leanest is not None and cost_of(leanest)[1] < peak * (1 - 1e-9) else None
+
+    improved = True
     while improved:
         improved, i = False, 0
         while i < len(runs):
-            candidate = min(_moves(runs, i), key=time_of, default=runs)
-            if time_of(candidate) < best * (1 - 1e-12):
-                runs, best, improved = candidate, time_of(candidate), True
+            candidate = better(list(_moves(runs, i)), *cost_of(runs))
+            if candidate is not None:
+                runs, improved = candidate, True
             i += 1
     return runs
 
