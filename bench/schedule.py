@@ -12,7 +12,11 @@ node on that profile's intra-node link: a = 2(p-1)α, b = 2(p-1)/p · 2 bytes / 
 prints the iteration time, its ratio to :func:`cost_models.layer_schedules.lower_bound`
 (computed in this run), the peak of live gradient buffers and the time the strategy took
 to build its schedule; ``ddlc, cap`` is ddlc's search with the memory cap set to DeAR's
-peak. ``descent`` is ddlc's search before the run search (coordinate descent).
+peak. ``descent`` is ddlc's search before the run search (coordinate descent). ``exact``
+is the proven optimum of ddlc's run schedule space
+(:func:`cost_models.layer_schedules.exact_schedule`), on profiles of at most
+``EXACT_MAX_LAYERS`` layers with parameters (the zoo MLP and CNN). Beyond, the proof does
+not finish: on VGG16's 16 layers at 1x, 1024 states per layer are not enough after 49 s.
 
 First, ddlc's own example models (``ddlc.zoo``): traced, planned data parallel on 8
 GPUs of the same profile, and turned into per-layer profiles by
@@ -28,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cost_models.layer_schedules import (STRATEGIES, LayerProfile, lower_bound,  # noqa: E402
+from cost_models.layer_schedules import (STRATEGIES, LayerProfile, exact_schedule, lower_bound,  # noqa: E402
                                          search_schedule)
 from ddlc.mesh import load_profile  # noqa: E402
 
@@ -37,6 +41,7 @@ GPUS = 8
 BYTES = 2                                   # bf16 activations, weights and gradients
 FLOPS = HARDWARE.flops_for("bfloat16")
 LINK_COSTS = (1, 2, 5, 10, 20, 50)
+EXACT_MAX_LAYERS = 8
 
 
 def linear(name, tokens, d_in, d_out, bias=True):
@@ -171,6 +176,10 @@ def report_profile(title: str, profile_at) -> None:
         print(f"{cost:>4}x {'bound':>11} {bound * 1e3:9.2f}")
         built = {name: timed(strategy, profile) for name, strategy in STRATEGIES.items()}
         built["ddlc, cap"] = timed(search_schedule, profile, memory_cap=built["dear"][0].peak_memory)
+        if len(profile.param_layers) <= EXACT_MAX_LAYERS:
+            exact, seconds = timed(exact_schedule, profile)
+            if exact is not None:
+                built["exact"] = exact, seconds
         for name, (schedule, seconds) in built.items():
             t = schedule.iteration_time
             print(f"{'':>5} {name:>11} {t * 1e3:9.2f} {t / bound:8.3f} "

@@ -48,8 +48,8 @@ from .timeline import COMPUTE, Timeline, TimelineResult
 
 __all__ = ["Layer", "LayerProfile", "Collective", "Schedule", "Window", "Choice", "PLACEMENTS",
            "START_UPS", "ELEMENT_PASSES", "CHANNEL", "simulate", "no_overlap", "wfbp", "dear",
-           "pipedap", "descent", "Run", "RUN_MODES", "run_collectives", "search_schedule", "lower_bound",
-           "STRATEGIES", "schedules", "compare"]
+           "pipedap", "descent", "Run", "RUN_MODES", "run_collectives", "search_schedule",
+           "exact_schedule", "lower_bound", "STRATEGIES", "schedules", "compare"]
 
 CHANNEL = "dp"
 START_UPS = {"rs": 1, "ag": 1, "ar": 2}        # start-ups of a/2 when the kind is sent alone
@@ -868,6 +868,20 @@ def search_schedule(profile: LayerProfile, memory_cap: float | None = None,
         raise ValueError(f"no schedule keeps the gradient buffers under {memory_cap:,.0f} bytes")
     fastest = min(feasible + baselines, key=lambda s: s.iteration_time)
     return Schedule("ddlc", profile, fastest.collectives, fastest.iteration_time)
+
+
+def exact_schedule(profile: LayerProfile, beam: int = 1 << 16) -> Schedule | None:
+    """The optimum of the run schedule space, proven: the dynamic programme with a beam that
+    must never bind (every non-dominated state below the incumbent kept), or None where a
+    frontier outgrew ``beam`` (no proof). DeAR's and PipeDAP's orders lie in the space, so
+    where no run schedule beats the faster of them, that one is the optimum."""
+    baseline = min((dear(profile), pipedap(profile)), key=lambda s: s.iteration_time)
+    search = _RunSearch(profile, None, beam)
+    found = search.search(baseline.iteration_time * (1 + 1e-12))
+    if not search.exact:
+        return None
+    collectives = run_collectives(profile, _runs_of(found)) if found is not None else baseline.collectives
+    return _schedule("exact", profile, collectives)
 
 
 # -- bound and comparison ---------------------------------------------------------------------

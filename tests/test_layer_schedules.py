@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cost_models.layer_schedules import (RUN_MODES, Collective, LayerProfile, Run, _Clock, _RunSearch, compare,
-                                         dear, descent, lower_bound, no_overlap, pipedap,
+                                         dear, descent, exact_schedule, lower_bound, no_overlap, pipedap,
                                          run_collectives, schedules, search_schedule, simulate, wfbp)
 
 
@@ -178,6 +178,18 @@ FOUR = profile(0.5, 2e-4, (3000, 2, 4), (500, 1, 2), (4000, 0.5, 1), (1500, 1, 2
 
 def test_run_search_equals_brute_force_on_four_layers():
     assert search_schedule(FOUR).iteration_time == pytest.approx(brute_force(FOUR))
+
+
+@pytest.mark.parametrize("cost", [1, 20, 100])
+def test_the_exact_programme_proves_the_optimum_of_the_space(cost):
+    p = profile(0.5 * cost, 2e-4 * cost, (3000, 2, 4), (500, 1, 2), (4000, 0.5, 1), (1500, 1, 2))
+    exact = exact_schedule(p)
+    assert exact.iteration_time == pytest.approx(brute_force(p))
+    assert exact.iteration_time <= search_schedule(p).iteration_time * (1 + 1e-12)
+
+
+def test_a_binding_beam_proves_nothing():
+    assert exact_schedule(FOUR, beam=1) is None
 
 
 def test_memory_cap_is_respected_and_the_peak_reported():
