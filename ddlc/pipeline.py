@@ -7,7 +7,8 @@
       canonicalize   mean reductions -> sum / count, so batch splits give partial sums
       shard          every node's SBP signature (AutoDDL): ir.SHARDING on every node
       decouple       gradient all-reduce -> reduce-scatter + update on the shard + all-gather
-    lowering  (every rank, for its own mesh coordinate)
+    lowering  (every rank, for its own mesh coordinate; rank 0 first, whose searched choices
+               for fuse, partition and schedule the others take, see ddlc.runtime)
       collectives    boxing collectives on every edge whose SBP changes (ir.COLLECTIVE)
       localize       global -> per-rank shapes and arguments (ir.GLOBAL_VAL keeps the global)
       random         random ops draw their global shape from the program's generator and
