@@ -60,27 +60,28 @@ def _is_plumbing(node: fx.Node) -> bool:
             or (node.op == "call_function" and getattr(node.target, "__module__", "") == comm.__name__))
 
 
-def _issuer(collective: fx.Node, position: dict, repeats: Repeats):
-    """The box of the latest non-plumbing operator whose result ``collective`` reads."""
-    stack, found = list(collective.all_input_nodes), []
+def _operators_through_plumbing(start: fx.Node, neighbours, repeats: Repeats) -> list[fx.Node]:
+    """The operators in a box reached from ``start`` along ``neighbours`` (a node's inputs
+    or its users), looking through communication plumbing."""
+    stack, found = list(neighbours(start)), []
     while stack:
         node = stack.pop()
         if node.op == "call_function" and _is_plumbing(node):
-            stack.extend(node.all_input_nodes)
+            stack.extend(neighbours(node))
         elif _group(node, repeats) is not None:
             found.append(node)
+    return found
+
+
+def _issuer(collective: fx.Node, position: dict, repeats: Repeats):
+    """The box of the latest non-plumbing operator whose result ``collective`` reads."""
+    found = _operators_through_plumbing(collective, lambda n: n.all_input_nodes, repeats)
     return _group(max(found, key=position.__getitem__), repeats) if found else None
 
 
 def _reader(collective: fx.Node, position: dict, repeats: Repeats):
     """The box of the first non-plumbing operator that reads ``collective``'s result."""
-    stack, found = list(collective.users), []
-    while stack:
-        node = stack.pop()
-        if node.op == "call_function" and _is_plumbing(node):
-            stack.extend(node.users)
-        elif _group(node, repeats) is not None:
-            found.append(node)
+    found = _operators_through_plumbing(collective, lambda n: n.users, repeats)
     return _group(min(found, key=position.__getitem__), repeats) if found else None
 
 
