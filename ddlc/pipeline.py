@@ -170,31 +170,31 @@ def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence
 
 def _lower_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],
                   options: CompileOptions,
-                  leader: LoweringChoices | Callable[[], LoweringChoices] | None) -> LoweringChoices:
+                  choices: LoweringChoices | Callable[[], LoweringChoices] | None) -> LoweringChoices:
     run_pass("collectives", insert_collectives, gm, mesh, groups, coord)
     run_pass("localize", localize, gm, mesh, coord)
     run_pass("random", draw_globally, gm, mesh, coord)
     # from here on, shapes are local and every collective carries ir.COLLECTIVE
-    if callable(leader):
-        leader = leader()
+    if callable(choices):
+        choices = choices()
 
     def order(graph: fx.GraphModule) -> fx.GraphModule:
         return schedule(graph, options.max_inflight_bytes, options.max_live_bytes, mesh.profile,
                         options.updates_for_schedule)
 
     scheduler = order if options.schedule else None
-    cap = _bucket_cap(options.fuse) if leader is None else leader.bucket_cap
+    cap = _bucket_cap(options.fuse) if choices is None else choices.bucket_cap
     if cap == "auto":
         cap = BUCKET_CAP.set(gm, run_pass("fuse", fuse_best, gm, mesh, scheduler))
     elif cap:
         run_pass("fuse", fuse, gm, mesh, cap)
-    size = _bucket_cap(options.partition, none=math.inf) if leader is None else leader.piece_bytes
+    size = _bucket_cap(options.partition, none=math.inf) if choices is None else choices.piece_bytes
     if size == "auto":
         size = PIECE_BYTES.set(gm, run_pass("partition", partition_best, gm, mesh, scheduler))
     elif size != math.inf:
         run_pass("partition", partition, gm, mesh, size)
-    if leader is not None and leader.order is not None:
-        run_pass("schedule", follow, gm, list(leader.order))
+    if choices is not None and choices.order is not None:
+        run_pass("schedule", follow, gm, list(choices.order))
     elif scheduler is not None:
         run_pass("schedule", scheduler, gm)
     check_waits(gm)  # invariant: every collective's output is read only through its wait

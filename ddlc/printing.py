@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 from .ir import COLLECTIVE, ORIGIN, SHARDING, NdSignature
 
-__all__ = ["format_bytes", "format_graph", "format_graph_by_module", "format_sbps", "format_sharding",
+__all__ = ["align_columns", "format_bytes", "format_graph", "format_graph_by_module", "format_sbps", "format_sharding",
            "op_name", "op_summary"]
 
 
@@ -68,9 +68,12 @@ def _row(node: fx.Node) -> tuple[str, str, str, str]:
             _annotation(node))
 
 
-def _align(rows: list[tuple[str, ...]], indent: str = "") -> list[str]:
+def align_columns(rows: list[tuple[str, ...]], indent: str = "", right=frozenset()) -> list[str]:
+    """``rows`` as lines of aligned columns two spaces apart; the columns whose indices are in
+    ``right`` are right-aligned, the others left-aligned."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return [indent + "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
 
 
 def format_graph(gm: fx.GraphModule, limit: int | None = None) -> str:
@@ -81,7 +84,7 @@ def format_graph(gm: fx.GraphModule, limit: int | None = None) -> str:
         rows.append((*_row(node), f"{origin.phase}:{origin.module}" if origin else ""))
     if limit is not None and len(rows) > limit:
         rows = rows[:limit] + [(f"... {len(rows) - limit} more nodes", "", "", "", "")]
-    return "\n".join(_align(rows))
+    return "\n".join(align_columns(rows))
 
 
 def format_graph_by_module(gm: fx.GraphModule) -> str:
@@ -98,5 +101,5 @@ def format_graph_by_module(gm: fx.GraphModule) -> str:
         runs[-1][1].append(_row(node))
     lines = []
     for (phase, module), rows in runs:
-        lines += [f"[{phase}] {module}".rstrip(), *_align(rows, "    ")]
+        lines += [f"[{phase}] {module}".rstrip(), *align_columns(rows, "    ")]
     return "\n".join(lines)

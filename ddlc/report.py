@@ -31,7 +31,7 @@ from cost_models.timeline import COMPUTE
 from .ir import COLLECTIVE, ORIGIN, StepSignature
 from .mesh import Mesh
 from .plan import Plan
-from .printing import format_bytes
+from .printing import align_columns, format_bytes
 
 __all__ = ["Repeats", "repeats_of", "ModuleRow", "StepBreakdown", "CollectiveRow", "module_rows", "step_breakdown",
            "collective_rows", "format_report", "report_data", "ScheduledCollective",
@@ -217,13 +217,6 @@ def collective_rows(program: fx.GraphModule) -> list[CollectiveRow]:
     return [CollectiveRow(*key, *entry) for key, entry in groups.items()]
 
 
-def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
-    """Aligned columns; columns in ``right`` are right-aligned."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.rjust(w) if i in right else c.ljust(w)
-                      for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
-
-
 def _format_step(plan: Plan, b: StepBreakdown) -> list[str]:
     ms = lambda s: f"{s * 1e3:10.3f} ms"  # noqa: E731
     share = f"{b.peak_memory / b.budget:.1%}" if b.budget else "-"
@@ -245,13 +238,13 @@ def format_report(plan: Plan, rows: list[ModuleRow], step: StepBreakdown,
     table = [("module", "layers", "parameters", "activation", "compute us", "comm us", "memory")]
     table += [(r.module, str(r.layers), r.parameters, r.activation, f"{r.compute * 1e6:.1f}",
                f"{r.communication * 1e6:.1f}", format_bytes(r.memory)) for r in rows]
-    lines += _table(table, {1, 4, 5, 6})
+    lines += align_columns(table, right={1, 4, 5, 6})
     lines += ["(costs per layer; a row of several layers stands for each of them)", ""]
     lines += _format_step(plan, step) + ["", "collectives per step"]
     coll = [("phase", "kind", "axis", "count", "bytes", "modeled us")]
     coll += [(c.phase, c.kind, c.axis, str(c.count), format_bytes(c.nbytes), f"{c.seconds * 1e6:.1f}")
              for c in collectives]
-    lines += _table(coll, {3, 4, 5}) if collectives else ["  none"]
+    lines += align_columns(coll, right={3, 4, 5}) if collectives else ["  none"]
     return "\n".join(lines)
 
 
@@ -316,4 +309,4 @@ def format_schedule(rows: list[ScheduledCollective], result) -> str:
     table = [("#", "start ms", "end ms", "stall ms", "kind", "axis", "bytes", "phase", "module")]
     table += [(str(r.order), f"{r.start * 1e3:.3f}", f"{r.end * 1e3:.3f}", f"{r.stall * 1e3:.3f}", r.kind,
                r.axis, format_bytes(r.nbytes), r.phase, r.module) for r in rows]
-    return "\n".join(lines + (_table(table, {0, 1, 2, 3, 6}) if rows else ["no collectives"]))
+    return "\n".join(lines + (align_columns(table, right={0, 1, 2, 3, 6}) if rows else ["no collectives"]))
