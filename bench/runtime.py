@@ -1,28 +1,35 @@
-"""Wall time of a compiled data-parallel training step vs. DistributedDataParallel.
+"""Wall time of a training step: ddlc against eager, DDP and FSDP2, measured in one run.
 
 Run: ``python bench/runtime.py`` (full, a few minutes) or ``python bench/runtime.py --quick``
-(smaller models, fewer steps, < 60 s).
+(smaller models, fewer steps, about a minute).
 
 On ``--world-size`` (default 4) local gloo processes started by :func:`ddlc.spawn`, for each
-model (a GPT and an MLP from :mod:`ddlc.zoo`) and the same global batch, it times one
-training step (forward, loss, backward, gradient communication, AdamW update) of
+model (a GPT and an MLP from :mod:`ddlc.zoo`, and a Hugging Face GPT-2 from a small config
+with its own loss) and the same global batch, it times one training step (forward, loss,
+backward, gradient communication, AdamW update) of
 
-1. ``ddlc.compile(..., placements={"input0": "(S0)", "input1": "(S0)"}, schedule=True)``:
-   the compiled data-parallel step with the communication schedule;
-2. the same with ``schedule=False``;
-3. ``torch.nn.parallel.DistributedDataParallel`` on the same model, each rank on its
-   micro-batch (global batch / world size), with the same AdamW and loss.
+- ``eager``: the single-device model on the whole global batch, on rank 0 alone (the other
+  ranks wait): the numbers every other variant must reproduce;
+- ``DDP``: ``torch.nn.parallel.DistributedDataParallel``, each rank on its micro-batch
+  (global batch / world size);
+- ``FSDP2``: ``torch.distributed.fsdp.fully_shard`` on every layer of the model's largest
+  ``nn.ModuleList`` and on the root (parameters resharded after forward, its default);
+- ``ddlc``: ``ddlc.compile`` with no placements: the plan the search picks;
+- ``ddlc-dp``: ``ddlc.compile`` pinned to data parallelism (batch inputs ``(S0)``, every
+  parameter ``(B)``); decoupling, fusion and scheduling as the cost model decides;
+- ``ddlc-inductor``: listed as not available: the Inductor backend is not built.
 
-The three variants start from the same initial parameters and see the same batches; they
-run interleaved (one step of each per round, the order rotating every round) so that
-machine noise hits all of them alike. Before each timed step every rank waits at a
-barrier; a step's time is the slowest rank's ``time.perf_counter`` interval from leaving
-the barrier to having the new parameters, and the reported figure is the median over the
-timed steps (rank 0's median is printed too). The losses of every step are compared
-(the DDP loss is the mean of the ranks' micro-batch losses, i.e. the global-batch loss).
-
-If this ddlc's ``compile`` has no ``schedule`` argument yet, variant 1 is skipped with a
-note and variant 2 is ``compile`` without the argument.
+Every variant starts from the same parameters (seed 0) and sees the same batches; they run
+interleaved (one step of each per round, the order rotating every round) so machine noise
+hits all of them alike. Before each timed step every rank waits at a barrier; a step's time
+is the slowest rank's ``time.perf_counter`` interval from leaving the barrier to having the
+new parameters (rank 0's for ``eager``), and the reported figure is the median over the
+timed steps. Each is printed as a ratio to DDP. Bytes moved per step: ddlc's from its
+program's collectives (:func:`ddlc.ir.collective_sequence`); FSDP2's counted on its first
+(untimed) step by wrapping the ``torch.distributed`` collectives it calls; DDP's is the bytes of every
+gradient, which it all-reduces once a step. All count each collective's whole buffer on one
+rank (an all-gather's output, a reduce-scatter's input). The losses of every step are
+compared with eager's (DDP's and FSDP2's are the mean of the ranks' micro-batch losses).
 
 Gloo on CPU implements reduce-scatter as all-reduce + chunk (see shared/TORCH_NOTES.md),
 and here the processes share few cores: these timings say nothing about GPU/NCCL behaviour.
@@ -30,6 +37,8 @@ and here the processes share few cores: these timings say nothing about GPU/NCCL
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import os
 import statistics
 import sys
@@ -44,230 +53,283 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ddlc  # noqa: E402
+from ddlc.ir import collective_sequence  # noqa: E402
 from ddlc.zoo import GPT, MLP, lm_loss  # noqa: E402
 
 PROFILE = os.environ.get("DDLC_PROFILE", "cpu-gloo")  # workers inherit it; see --profile
 LR, EPS, WEIGHT_DECAY = 1e-2, 1e-4, 0.01
 
-# name -> (constructor kwargs, global batch); GPT batches are (tokens, next tokens),
-# MLP batches are (inputs, regression targets) with an MSE loss.
+# name -> (constructor kwargs, global batch); GPT batches are (tokens, next tokens), MLP
+# batches (inputs, regression targets) with an MSE loss, HF GPT-2 batches a dict with labels.
 FULL = {
     "gpt": (dict(vocab=512, d_model=192, n_heads=4, n_layers=3, seq_len=64), 16),
     "mlp": (dict(d_in=256, d_hidden=1024, d_out=64, depth=4), 256),
+    "hf-gpt2": (dict(n_embd=128, n_layer=2, n_head=4, vocab_size=512, n_positions=64), 16),
 }
 QUICK = {
     "gpt": (dict(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=32), 16),
     "mlp": (dict(d_in=128, d_hidden=512, d_out=32, depth=3), 128),
+    "hf-gpt2": (dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=32), 8),
 }
-VARIANTS = ("ddlc+schedule", "ddlc", "DDP", "eager-no-comm")
+VARIANTS = ("eager", "DDP", "FSDP2", "ddlc", "ddlc-dp", "ddlc-inductor")
+UNAVAILABLE = {"ddlc-inductor": "compile(..., backend='inductor') is not built: ddlc runs "
+                                "each rank's program as an eager torch.fx graph"}
+MICRO_BATCHED = ("DDP", "FSDP2")   # variants that step on this rank's micro-batch
 
 
 # -- model, data, optimizer (identical in every variant) -----------------------------------
 def build(name: str, kwargs: dict):
+    """``(model, loss_fn)`` with the parameters of seed 0; loss_fn None: the model's own."""
     torch.manual_seed(0)
     if name == "gpt":
         return GPT(**kwargs), lm_loss
-    return MLP(**kwargs), F.mse_loss
+    if name == "mlp":
+        return MLP(**kwargs), F.mse_loss
+    import transformers
+    config = transformers.GPT2Config(**kwargs, n_inner=4 * kwargs["n_embd"], bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config), None
 
 
 def make_batches(name: str, kwargs: dict, global_batch: int, n: int):
     g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        return [(torch.randn(global_batch, kwargs["d_in"], generator=g),
+                 torch.randn(global_batch, kwargs["d_out"], generator=g)) for _ in range(n)]
     if name == "gpt":
         shape = (global_batch, kwargs["seq_len"])
         return [(torch.randint(0, kwargs["vocab"], shape, generator=g),
                  torch.randint(0, kwargs["vocab"], shape, generator=g)) for _ in range(n)]
-    return [(torch.randn(global_batch, kwargs["d_in"], generator=g),
-             torch.randn(global_batch, kwargs["d_out"], generator=g)) for _ in range(n)]
+    shape = (global_batch, kwargs["n_positions"])
+    batches = []
+    for _ in range(n):
+        ids = torch.randint(0, kwargs["vocab_size"], shape, generator=g)
+        batches.append({"input_ids": ids, "labels": ids})
+    return batches
+
+
+def micro_batch(batch):
+    """This rank's part of a global batch (a tuple or a dict of tensors)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if isinstance(batch, dict):
+        return {k: v.chunk(world)[rank] for k, v in batch.items()}
+    return tuple(t.chunk(world)[rank] for t in batch)
+
+
+def forward_loss(model, loss_fn, batch):
+    if loss_fn is None:
+        return model(**batch).loss
+    x, y = batch
+    return loss_fn(model(x), y)
 
 
 def make_optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WEIGHT_DECAY)
 
 
-def count_params(name: str, kwargs: dict) -> int:
-    model, _ = build(name, kwargs)
-    return sum(p.numel() for p in model.parameters())
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-# -- the variants ---------------------------------------------------------------------------
-def compile_variant(name, kwargs, batch0, schedule, replicate_params=False):
-    """``(step_fn, info)`` of a compiled variant."""
+# -- the variants: each returns (step(global batch) -> loss, info) ---------------------------
+def eager_step(model, loss_fn, opt, batch):
+    opt.zero_grad(set_to_none=True)
+    loss = forward_loss(model, loss_fn, batch)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def eager_variant(name, kwargs, batch0):
     model, loss_fn = build(name, kwargs)
     opt = make_optimizer(model)
-    placements = {"input0": "(S0)", "input1": "(S0)"}
-    if replicate_params:   # classic data parallelism: every parameter whole on every rank
+    return (lambda batch: eager_step(model, loss_fn, opt, batch)), dict(comm_bytes=0)
+
+
+def ddp_variant(name, kwargs, batch0):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model, loss_fn = build(name, kwargs)
+    with warnings.catch_warnings():   # broadcast_buffers is deprecated but still the way
+        warnings.simplefilter("ignore", FutureWarning)
+        ddp = DDP(model, broadcast_buffers=False)   # the buffers here are constants
+    opt = make_optimizer(ddp)
+    return ((lambda batch: eager_step(ddp, loss_fn, opt, micro_batch(batch))),
+            dict(comm_bytes=param_bytes(model), how="every gradient all-reduced once"))
+
+
+def fsdp2_variant(name, kwargs, batch0):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model, loss_fn = build(name, kwargs)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    layers = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)),
+                 key=lambda m: sum(p.numel() for p in m.parameters()))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = make_optimizer(model)
+    return ((lambda batch: eager_step(model, loss_fn, opt, micro_batch(batch))),
+            dict(count_bytes=True, how=f"fully_shard on {len(layers)} layers and the root"))
+
+
+def ddlc_variant(name, kwargs, batch0, pin_data_parallel):
+    model, loss_fn = build(name, kwargs)
+    opt = make_optimizer(model)
+    placements = {}
+    if pin_data_parallel:
+        inputs = batch0.keys() if isinstance(batch0, dict) else [f"input{i}" for i in range(len(batch0))]
+        placements = {k: "(S0)" for k in inputs}
         placements.update({k: "(B)" for k, _ in model.named_parameters()})
     start = time.perf_counter()
-    note = None
     compiled = ddlc.compile(model, (dist.get_world_size(),), batch0, loss_fn, opt,
-                            placements=placements, profile=PROFILE, schedule=schedule)
+                            placements=placements, profile=PROFILE)
     compile_s = time.perf_counter() - start
-    from ddlc.ir import collective_sequence
     seq = collective_sequence(compiled.gm)
-    kinds = Counter(k for k, _, _ in seq)
-    try:
-        param_sbps = Counter(str(compiled._sbp(k)) for k in compiled.params)
-    except Exception:  # private helper; only for the printout
-        param_sbps = Counter()
-    info = dict(compile_s=compile_s, note=note, collectives=dict(kinds),
-                comm_bytes=sum(b for _, _, b in seq), param_sbps=dict(param_sbps),
-                fingerprint=compiled.fingerprint)
+    info = dict(compile_s=compile_s, collectives=dict(Counter(k for k, _, _ in seq)),
+                comm_bytes=sum(b for _, _, b in seq),
+                param_sbps=dict(Counter(str(compiled._sbp(k)) for k in compiled.params)))
+    if isinstance(batch0, dict):
+        return (lambda batch: compiled.step(batch)), info
     return (lambda batch: compiled.step(*batch)), info
 
 
-def ddp_variant(name, kwargs):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    model, loss_fn = build(name, kwargs)
-    # The GPT's only buffer (positions) is constant: don't broadcast it every forward.
-    with warnings.catch_warnings():   # broadcast_buffers is deprecated but still the way
-        warnings.simplefilter("ignore", FutureWarning)
-        ddp = DDP(model, broadcast_buffers=False)
-    opt = make_optimizer(ddp)
-    rank, world = dist.get_rank(), dist.get_world_size()
+BUILDERS = {
+    "eager": eager_variant, "DDP": ddp_variant, "FSDP2": fsdp2_variant,
+    "ddlc": lambda *a: ddlc_variant(*a, pin_data_parallel=False),
+    "ddlc-dp": lambda *a: ddlc_variant(*a, pin_data_parallel=True),
+}
 
-    def step(batch):
-        x, y = (t.chunk(world)[rank] for t in batch)   # this rank's micro-batch
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(ddp(x), y)
-        loss.backward()                                  # DDP all-reduces gradients (avg)
-        opt.step()
-        return loss.detach()
-
-    return step, dict(bucket_cap_mb=25, note=None)
+#: torch.distributed collectives FSDP2 calls -> the parameter holding the whole buffer
+COUNTED = {"all_gather_single": "output_tensor", "all_gather_into_tensor": "output_tensor",
+           "reduce_scatter_single": "input", "reduce_scatter_tensor": "input",
+           "all_reduce": "tensor"}
 
 
-def local_variant(name, kwargs):
-    """Reference only: the eager step on this rank's micro-batch with no communication."""
-    model, loss_fn = build(name, kwargs)
-    opt = make_optimizer(model)
-    rank, world = dist.get_rank(), dist.get_world_size()
+@contextlib.contextmanager
+def counting_collectives(counter: list):
+    """Wrap the collectives of :data:`COUNTED` so each call adds its buffer's bytes."""
+    originals = {name: getattr(dist, name) for name in COUNTED if hasattr(dist, name)}
 
-    def step(batch):
-        x, y = (t.chunk(world)[rank] for t in batch)
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
+    def wrap(name, fn):
+        signature = inspect.signature(fn)
 
-    return step, dict(note=None)
+        def counted(*args, **kwargs):
+            buffer = signature.bind(*args, **kwargs).arguments[COUNTED[name]]
+            counter[0] += buffer.numel() * buffer.element_size()
+            return fn(*args, **kwargs)
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
-def bench_model(rank, name, kwargs, global_batch, warmup, steps, replicate_params):
+def timed(variant: str, fn, batch):
+    dist.barrier()
+    start = time.perf_counter()
+    loss = fn(batch) if variant != "eager" or dist.get_rank() == 0 else None
+    return loss, time.perf_counter() - start
+
+
+def bench_model(name, kwargs, global_batch, warmup, steps):
     world = dist.get_world_size()
     batches = make_batches(name, kwargs, global_batch, warmup + steps)
     fns, infos = {}, {}
-    for variant, schedule in (("ddlc+schedule", True), ("ddlc", False)):
-        fn, info = compile_variant(name, kwargs, batches[0], schedule, replicate_params)
-        if fn is None:
-            infos[variant] = dict(note=info)
-        else:
-            fns[variant], infos[variant] = fn, info
-    fns["DDP"], infos["DDP"] = ddp_variant(name, kwargs)
-    fns["eager-no-comm"], infos["eager-no-comm"] = local_variant(name, kwargs)
-    order = [v for v in VARIANTS if v in fns]
+    for variant in VARIANTS:
+        if variant in UNAVAILABLE:
+            infos[variant] = dict(note=UNAVAILABLE[variant])
+            continue
+        fns[variant], infos[variant] = BUILDERS[variant](name, kwargs, batches[0])
+    order = list(fns)
     times = {v: [] for v in order}
     losses = {v: [] for v in order}
     for i in range(warmup + steps):
         k = i % len(order)
         for v in order[k:] + order[:k]:   # rotate which variant runs first in a round
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = fns[v](batches[i])   # global batch; each variant takes this rank's part
-            t1 = time.perf_counter()
+            if i == 0 and infos[v].pop("count_bytes", False):   # count on the first, untimed step
+                counter = [0]
+                with counting_collectives(counter):
+                    loss, seconds = timed(v, fns[v], batches[i])
+                infos[v]["comm_bytes"] = counter[0]
+            else:
+                loss, seconds = timed(v, fns[v], batches[i])
             losses[v].append(loss)
             if i >= warmup:
-                times[v].append(t1 - t0)
-    # DDP's loss is this rank's micro-batch loss: the global loss is the mean over ranks.
-    for v in ("DDP", "eager-no-comm"):
-        local_losses = torch.stack(losses[v]).to(torch.float64)
-        dist.all_reduce(local_losses)
-        losses[v] = (local_losses / world).tolist()
+                times[v].append(seconds)
+    for v in MICRO_BATCHED:   # the global loss is the mean of the equal micro-batches' losses
+        local = torch.stack(losses[v]).to(torch.float64)
+        dist.all_reduce(local)
+        losses[v] = (local / world).tolist()
     for v in order:
-        if v not in ("DDP", "eager-no-comm"):
-            losses[v] = [float(x) for x in losses[v]]
+        if v not in MICRO_BATCHED:
+            losses[v] = [float(x) for x in losses[v]] if losses[v][0] is not None else None
     everyone = [None] * world
     dist.all_gather_object(everyone, times)
     return dict(order=order, infos=infos, losses=losses, times_by_rank=everyone)
 
 
-def worker(rank, configs, warmup, steps, replicate_params):
-    results = {name: bench_model(rank, name, kwargs, gb, warmup, steps, replicate_params)
+def worker(rank, configs, warmup, steps):
+    torch.set_num_threads(1)
+    results = {name: bench_model(name, kwargs, gb, warmup, steps)
                for name, (kwargs, gb) in configs.items()}
     return results if rank == 0 else None
 
 
 # -- report -----------------------------------------------------------------------------------
+def describe(variant: str, info: dict) -> str:
+    if "collectives" in info:
+        sbps = ", ".join(f"{n}x{s}" for s, n in sorted(info["param_sbps"].items()))
+        colls = ", ".join(f"{n} {k}" for k, n in sorted(info["collectives"].items()))
+        return f"compiled in {info['compile_s']:.1f} s; {colls or 'no collectives'}; params {sbps}"
+    return info.get("how", "single device, global batch" if variant == "eager" else "")
+
+
 def report(name, kwargs, global_batch, world, r):
     order, infos, losses = r["order"], r["infos"], r["losses"]
     per_rank = r["times_by_rank"]
-    # a step takes as long as its slowest rank
-    step_max = {v: [max(ts[v][i] for ts in per_rank) for i in range(len(per_rank[0][v]))]
-                for v in order}
-    med = {v: statistics.median(step_max[v]) for v in order}
-    med0 = {v: statistics.median(per_rank[0][v]) for v in order}
-    print(f"\n== {name.upper()} {kwargs}: {count_params(name, kwargs):,} parameters, global batch "
-          f"{global_batch} ({global_batch // world} per rank)")
+    steps = {v: [max(ts[v][i] for ts in per_rank) if v != "eager" else per_rank[0][v][i]
+                 for i in range(len(per_rank[0][v]))] for v in order}   # slowest rank's
+    med = {v: statistics.median(steps[v]) for v in order}
+    model, _ = build(name, kwargs)
+    print(f"\n== {name} {kwargs}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+          f"global batch {global_batch} ({global_batch // world} per rank)")
+    print(f"  {'variant':14s} {'median ms':>10s} {'/ DDP':>7s} {'p25 ms':>8s} {'p75 ms':>8s} "
+          f"{'MiB/step':>9s} {'max |loss - eager|':>19s}  notes")
+    ok = True
     for v in VARIANTS:
-        info = infos.get(v, {})
+        info = infos[v]
         if v not in order:
-            print(f"  {v:14s} NOT AVAILABLE: {info.get('note')}")
+            print(f"  {v:14s} {'NOT AVAILABLE':>10s}  {info['note']}")
             continue
-        if v == "DDP":
-            desc = "torch DDP, default buckets (25 MiB), broadcast_buffers=False"
-        elif v == "eager-no-comm":
-            desc = ("reference only: eager step on the micro-batch, no communication (each rank "
-                    "trains its own copy; its loss after step 1 is not comparable)")
-        else:
-            sbps = ", ".join(f"{n}x{s}" for s, n in sorted(info["param_sbps"].items()))
-            colls = ", ".join(f"{n} {k}" for k, n in sorted(info["collectives"].items()))
-            desc = (f"compiled in {info['compile_s']:.1f} s; per step {colls or 'no collectives'} "
-                    f"({info['comm_bytes'] / 2**20:.2f} MiB); params {sbps}")
-        print(f"  {v:14s} {desc}")
-        if info.get("note"):
-            print(f"  {'':14s} NOTE: {info['note']}")
-    print(f"  {'variant':14s} {'median ms':>10s} {'rank0 ms':>9s} {'p25 ms':>8s} {'p75 ms':>8s} "
-          f"{'max ms':>8s}"
-          f"  {'|loss - DDP| step 1':>20s} {'max over steps':>15s}")
-    for v in order:
-        d1 = abs(losses[v][0] - losses["DDP"][0])
-        dmax = max(abs(a - b) for a, b in zip(losses[v], losses["DDP"]))
-        dmax = f"{dmax:15.2e}" if v != "eager-no-comm" else f"{'-':>15s}"
-        q1, _, q3 = statistics.quantiles(step_max[v], n=4, method="inclusive") if len(step_max[v]) > 1 else [med[v]] * 3
-        print(f"  {v:14s} {med[v] * 1e3:10.1f} {med0[v] * 1e3:9.1f} {q1 * 1e3:8.1f} {q3 * 1e3:8.1f} "
-              f"{max(step_max[v]) * 1e3:8.1f}  {d1:20.2e} {dmax}")
-    print("  first-step loss: " + ", ".join(f"{v} {losses[v][0]:.6f}" for v in order))
-    ok = all(abs(losses[v][0] - losses["DDP"][0]) <= 1e-5 * max(1.0, abs(losses["DDP"][0]))
-             for v in order)
-    print("  first-step losses " + ("MATCH (rel. tol 1e-5)" if ok else "DIFFER (rel. tol 1e-5)"))
-    ratios = []
-    for a, b in (("ddlc+schedule", "DDP"), ("ddlc", "DDP"), ("ddlc+schedule", "ddlc")):
-        if a in med and b in med:
-            ratios.append(f"({a})/({b}) = {med[a] / med[b]:.3f}")
-        else:
-            ratios.append(f"({a})/({b}) = n/a")
-    print("  ratios of median step times: " + ";  ".join(ratios))
+        q1, _, q3 = statistics.quantiles(steps[v], n=4, method="inclusive") \
+            if len(steps[v]) > 1 else [med[v]] * 3
+        diff = max(abs(a - b) for a, b in zip(losses[v], losses["eager"]))
+        ok &= diff <= 1e-4 * max(1.0, abs(losses["eager"][0]))
+        print(f"  {v:14s} {med[v] * 1e3:10.1f} {med[v] / med['DDP']:7.2f} {q1 * 1e3:8.1f} "
+              f"{q3 * 1e3:8.1f} {info['comm_bytes'] / 2**20:9.2f} {diff:19.2e}  {describe(v, info)}")
+    print("  losses " + ("MATCH eager's at every step (rel. tol 1e-4)" if ok else
+                         "DIFFER from eager's (rel. tol 1e-4)"))
     return ok
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller models, fewer steps (< 60 s)")
+    ap.add_argument("--quick", action="store_true", help="smaller models, fewer steps")
     ap.add_argument("--warmup", type=int, help="untimed steps per variant (default 3; quick 2)")
     ap.add_argument("--steps", type=int, help="timed steps per variant (default 15; quick 5)")
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--profile", help="hardware profile name or JSON path the search plans for "
                     "(e.g. one written by `python -m ddlc calibrate --out FILE`)")
-    ap.add_argument("--models", default="gpt,mlp", help="comma-separated subset of gpt,mlp")
-    ap.add_argument("--replicate-params", action="store_true",
-                    help="also pin every parameter to (B) (classic data parallelism); by default "
-                         "only the batch inputs are pinned and the sharding search places the "
-                         "parameters")
+    ap.add_argument("--models", default="gpt,mlp,hf-gpt2", help="comma-separated subset of "
+                    "gpt,mlp,hf-gpt2")
     args = ap.parse_args(argv)
+    global PROFILE
     if args.profile:
-        os.environ["DDLC_PROFILE"] = args.profile
-        global PROFILE
-        PROFILE = args.profile
+        os.environ["DDLC_PROFILE"] = PROFILE = args.profile
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     steps = args.steps if args.steps is not None else (5 if args.quick else 15)
     table = QUICK if args.quick else FULL
@@ -276,30 +338,15 @@ def main(argv=None) -> int:
     for name, (_, gb) in configs.items():
         if gb % world:
             ap.error(f"global batch {gb} of {name} does not divide by world size {world}")
-
     print(f"ddlc runtime benchmark{' (--quick)' if args.quick else ''}: torch {torch.__version__}, "
-          f"backend gloo (CPU), world size {world} local processes (ddlc.spawn, 1 intra-op thread "
-          f"each) on a machine with {os.cpu_count()} CPU cores"
-          + (" - oversubscribed: ranks share cores" if world > (os.cpu_count() or 1) else ""))
-    print(f"timed: one training step (forward, loss, backward, gradient communication, AdamW "
-          f"lr={LR} eps={EPS} wd={WEIGHT_DECAY}) of (1) ddlc.compile data-parallel "
-          f"(mesh ({world},), batch inputs pinned to (S0), "
-          + ("every parameter pinned to (B)" if args.replicate_params else
-             "parameters placed by the sharding search")
-          + f", profile {PROFILE}) with schedule=True, "
-          f"(2) same with schedule=False, (3) torch DDP on the same per-rank micro-batch, and, "
-          f"as a compute-only reference, the eager step on the micro-batch without communication; "
-          f"{warmup} warm-up + {steps} timed steps each, interleaved; barrier before every step; "
-          f"step time = max over ranks of time.perf_counter around the step; median over steps.")
-    load = os.getloadavg()[0]
-    print(f"load average at start: {load:.2f}"
-          + (f" - WARNING: other processes are competing for the {os.cpu_count()} cores; "
-             "expect noisy timings" if load > 1 else ""))
+          f"gloo (CPU), {world} local processes (1 intra-op thread each) on {os.cpu_count()} CPU "
+          f"cores; profile {PROFILE}; {warmup} warm-up + {steps} timed steps per variant, "
+          f"interleaved; step time = slowest rank's, median over steps")
+    print(f"load average at start: {os.getloadavg()[0]:.2f}")
     print("CAVEAT: gloo implements reduce-scatter as all-reduce + chunk, and the ranks are CPU "
           "processes sharing cores: these timings say nothing about GPU/NCCL behaviour.")
     start = time.perf_counter()
-    results = ddlc.spawn(worker, world, configs, warmup, steps, args.replicate_params,
-                         timeout=300, deadline=3000)[0]
+    results = ddlc.spawn(worker, world, configs, warmup, steps, timeout=300, deadline=3000)[0]
     ok = True
     for name, (kwargs, gb) in configs.items():
         ok &= report(name, kwargs, gb, world, results[name])
