@@ -30,6 +30,8 @@ program's collectives (:func:`ddlc.ir.collective_sequence`); FSDP2's counted on 
 gradient, which it all-reduces once a step. All count each collective's whole buffer on one
 rank (an all-gather's output, a reduce-scatter's input). The losses of every step are
 compared with eager's (DDP's and FSDP2's are the mean of the ranks' micro-batch losses).
+A ddlc row also shows its compile time and the step's overhead around the graph
+(:func:`step_overhead`: reading hyper-parameters, slicing the batch, flattening).
 
 Gloo on CPU implements reduce-scatter as all-reduce + chunk (see shared/TORCH_NOTES.md),
 and here the processes share few cores: these timings say nothing about GPU/NCCL behaviour.
@@ -188,9 +190,28 @@ def ddlc_variant(name, kwargs, batch0, pin_data_parallel):
     info = dict(compile_s=compile_s, collectives=dict(Counter(k for k, _, _ in seq)),
                 comm_bytes=sum(b for _, _, b in seq),
                 param_sbps=dict(Counter(str(compiled._sbp(k)) for k in compiled.params)))
+    info["overhead_s"] = step_overhead(compiled, batch0)
     if isinstance(batch0, dict):
         return (lambda batch: compiled.step(batch)), info
     return (lambda batch: compiled.step(*batch)), info
+
+
+def step_overhead(compiled, batch, repeats: int = 50) -> float:
+    """Median seconds ``CompiledStep.step`` spends around the graph: reading the optimizer's
+    hyper-parameters, checking and slicing the global batch, flattening the inputs and
+    state, and splitting the outputs by role (timed on outputs of the right length)."""
+    args, kwargs = ((), batch) if isinstance(batch, dict) else (batch, {})
+    outputs = [None] * len(compiled.signature.outputs)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        flat = compiled.signature.flatten(compiled.params, compiled.buffers, compiled.opt_state,
+                                          compiled._local_batch(args, kwargs),
+                                          compiled._hyperparameters())
+        compiled.signature.unflatten(outputs)
+        times.append(time.perf_counter() - start)
+    assert len(flat) == len(compiled.signature.inputs)
+    return statistics.median(times)
 
 
 BUILDERS = {
@@ -284,7 +305,8 @@ def describe(variant: str, info: dict) -> str:
     if "collectives" in info:
         sbps = ", ".join(f"{n}x{s}" for s, n in sorted(info["param_sbps"].items()))
         colls = ", ".join(f"{n} {k}" for k, n in sorted(info["collectives"].items()))
-        return f"compiled in {info['compile_s']:.1f} s; {colls or 'no collectives'}; params {sbps}"
+        return (f"compiled in {info['compile_s']:.1f} s; step overhead {info['overhead_s'] * 1e6:.0f} us; "
+                f"{colls or 'no collectives'}; params {sbps}")
     return info.get("how", "single device, global batch" if variant == "eager" else "")
 
 
