@@ -14,11 +14,13 @@ import contextlib
 import inspect
 import os
 import re
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.fx.proxy as fx_proxy
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch import fx, nn
@@ -78,7 +80,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     groups = {g: grouped[k][1] for k, g in sorted(group_of.items(), key=lambda kv: kv[1])}
     hyper = {hyperparameter_key(g, name): value for g, spec in groups.items()
              for name, value in spec.values().items()}
-    opt_state = {f"{k}:{s}": t for k in specs for s, t in specs[k].init_state(params[k].detach()).items()}
+    opt_state = {f"{k}:{s}": t for k in specs for s, t in _initial_state(specs[k], params[k]).items()}
 
     inputs = ([InputSpec("", "param", k) for k in params]
               + [InputSpec("", "buffer", k) for k in buffers]
@@ -173,6 +175,18 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
                                n_targets, tuple(groups.items()), tuple(hyper.items()),
                                keyword_batch=batch.keyword, output_tree=outputs_tree))
     return gm
+
+
+def _initial_state(spec, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``spec.init_state(param)`` as tensors of the same shapes, dtypes, strides and devices
+    whose values are left unset: the trace reads only their metadata (it runs on fake
+    tensors), and zero-filling the optimizer state of a large model costs seconds. The
+    state is computed for a meta-device stand-in of ``param``; what comes back on the meta
+    device is then allocated (uninitialised) on ``param``'s device."""
+    stand_in = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device="meta")
+    state = spec.init_state(stand_in)
+    return {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=param.device)
+            if t.device.type == "meta" else t for name, t in state.items()}
 
 
 def _checked_output(out):
@@ -441,7 +455,8 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
     hooks = [module_mod.register_module_forward_pre_hook(annotator.pre),
              module_mod.register_module_forward_hook(annotator.post)]
     try:
-        with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model):
+        with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model), \
+                _forward_frames_only():
             return make_fx(functionalize(fn, remove="mutations_and_views"), tracing_mode="fake",
                            record_stack_traces=True)(*flat)
     except (UnsupportedInputError, TraceError):
@@ -457,6 +472,57 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
     finally:
         for h in hooks:
             h.remove()
+
+
+class _ForwardFrames:
+    """A cheap stand-in for ``torch.utils._traceback.CapturedTraceback`` while ddlc traces.
+
+    With ``record_stack_traces=True`` make_fx captures and symbolizes the whole Python
+    stack for every node (a millisecond each), then keeps only the frames of functions
+    named ``forward`` (and ``torch/__init__.py``'s and registered anchors'), minus
+    torch's internal files (``_filter_traceback_frames``). This walks the live frames
+    and builds the summary of just the frames that filter can keep, so the node's
+    ``stack_trace`` text is the same and the rest of the stack costs nothing."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames):
+        self.frames = frames
+
+    @staticmethod
+    def extract(*, script=False, cpp=False, skip=0):
+        anchors = getattr(fx_proxy, "_STACK_TRACE_ANCHORS", ())
+        frames = []
+        frame = sys._getframe(1)
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "forward" or code.co_filename.endswith("torch/__init__.py") \
+                    or (code.co_filename, code.co_name) in anchors:
+                frames.append((code.co_filename, frame.f_lineno, code.co_name))
+            frame = frame.f_back
+        return _ForwardFrames(frames)
+
+    def summary(self) -> traceback.StackSummary:
+        stack = traceback.StackSummary()
+        for filename, lineno, name in reversed(self.frames):  # outermost first
+            stack.append(traceback.FrameSummary(filename, lineno, name))
+        return stack
+
+
+@contextlib.contextmanager
+def _forward_frames_only():
+    """make_fx records node stack traces through :class:`_ForwardFrames` (when this torch
+    records them the way it was written against: ``torch.fx.proxy.CapturedTraceback``
+    with forward-only filtering; otherwise torch's own capture runs)."""
+    original = getattr(fx_proxy, "CapturedTraceback", None)
+    if original is None or not hasattr(fx_proxy.TracerBase, "_record_forward_stack_traces_only"):
+        yield
+        return
+    fx_proxy.CapturedTraceback = _ForwardFrames
+    try:
+        yield
+    finally:
+        fx_proxy.CapturedTraceback = original
 
 
 def _describe(flat) -> str:

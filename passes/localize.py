@@ -5,7 +5,8 @@ Every node's local output shape follows from its global value, its SBP
 where a split is uneven, e.g. a padded decoupled parameter, shapes differ by
 rank). Placeholders become local-shaped; each operator gets its shape arguments
 rewritten by the rules' :func:`passes.rules.localize_args` (view sizes, expand
-sizes, factory sizes, ...), then is re-run on fake local inputs; the result must
+sizes, factory sizes, ...), then is re-run on fake local inputs (once per distinct
+call: repeated layers share the run, :class:`_Runs`); the result must
 have exactly the local shape its SBP predicts, so a rule or localization error
 stops compilation instead of producing wrong numbers.
 Afterwards ``meta["val"]`` holds local values and ``ir.GLOBAL_VAL`` the global ones.
@@ -36,10 +37,62 @@ def _expected(val, sbps, mesh: Mesh, coord: Sequence[int]) -> list:
             if isinstance(v, torch.Tensor) and x is not None else None for v, x in zip(leaves, sbps)]
 
 
+class _Runs:
+    """Fake runs of operators, one per distinct call: an operator that returns fresh
+    tensors (no mutation, no aliasing in its schema) computes the same output metadata
+    for inputs of the same metadata and the same other arguments, so repeated layers and
+    the per-parameter optimizer chains reuse one run's output (fake tensors hold no
+    values; a multi-output node's getitems already share its tensors)."""
+
+    def __init__(self):
+        self.outputs: dict = {}
+        self.pure: dict = {}
+
+    def run(self, target, args, kwargs, mode):
+        key = self._key(target, args, kwargs)
+        if key is not None and key in self.outputs:
+            return self.outputs[key]
+        with mode:
+            out = target(*args, **kwargs)
+        if key is not None:
+            given = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            if not any(id(t) in given for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+                self.outputs[key] = out
+        return out
+
+    def _key(self, target, args, kwargs):
+        if target not in self.pure:
+            schema = getattr(target, "_schema", None)
+            self.pure[target] = isinstance(target, torch._ops.OpOverload) and schema is not None \
+                and not schema.is_mutable and not any(r.alias_info for r in schema.returns)
+        if not self.pure[target]:
+            return None
+        try:
+            key = (target, _freeze(args), _freeze(kwargs))
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+
+def _freeze(x):
+    """A hashable stand-in for an argument: a tensor by its metadata, a container by its
+    items, anything else by its type and value (1, 1.0 and True pick different dtypes)."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device,
+                x.layout, x.requires_grad)
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_freeze(a) for a in x))
+    if isinstance(x, dict):
+        return (dict, tuple((k, _freeze(v)) for k, v in x.items()))
+    return (type(x), x)
+
+
 def localize(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.GraphModule:
     """Turn every shape in ``gm`` (annotated by sharding and collectives) into the local
     shapes of the rank at mesh coordinate ``coord``."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    runs = _Runs()
     for node in gm.graph.nodes:
         if node.op == "output" or node.meta.get("val") is None:
             continue  # the output, or a getitem of a None (an unrequested gradient)
@@ -59,8 +112,7 @@ def localize(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.GraphMo
         args, kwargs = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a,
                                 (node.args, node.kwargs))
         try:
-            with mode:
-                out = node.target(*args, **kwargs)
+            out = runs.run(node.target, args, kwargs, mode)
         except Exception as e:
             raise LoweringError(f"{node.name} ({node.target}) does not run on its local shards: "
                                 f"{type(e).__name__}: {e}", where=where(node)) from None

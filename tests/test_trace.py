@@ -1,4 +1,5 @@
 """The traced step, run eagerly, reproduces the eager model and torch.optim."""
+import contextlib
 import copy
 
 import pytest
@@ -122,3 +123,38 @@ def test_unsupported_optimizer_and_options():
     # without a loss_fn the model must compute its own loss: an MLP's (8, 16) output is not one
     with pytest.raises(UnsupportedInputError, match=r"compiled without loss_fn.*one-element"):
         ddlc.trace(model, x, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_node_stack_traces_match_torchs_own_capture(monkeypatch):
+    """ddlc records node stack traces through a cheap stand-in for torch's capture
+    (tracing._ForwardFrames): the text on every node, and so each node's user source line,
+    is what torch's own capture of the whole stack gives."""
+    from ddlc import tracing
+    from ddlc.ir import ORIGIN
+    torch.manual_seed(0)
+    model = GPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+
+    def traced():
+        gm = ddlc.trace(model, (tokens, tokens), lm_loss, torch.optim.AdamW(model.parameters()))
+        return [(n.name, n.meta.get("stack_trace"), ORIGIN.get(n)) for n in gm.graph.nodes]
+
+    fast = traced()
+    monkeypatch.setattr(tracing, "_forward_frames_only", contextlib.nullcontext)
+    assert fast == traced()
+    assert sum(1 for _, text, _ in fast if text) > 20
+    assert any("zoo.py" in origin.source for _, _, origin in fast if origin)
+
+
+def test_optimizer_state_inputs_keep_their_metadata():
+    """The optimizer state is traced from uninitialised stand-ins (tracing._initial_state):
+    the same shapes, dtypes, strides and devices as the optimizer's own initial state."""
+    from ddlc.optim import AdamWSpec
+    from ddlc.tracing import _initial_state
+    param = torch.randn(3, 4).t()  # a strided parameter
+    want = AdamWSpec(lr=1e-3).init_state(param)
+    got = _initial_state(AdamWSpec(lr=1e-3), param)
+    assert list(got) == list(want)
+    for name, t in want.items():
+        assert (got[name].shape, got[name].stride(), got[name].dtype, got[name].device) == \
+            (t.shape, t.stride(), t.dtype, t.device)

@@ -354,9 +354,10 @@ def fallback_ops(gm: fx.GraphModule) -> list[str]:
                    if n.op == "call_function" and not has_rule(n)})
 
 
-def signatures_nd(node: fx.Node, mesh_shape: Sequence[int]) -> list[NdSignature]:
-    """One 1-D signature per mesh axis, every combination whose splits divide evenly."""
-    key = call_key(node)
+def signatures_nd(node: fx.Node, mesh_shape: Sequence[int], key: tuple | None = None) -> list[NdSignature]:
+    """One 1-D signature per mesh axis, every combination whose splits divide evenly.
+    ``key``: ``call_key(node)``, where the caller has it already."""
+    key = call_key(node) if key is None else key
     mesh_shape = tuple(int(p) for p in mesh_shape)
     cached = _ND_CACHE.get((key, mesh_shape))
     if cached is None:

@@ -38,8 +38,6 @@ import time
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from ddlc.errors import ShardingError
 
@@ -67,6 +65,10 @@ def solve_milp(unary: Sequence[np.ndarray], memory: Sequence[np.ndarray], edges:
     ``edges`` (objects with ``src``, ``dst``, ``cost``); returns (choice, info). The
     model, row by row, is in the module docstring. ``node_limit`` caps the
     branch-and-bound nodes (a deterministic limit)."""
+    # imported when a MILP is built: scipy.optimize takes a noticeable part of a second to
+    # import, and plans solved by elimination alone never need it
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
     start = time.perf_counter()
     offsets = np.cumsum([0] + [len(u) for u in unary])
     n_x = int(offsets[-1])
@@ -217,18 +219,35 @@ def solve_elimination(unary: Sequence[np.ndarray], edges: Sequence, order: Seque
             add((e.dst, e.src), e.cost.T)
     sizes = [len(u) for u in unary]
     steps = []
+    workspace = np.empty(0)
     for v in order:
         bucket = sorted(by_var[v])
         rest = tuple(sorted({w for i in bucket for w in factors[i][0]} - {v}))
-        total = np.zeros([sizes[w] for w in rest] + [sizes[v]])  # v last: contiguous argmin
+        shape = tuple([sizes[w] for w in rest] + [sizes[v]])  # v last: contiguous argmin
+        # total = 0 + factor + factor + ..., added left to right as always; each partial
+        # sum is kept at the shape its factors span and broadcast only when a factor
+        # widens it (the same additions per entry, so the same values), and the full
+        # table reuses one buffer (a fresh one per step costs its page faults)
+        total, full = 0.0, False
         for i in bucket:
             sub, table = factors.pop(i)
             for w in sub:
                 by_var[w].discard(i)
             if v in sub:
                 table = np.moveaxis(table, sub.index(v), -1)
-            total += table.reshape([sizes[w] if w in sub else 1 for w in rest]
-                                   + [sizes[v] if v in sub else 1])
+            piece = table.reshape([sizes[w] if w in sub else 1 for w in rest]
+                                  + [sizes[v] if v in sub else 1])
+            if full:
+                total += piece
+            elif np.broadcast_shapes(np.shape(total), piece.shape) == shape:
+                size = math.prod(shape)
+                if size > workspace.size:
+                    workspace = np.empty(size)
+                total = np.add(total, piece, out=workspace[:size].reshape(shape))
+                full = True
+            else:
+                total = np.add(total, piece)
+        total = np.broadcast_to(total, shape)
         arg = np.argmin(total, axis=-1)
         steps.append((v, rest, arg))
         add(rest, np.take_along_axis(total, arg[..., None], axis=-1)[..., 0])

@@ -194,6 +194,41 @@ def compute_seconds(node: fx.Node, sig: NdSignature, mesh: Mesh) -> float:
     return op_time(node.target, args, kwargs, out_spec.unflatten(local_out), mesh.profile)
 
 
+class _NodeSeconds:
+    """:func:`compute_seconds` of one node, priced once per distinct local shapes: its
+    candidates that give every tensor input and output the same local shape (``P`` and
+    ``B``, or splits of equal pieces) cost the same, since the time depends on nothing
+    else. ``shapes`` caches local shapes (shared by the nodes of one build)."""
+
+    def __init__(self, node: fx.Node, mesh: Mesh, shapes: dict):
+        self.node, self.mesh, self.shapes = node, mesh, shapes
+        self.priced = node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+        if self.priced:
+            self.inputs = tensor_inputs(node)
+            self.in_shapes = {a: tuple(a.meta["val"].shape) for a in self.inputs}
+            self.out_shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None
+                               for v in tree_leaves(node.meta.get("val"))]
+        self.seconds: dict = {}
+
+    def _local(self, shape, sbp):
+        if shape is None or sbp is None:
+            return None
+        key = (shape, sbp)
+        if key not in self.shapes:
+            self.shapes[key] = local_shape(shape, sbp, self.mesh.shape)
+        return self.shapes[key]
+
+    def __call__(self, sig: NdSignature) -> float:
+        if not self.priced:
+            return 0.0
+        in_sbp = dict(zip(self.inputs, sig.inputs))
+        key = (tuple(self._local(self.in_shapes[a], x) for a, x in in_sbp.items()),
+               tuple(self._local(s, x) for s, x in zip(self.out_shapes, sig.outputs)))
+        if key not in self.seconds:
+            self.seconds[key] = compute_seconds(self.node, sig, self.mesh)
+        return self.seconds[key]
+
+
 class PriceCache:
     """The prices of one :func:`build_problem` call, cached so that repeated layers are
     cheap: every variable gets a *kind* (an int standing for what its candidates and
@@ -208,6 +243,8 @@ class PriceCache:
         self.kinds: dict = {}
         self.vectors: dict = {}
         self.nbytes: dict = {}
+        self.tables: dict = {}
+        self.shapes: dict = {}
 
     def kind(self, key) -> int:
         return self.kinds.setdefault(key, len(self.kinds))
@@ -233,9 +270,14 @@ class PriceCache:
         latency when the collectives are ``bucketed``."""
         src_ids = {x: i for i, x in enumerate(dict.fromkeys(src_sbps))}
         dst_ids = {x: i for i, x in enumerate(dict.fromkeys(dst_sbps))}
-        table = boxing_table(tuple(val.shape), val.element_size(), list(src_ids), list(dst_ids),
-                             self.bucketed if bucketed else self.mesh)
-        table[~np.isfinite(table)] = FORBIDDEN
+        # tensors of one shape and dtype between the same SBPs share their table
+        key = (tuple(val.shape), val.element_size(), tuple(src_ids), tuple(dst_ids), bucketed)
+        table = self.tables.get(key)
+        if table is None:
+            table = boxing_table(key[0], key[1], list(src_ids), list(dst_ids),
+                                 self.bucketed if bucketed else self.mesh)
+            table[~np.isfinite(table)] = FORBIDDEN
+            self.tables[key] = table
         return table[np.ix_([src_ids[x] for x in src_sbps], [dst_ids[x] for x in dst_sbps])]
 
 
@@ -307,11 +349,12 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
                     tuple(c.outputs[0] for c in cands),
                     tuple((ROLE.get(n), _saved_for_backward(n)) for n in group))
         else:
-            cands = signatures_nd(rep, mesh.shape)
+            key = call_key(rep)
+            cands = signatures_nd(rep, mesh.shape, key)
             if rep in scalars:  # replicated: a few scalars per param group, never worth a split
                 cands = [c for c in cands if all(x is None or all(a.is_broadcast for a in x)
                                                  for x in c.inputs + c.outputs)]
-            kind = (call_key(rep), ROLE.get(rep), _saved_for_backward(rep), rep in scalars)
+            kind = (key, ROLE.get(rep), _saved_for_backward(rep), rep in scalars)
         if not cands:
             raise ShardingError(f"no valid distribution of {rep.name} ({rep.target}) on mesh "
                                 f"{mesh}", where=where(rep))
@@ -321,8 +364,8 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
     training = sig is not None and any(o.role in ("param", "grad") for o in sig.outputs)
     compute, memory = [], []
     for v, group in enumerate(members):
-        compute.append(prices.cached(("compute", kinds[v]), lambda: np.array(
-            [sum(compute_seconds(n, c, mesh) for n in group) for c in candidates[v]])))
+        compute.append(prices.cached(("compute", kinds[v]), lambda: _compute_vector(
+            group, candidates[v], mesh, prices.shapes)))
         memory.append(prices.cached(("memory", kinds[v]), lambda: np.array(
             [_resident_bytes(group, c, training, prices) for c in candidates[v]])))
 
@@ -360,6 +403,13 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
             sink[u] = sink[u] + prices.cached(("sink", kinds[u]), lambda: _edge_matrix(
                 arg, None, candidates[u], [NdSBP.broadcast(mesh.ndim)], prices)[:, 0])
     return ShardingProblem(gm, mesh, nodes, var_of, members, candidates, compute, sink, memory, edges)
+
+
+def _compute_vector(group: list[fx.Node], cands: Sequence[NdSignature], mesh: Mesh,
+                    shapes: dict) -> np.ndarray:
+    """Per candidate, the compute seconds of the nodes of ``group`` (summed in order)."""
+    priced = [_NodeSeconds(n, mesh, shapes) for n in group]
+    return np.array([sum(seconds(c) for seconds in priced) for c in cands])
 
 
 def _resident_bytes(group: list[fx.Node], cand: NdSignature, training: bool, prices: PriceCache) -> float:
