@@ -19,10 +19,12 @@ returns is never released. The result shows how much communication the order
 hides: makespan, exposed communication, a lower bound, peak memory and a Chrome
 trace. :class:`ProgramClock` builds the same timeline node by node, so the
 scheduler can ask when a channel becomes free; clocks over the same nodes can share
-one :class:`NodeCosts`, so each node's time is worked out once.
+one :class:`NodeCosts`, so each node's time is worked out once. :func:`order_makespan`
+gives the makespan alone, by the same arithmetic, for searches that compare programs.
 """
 from __future__ import annotations
 
+import math
 import operator
 from collections import defaultdict
 
@@ -35,8 +37,8 @@ from ddlc.mesh import HardwareProfile
 from .compute import op_time, tensors
 from .timeline import COMPUTE, Timeline, TimelineResult
 
-__all__ = ["ALIASES", "NodeCosts", "ProgramClock", "allocated_bytes", "live_bytes", "order_timeline",
-           "owner", "program_timeline", "reads_until", "releases"]
+__all__ = ["ALIASES", "NodeCosts", "ProgramClock", "allocated_bytes", "live_bytes", "order_makespan",
+           "order_timeline", "owner", "program_makespan", "program_timeline", "reads_until", "releases"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -221,3 +223,41 @@ def order_timeline(nodes: list[fx.Node], profile: HardwareProfile,
     for node in nodes:
         clock.add(node)
     return clock.timeline.run()
+
+
+def program_makespan(gm: fx.GraphModule, profile: HardwareProfile) -> float:
+    """``program_timeline(gm, profile).makespan`` (see :func:`order_makespan`)."""
+    return order_makespan(list(gm.graph.nodes), profile)
+
+
+def order_makespan(nodes: list[fx.Node], profile: HardwareProfile, costs: NodeCosts | None = None) -> float:
+    """``order_timeline(nodes, profile, costs).makespan``, worked out without the tasks, the
+    memory and the trace: the same start and end times by the same arithmetic (a task starts
+    at the latest of its stream's previous end and its dependencies' ends, a collective's
+    dependencies include its issue point), kept for the makespan alone. For the searches
+    that compare many programs by makespan only."""
+    costs = costs if costs is not None else NodeCosts(profile)
+    ends: dict[fx.Node, float] = {}
+    free: dict[str, float] = {COMPUTE: 0.0}  # the resident inputs' empty task
+    issued_after = None  # the end of the last compute task so far (a collective's issue point)
+    makespan = 0.0
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        channel = costs.channel(node)
+        stream = channel or COMPUTE
+        duration = costs.seconds(node)
+        if not (math.isfinite(duration) and duration >= 0):
+            raise ValueError(f"task {node.name!r}: duration must be a finite number >= 0, got {duration}")
+        start = free.get(stream, 0.0)
+        for a in node.all_input_nodes:
+            if a in ends and ends[a] > start:
+                start = ends[a]
+        if channel is not None and issued_after is not None and issued_after > start:
+            start = issued_after
+        end = free[stream] = ends[node] = start + float(duration)
+        if channel is None:
+            issued_after = end
+        if end > makespan:
+            makespan = end
+    return makespan

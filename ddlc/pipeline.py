@@ -15,8 +15,12 @@
                      keep this rank's piece (ddlc.rng: ranks agree, single-device numbers)
       fuse           bucket small collectives (cap chosen by the program timeline)
       partition      split large collectives (piece size chosen by the program timeline)
-      schedule       issue early, wait late, updates inside backward; then the static check
-                     that every collective is read only through its wait
+      schedule       issue early, wait late, updates inside backward, chosen per group
+                     where the program is small enough (else the order the searches above
+                     scheduled for the chosen program, where they ran); then the static
+                     check that every collective is read only through its wait
+      views          view copies run as views (strided tensors made contiguous only for
+                     the readers that need it)
 
 Each pass runs through :func:`run_pass`, which times it and logs one line under the
 ``ddlc.pipeline`` logger. This is the only module of ``ddlc`` that imports ``passes``.
@@ -37,12 +41,13 @@ from torch.utils._pytree import tree_leaves
 from passes.canonicalize import canonicalize
 from passes.collectives import insert_collectives
 from passes.decouple import decouple
-from passes.fuse import fuse, fuse_best
+from passes.fuse import adopt, fuse, fuse_search
 from passes.localize import localize
-from passes.partition import partition, partition_best
+from passes.partition import partition, partition_search
 from passes.random import draw_globally
-from passes.schedule import check_waits, follow, schedule
+from passes.schedule import check_waits, follow, schedule, searches_updates
 from passes.sharding import mesh_shapes, shard
+from passes.views import views_as_views
 
 from .errors import MeshError, SBPError, UnsupportedInputError
 from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP
@@ -178,27 +183,66 @@ def _lower_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: 
     if callable(choices):
         choices = choices()
 
-    def order(graph: fx.GraphModule) -> fx.GraphModule:
+    def order(graph: fx.GraphModule, search: bool = False) -> fx.GraphModule:
         return schedule(graph, options.max_inflight_bytes, options.max_live_bytes, mesh.profile,
-                        options.updates_for_schedule)
+                        options.updates_for_schedule, search)
 
     scheduler = order if options.schedule else None
-    cap = _bucket_cap(options.fuse) if choices is None else choices.bucket_cap
-    if cap == "auto":
-        cap = BUCKET_CAP.set(gm, run_pass("fuse", fuse_best, gm, mesh, scheduler))
-    elif cap:
-        run_pass("fuse", fuse, gm, mesh, cap)
-    size = _bucket_cap(options.partition, none=math.inf) if choices is None else choices.piece_bytes
-    if size == "auto":
-        size = PIECE_BYTES.set(gm, run_pass("partition", partition_best, gm, mesh, scheduler))
-    elif size != math.inf:
-        run_pass("partition", partition, gm, mesh, size)
-    if choices is not None and choices.order is not None:
-        run_pass("schedule", follow, gm, list(choices.order))
-    elif scheduler is not None:
-        run_pass("schedule", scheduler, gm)
+    searched = None  # what the last search timed: the program as it stands, scheduled
+    with _Deferred(gm) as codegen:  # fuse and partition end with code the schedule replaces
+        cap = _bucket_cap(options.fuse) if choices is None else choices.bucket_cap
+        if cap == "auto":
+            searched = run_pass("fuse", fuse_search, gm, mesh, scheduler)
+            cap = BUCKET_CAP.set(gm, searched.option)
+        elif cap:
+            run_pass("fuse", fuse, gm, mesh, cap)
+        size = _bucket_cap(options.partition, none=math.inf) if choices is None else choices.piece_bytes
+        if size == "auto":
+            searched = run_pass("partition", partition_search, gm, mesh, scheduler, searched)
+            size = PIECE_BYTES.set(gm, searched.option)
+        elif size != math.inf:
+            run_pass("partition", partition, gm, mesh, size)
+            searched = None
+        # the final order alone chooses per group which updates run inside backward
+        search = scheduler is not None and options.updates_for_schedule == "auto" \
+            and searches_updates(gm)
+        if choices is not None and choices.order is not None:
+            reorder = (follow, gm, list(choices.order))
+        elif searched is not None and searched.order is not None and not search:
+            # the search scheduled this very program already: the scheduler would order it alike
+            reorder = (adopt, gm, searched, follow)
+        else:
+            reorder = (order, gm, search) if scheduler is not None else None
+        codegen.needed = reorder is None
+    if reorder is not None:
+        run_pass("schedule", *reorder)
     check_waits(gm)  # invariant: every collective's output is read only through its wait
-    return LoweringChoices(cap, size, tuple(n.name for n in gm.graph.nodes) if options.schedule else None)
+    chosen = LoweringChoices(cap, size, tuple(n.name for n in gm.graph.nodes) if options.schedule else None)
+    run_pass("views", views_as_views, gm)  # last: the choices name the nodes before it
+    return chosen
+
+
+class _Deferred:
+    """Within, ``gm.recompile()`` (code generation, with which every pass ends) only notes
+    that it was asked for; on leaving without an error, ``gm`` generates its code once if it
+    was, unless ``needed`` was set False (a pass after that regenerates it anyway: the
+    schedule's reorder). The graph module's code is then that of its final graph, as if each
+    pass had generated its own."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm, self.asked, self.needed = gm, False, True
+
+    def _ask(self) -> None:
+        self.asked = True
+
+    def __enter__(self) -> "_Deferred":
+        self.gm.recompile = self._ask  # an instance attribute: shadows the method
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        del self.gm.recompile
+        if kind is None and self.asked and self.needed:
+            self.gm.recompile()
 
 
 def _bucket_cap(option: bool | float, none: float = 0) -> float | str:

@@ -24,27 +24,35 @@ Trying is kept cheap without changing any choice: each option is tried on a
 :class:`Trial` (a copy of the graph that never generates Python code), a cap that
 provably fuses like a smaller one tried already is skipped (it would give the same
 collectives, which are not timed twice), and the trials and the final transform
-take the fake values of the nodes they build from one :class:`FakeValues`.
+take the fake values of the nodes they build from one :class:`FakeValues`, which
+works them out on meta tensors rather than through the fake mode's dispatch. A
+search returns a :class:`Timed` record of its choice: the makespan and the
+scheduled order of the chosen trial, which is exactly what scheduling the
+transformed graph again would give (the scheduler is deterministic), so the
+pipeline adopts it (:func:`adopt`) instead of scheduling again, and
+:func:`passes.partition.partition_search` takes it as the timing of the size that
+splits nothing instead of trying that size again.
 """
 from __future__ import annotations
 
 import copy
 import math
 import operator
-from contextlib import nullcontext
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from cost_models.collectives import repriced
-from cost_models.program import program_timeline
+from cost_models.program import program_makespan
 from ddlc import comm
 from ddlc.ir import BUCKETABLE, COLLECTIVE, FUSED, collective_kind, collective_sequence
 from ddlc.mesh import Mesh
 
-__all__ = ["fuse", "fuse_best", "choose_by_timeline", "Trial", "FakeValues", "fake_mode", "issue_args",
+__all__ = ["fuse", "fuse_best", "fuse_search", "choose_by_timeline", "search_by_timeline", "Timed",
+           "adopt", "Trial", "FakeValues", "issue_args",
            "pack", "unpack", "CAPS", "bucketable_kind"]
 
 _c10d = torch.ops._c10d_functional
@@ -95,16 +103,26 @@ def _members(gm: fx.GraphModule, cap: float, refused: list[int] | None = None) -
     ``refused`` (if given) collects the byte size of every bucket-with-the-collective that
     only the cap ruled out: with any cap below all of them the buckets are the same."""
     nodes = list(gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
+    return _buckets(_candidates(nodes), {n: i for i, n in enumerate(nodes)}, cap, refused)
+
+
+def _candidates(nodes) -> list[fx.Node]:
+    """The collectives of ``nodes`` that :func:`_members` buckets (not fused already), in order."""
+    return [n for n in nodes if bucketable_kind(n) is not None and not FUSED.has(n)]
+
+
+def _buckets(candidates: list[fx.Node], pos: dict[fx.Node, int], cap: float,
+             refused: list[int] | None) -> list[list[fx.Node]]:
+    """:func:`_members` of the collectives ``candidates`` (:func:`_candidates` of the
+    graph, in graph order) at the graph positions ``pos``."""
     buckets: dict[tuple, list[list]] = {}  # key -> [members, first read, bytes] per bucket
-    for node in nodes:
-        if bucketable_kind(node) is None or FUSED.has(node):
-            continue
+    for node in candidates:
         (wait,) = node.users
         reads = min((pos[u] for u in wait.users), default=math.inf)
         inputs_at = max(pos[a] for a in node.all_input_nodes)
-        size = node.args[0].meta["val"].numel() * node.args[0].meta["val"].element_size()
-        key = (node.target, node.args[-1], node.args[0].meta["val"].dtype)
+        val = node.args[0].meta["val"]
+        size = val.numel() * val.element_size()
+        key = (node.target, node.args[-1], val.dtype)
         for bucket in buckets.setdefault(key, []):
             if inputs_at < bucket[1] and bucket[2] + size <= cap:
                 bucket[0].append(node)
@@ -156,26 +174,33 @@ def _fuse(gm: fx.GraphModule, mesh: Mesh, cap: float, values: FakeValues | None 
     refused: list[int] = []
     if cap:
         _hoist_feeders(gm.graph)
-    while buckets := _members(gm, cap, refused):
-        _fuse_bucket(gm.graph, mesh, buckets[0], values)
+    candidates = _candidates(gm.graph.nodes)  # fusing a bucket adds only a fused collective
+    while True:
+        pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+        buckets = _buckets(candidates, pos, cap, refused)
+        if not buckets:
+            break
+        _fuse_bucket(gm.graph, mesh, buckets[0], values, pos)
+        fused = set(buckets[0])
+        candidates = [n for n in candidates if n not in fused]
     gm.graph.lint()
     gm.recompile()
     return min(refused, default=math.inf)
 
 
-def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node], values: FakeValues) -> None:
+def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node], values: FakeValues,
+                 pos: dict[fx.Node, int]) -> None:
     """Replace the collectives of ``bucket`` by one on their packed inputs, issued and
     waited right before the first reader of any member's result, and unpacked there
-    (their fake values from ``values``)."""
+    (their fake values from ``values``; ``pos``: the graph's node positions)."""
     kind, info = bucketable_kind(bucket[0]), COLLECTIVE(bucket[0])
     group, p = bucket[0].args[-1], info.group_size
     inputs = [n.args[0] for n in bucket]
     waits = [next(iter(n.users)) for n in bucket]
     shapes = [tuple(w.meta["val"].shape) for w in waits]
     nbytes = sum(COLLECTIVE(n).nbytes for n in bucket)
-    pos = {n: i for i, n in enumerate(graph.nodes)}
     first_reader = min((u for w in waits for u in w.users), key=pos.__getitem__)
-    with graph.inserting_before(first_reader), fake_mode(inputs[0]):
+    with graph.inserting_before(first_reader):
         packed = graph.call_function(pack, (kind, inputs, p))
         packed.meta["val"] = values.call(pack, kind, [a.meta["val"] for a in inputs], p)
         args = issue_args(kind, packed, p, group)
@@ -206,7 +231,12 @@ class FakeValues:
     nodes' values; a remembered result is the same object again, so what is built from it
     is found too), and each is worked out once. Fake values are never changed in place (a
     pass gives a node a new one), and an entry keeps the tensors it is keyed on alive (so
-    their ids stay theirs): a remembered result is never stale."""
+    their ids stay theirs): a remembered result is never stale.
+
+    A result is worked out on meta tensors of the fake arguments' shapes, strides and
+    dtypes and given back as fake tensors of their mode and device (:func:`_on_meta`):
+    the same shapes, strides and dtypes as under the fake mode, without its dispatch,
+    which costs several times more for the cats, views and splits these are made of."""
 
     def __init__(self):
         self._known: dict[tuple, tuple] = {}
@@ -220,8 +250,38 @@ class FakeValues:
         except TypeError:  # an argument that cannot be a key (a symbolic size)
             return fn(*args, **kwargs)
         if key not in self._known:
-            self._known[key] = (held, fn(*args, **kwargs))
+            self._known[key] = (held, _on_meta(fn, args, kwargs, held))
         return self._known[key][1]
+
+
+def _on_meta(fn, args, kwargs, tensors: list[torch.Tensor]):
+    """``fn(*args, **kwargs)`` for arguments whose tensors (``tensors``) are fake: run on
+    meta tensors of the same shapes, strides and dtypes, the resulting tensors made fake
+    tensors of the first argument's mode and device. Tensors that are not fake (tests build
+    graphs of real ones): ``fn`` as it is."""
+    if not tensors or not all(isinstance(t, FakeTensor) for t in tensors):
+        return fn(*args, **kwargs)
+    mode, device = tensors[0].fake_mode, tensors[0].device
+    with unset_fake_temporarily():
+        out = fn(*_tensors_mapped(args, _meta), **_tensors_mapped(kwargs, _meta))
+        return _tensors_mapped(out, lambda t: FakeTensor(mode, t, device))
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _tensors_mapped(x, f):
+    """``x`` with every tensor ``t`` in it (in lists, tuples and dict values) replaced by ``f(t)``."""
+    if isinstance(x, torch.Tensor):
+        return f(x)
+    if isinstance(x, list):
+        return [_tensors_mapped(i, f) for i in x]
+    if isinstance(x, tuple):
+        return tuple(_tensors_mapped(i, f) for i in x)
+    if isinstance(x, dict):
+        return {k: _tensors_mapped(v, f) for k, v in x.items()}
+    return x
 
 
 def _identities(x, held: list):
@@ -237,16 +297,16 @@ def _identities(x, held: list):
     return (type(x), x)
 
 
-def fake_mode(node: fx.Node):
-    """The fake mode of ``node``'s value (to build new values alike), or a no-op context."""
-    return detect_fake_mode([node.meta["val"]]) or nullcontext()
-
-
 def fuse_best(gm: fx.GraphModule, mesh: Mesh, schedule_fn=None) -> float:
     """Fuse ``gm`` in place with the cap of :data:`CAPS` whose scheduled program timeline
     is shortest (ties: the smaller cap); returns that cap. A cap that :func:`_fuse` shows
     to fuse like a smaller one tried already (no bucket that one refused is within it)
     is not tried: it gives the same collectives."""
+    return fuse_search(gm, mesh, schedule_fn).option
+
+
+def fuse_search(gm: fx.GraphModule, mesh: Mesh, schedule_fn=None) -> "Timed":
+    """:func:`fuse_best`, returning its :class:`Timed` record (the cap is its ``option``)."""
     refused_from: dict[float, float] = {}  # cap tried -> the smallest bucket size it refused
     values = FakeValues()  # shared by the trials and the final fuse
 
@@ -258,7 +318,35 @@ def fuse_best(gm: fx.GraphModule, mesh: Mesh, schedule_fn=None) -> float:
         return any(0 < tried < cap and (cap < refused or refused == math.inf)
                    for tried, refused in refused_from.items())
 
-    return choose_by_timeline(gm, mesh, CAPS, transform, schedule_fn, tried_alike)
+    return search_by_timeline(gm, mesh, CAPS, transform, schedule_fn, tried_alike)
+
+
+@dataclass(frozen=True)
+class Timed:
+    """What :func:`search_by_timeline` found for the option it chose: the ``option``, the
+    modeled ``makespan`` of the program it gives (None: not timed, there was nothing to
+    choose) and, where that program was scheduled, the scheduled program: ``order``, the
+    names of the graph's nodes in scheduled order, and what the scheduler annotated
+    (``graph_meta``: ``gm.meta`` entries; ``node_meta``: node name -> ``node.meta``
+    entries). The scheduler is deterministic and reads no node names (a trial's copied
+    graph may name new nodes differently), so scheduling the transformed graph again gives
+    exactly this: :func:`adopt` puts it in place instead."""
+
+    option: Any
+    makespan: float | None = None
+    order: tuple[str, ...] | None = None
+    graph_meta: Mapping[str, Any] = field(default_factory=dict)
+    node_meta: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+def adopt(gm: fx.GraphModule, timed: Timed, follow) -> fx.GraphModule:
+    """Give ``gm`` (the program ``timed`` records) the scheduled order and annotations of
+    ``timed``: ``follow(gm, names)`` reorders it (:func:`passes.schedule.follow`)."""
+    gm.meta.update(timed.graph_meta)
+    if timed.node_meta:
+        for node in gm.graph.nodes:
+            node.meta.update(timed.node_meta.get(node.name, {}))
+    return follow(gm, list(timed.order))
 
 
 def choose_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, schedule_fn=None,
@@ -269,8 +357,24 @@ def choose_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
     nor tried at all if ``tried_alike(option)`` says it transforms like an earlier one.
     Each option is tried on a :class:`Trial` copy of ``gm``. Returns the option.
     Deterministic: the same graph gives the same choice on every rank."""
-    best, seen = None, set()
+    return search_by_timeline(gm, mesh, options, transform, schedule_fn, tried_alike).option
+
+
+def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, schedule_fn=None,
+                       tried_alike=None, given: Timed | None = None) -> Timed:
+    """:func:`choose_by_timeline`, returning a :class:`Timed` record of the chosen option.
+    ``given``: the timing of ``gm`` as it stands, which option ``given.option`` leaves
+    unchanged (a search before timed this very program): that option is not tried again
+    and, if chosen, ``gm`` is not transformed."""
+    best, seen = None, set()  # best: (makespan, option, trial, its nodes and meta before scheduling)
     for option in options:
+        if given is not None and option == given.option:
+            key = tuple(collective_sequence(gm))
+            if key not in seen:
+                seen.add(key)
+                if best is None or given.makespan < best[0] - 1e-12:
+                    best = (given.makespan, option, None, None)
+            continue
         if tried_alike is not None and tried_alike(option):
             continue
         trial = transform(Trial(gm), option)
@@ -278,13 +382,40 @@ def choose_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
         if key in seen:
             continue
         seen.add(key)
+        before = None
         if schedule_fn is not None:
+            before = (list(trial.graph.nodes), dict(trial.meta), [dict(n.meta) for n in trial.graph.nodes])
             schedule_fn(trial)
-        makespan = program_timeline(trial, mesh.profile).makespan
+        makespan = program_makespan(trial, mesh.profile)
         if best is None or makespan < best[0] - 1e-12:
-            best = (makespan, option)
-    transform(gm, best[1])
-    return best[1]
+            best = (makespan, option, trial, before)
+    makespan, option, trial, before = best
+    if trial is None:  # the program ``given`` timed
+        return replace(given, option=option)
+    transform(gm, option)
+    return _record(gm, option, makespan, trial, before)
+
+
+def _record(gm: fx.GraphModule, option, makespan: float, trial: "Trial", before) -> Timed:
+    """The :class:`Timed` record of ``option``, whose ``trial`` was transformed as ``gm`` is
+    now (node for node, in the order ``before`` holds, with the meta it held then) and
+    then scheduled (``before`` None: not scheduled)."""
+    if before is None:
+        return Timed(option, makespan)
+    nodes, graph_meta, node_metas = before
+    mine = list(gm.graph.nodes)
+    if len(mine) != len(nodes) or any(a.op != b.op or a.target != b.target for a, b in zip(mine, nodes)):
+        return Timed(option, makespan)  # not the same program (never seen): schedule it again
+    name = {t: m.name for t, m in zip(nodes, mine)}
+    scheduled = list(trial.graph.nodes)
+    if len(scheduled) != len(nodes) or any(t not in name for t in scheduled):
+        return Timed(option, makespan)  # the scheduler made or removed nodes: schedule again
+
+    def changed(now: dict, then: dict) -> dict:
+        return {k: v for k, v in now.items() if k not in then or then[k] is not v}
+    node_meta = {name[t]: c for t, then in zip(nodes, node_metas) if (c := changed(t.meta, then))}
+    return Timed(option, makespan, tuple(name[t] for t in scheduled),
+                 changed(trial.meta, graph_meta), node_meta)
 
 
 class Trial(fx.GraphModule):

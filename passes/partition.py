@@ -20,11 +20,14 @@ the split collective, its index, k), so that the scheduler can put urgent collec
 between pieces; the reader waits for the last piece. :func:`partition_best`
 tries :data:`SIZES` and keeps the size whose scheduled program timeline is
 shortest, so the choice comes from the model, never from measured timing (a size
-that splits nothing, or splits every collective as a larger one does, is not tried).
+that splits nothing, or splits every collective as a larger one does, is not tried;
+:func:`partition_search` given the fuse search's record does not try the size that
+splits nothing either: that program was timed already).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import fx
@@ -33,9 +36,9 @@ from cost_models.collectives import repriced
 from ddlc.ir import COLLECTIVE, PIECE, Piece
 from ddlc.mesh import Mesh
 
-from .fuse import FakeValues, bucketable_kind, choose_by_timeline, fake_mode, issue_args
+from .fuse import FakeValues, Timed, bucketable_kind, issue_args, search_by_timeline
 
-__all__ = ["partition", "partition_best", "SIZES", "MAX_PIECES"]
+__all__ = ["partition", "partition_best", "partition_search", "SIZES", "MAX_PIECES"]
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -101,7 +104,7 @@ def _split_one(graph: fx.Graph, node: fx.Node, k: int, mesh: Mesh, values: FakeV
     (wait,) = node.users
     p, group = info.group_size, node.args[-1]
     call = _Builder(graph, values)
-    with graph.inserting_before(node), fake_mode(x):
+    with graph.inserting_before(node):
         inputs = _split(call, kind, x, p, k)
         total = sum(i.meta["val"].numel() for i in inputs)
         waits = []
@@ -111,7 +114,7 @@ def _split_one(graph: fx.Graph, node: fx.Node, k: int, mesh: Mesh, values: FakeV
             COLLECTIVE.set(issued, repriced(info, nbytes, mesh))
             PIECE.set(issued, Piece(node.name, index, k))
             waits.append(call(_c10d.wait_tensor.default, issued))
-    with graph.inserting_before(wait), fake_mode(x):
+    with graph.inserting_before(wait):
         merged = _merge(call, kind, waits, p, wait.meta["val"].shape)
     wait.replace_all_uses_with(merged)
     graph.erase_node(wait)
@@ -143,14 +146,23 @@ def partition_best(gm: fx.GraphModule, mesh: Mesh, schedule_fn=None) -> float:
     timeline is shortest (ties: the larger size, fewer pieces); returns that size. Sizes
     that split nothing are not tried, nor a size that splits every collective into as many
     pieces as a larger one (it gives the same program)."""
+    return partition_search(gm, mesh, schedule_fn).option
+
+
+def partition_search(gm: fx.GraphModule, mesh: Mesh, schedule_fn=None, given: Timed | None = None) -> Timed:
+    """:func:`partition_best`, returning its :class:`passes.fuse.Timed` record (the size is
+    its ``option``). ``given``: the timing of ``gm`` as it stands (what
+    :func:`passes.fuse.fuse_search` chose, with the same ``schedule_fn``), so that the size
+    that splits nothing is not tried again."""
     sizes, plans = [], []
     for size in SIZES:
         plan = _splits(gm, size)
         if (size == math.inf or plan) and plan not in plans:
             sizes.append(size)
             plans.append(plan)
+    unsplit = replace(given, option=math.inf) if given is not None else None
     if sizes == [math.inf]:
-        return math.inf
+        return unsplit or Timed(math.inf)
     values = FakeValues()  # shared by the trials and the final partition
-    return choose_by_timeline(gm, mesh, sizes, lambda g, size: partition(g, mesh, size, values),
-                              schedule_fn)
+    return search_by_timeline(gm, mesh, sizes, lambda g, size: partition(g, mesh, size, values),
+                              schedule_fn, given=unsplit)

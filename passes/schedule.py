@@ -41,14 +41,30 @@ of backward, or inside it with early updates), and a parameter's all-gather
 for the forward pass starts ahead of the layers before it. ``updates="auto"``
 builds both orders and keeps the one with the shorter modeled makespan
 (:func:`cost_models.program.order_timeline`, or the scheduler's own clock where it
-timed the order as it built it; ties: "end"). The order depends on
-the graph and the cost model alone, never on measured time (ties go to the
-original position), so every rank computes the same collective sequence.
+timed the order as it built it; ties: "end"). With ``search=True`` (the final
+order of a program) it then chooses per group of updates (one parameter's, or a
+bucket's) which run early, PipeDAP's per-layer choice: hill climbing from the
+better whole order, toggling one group or two consecutive ones while the modeled
+makespan shortens, within a budget of scheduler runs (on programs too large for a
+sweep over every parameter's update within it, the whole order stays).
+
+A gradient's reduce-scatter is never held back to its all-gather's slot (the
+per-layer profile's "held" choice, :mod:`cost_models.layer_schedules`): in the
+program the two are separate collectives with the update between them, so holding
+cannot merge them into one message and save a start-up; all it could do is let a
+more urgent collective issued later pass it on the link, and with the updates
+chosen per group the programs measured had no wait stalled behind a less urgent
+collective (split collectives' later pieces are held already, see above).
+
+The order depends on the graph and the cost model alone, never on measured time
+(ties go to the original position, the search's to the set it has), so every rank
+computes the same collective sequence.
 :func:`check_waits` verifies statically that no collective output is read
 except through its wait.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 
 import numpy as np
@@ -66,6 +82,11 @@ __all__ = ["schedule", "follow", "check_waits", "UPDATES"]
 #: Where optimizer updates go: "end" (after backward, their original place) or "early"
 #: (inside backward, once their gradient's collective is modeled done).
 UPDATES = ("end", "early")
+
+#: The budget of the per-group search (``schedule(..., updates="auto", search=True)``): its
+#: scheduler runs beyond the two whole orders visit at most this many nodes (runs x nodes)
+SEARCH_NODES = 30_000
+
 
 def _nbytes(node: fx.Node) -> int:
     val = node.meta.get("val")
@@ -239,22 +260,48 @@ class _Pieces:
         return min(heads, key=lambda n: (self.urgency[n], PIECE(n))) if heads else None
 
 
-class _Scheduler:
-    """One run of the list scheduler over ``nodes`` (see the module docstring). ``costs``:
-    the :class:`cost_models.program.NodeCosts` of ``nodes`` on ``profile`` for its clock."""
+class _Program:
+    """What every scheduler run over the original order ``nodes`` reads and none changes:
+    positions, readiness inputs, the collectives to issue eagerly and the updates that may
+    run early with their static nodes (worked out once, as the first run needs them)."""
 
-    def __init__(self, nodes: list[fx.Node], max_inflight_bytes: float, max_live_bytes: float | None,
-                 profile: HardwareProfile | None, updates: str = "end", costs: NodeCosts | None = None):
+    def __init__(self, nodes: list[fx.Node]):
+        self.nodes = nodes
         self.position = {n: i for i, n in enumerate(nodes)}
-        self.early, self.static = _updates(nodes) if updates == "early" else (set(), set())
-        self.eager = _eager(nodes) - self.early - self.static
+        self.inputs = {n: _depends_on(n) for n in nodes}
+        self.eager = _eager(nodes)
+        self.split = any(PIECE.has(n) for n in nodes)
+
+    @functools.cached_property
+    def updates(self) -> tuple[frozenset[fx.Node], frozenset[fx.Node]]:
+        """:func:`_updates`: (the update nodes that may run early, the static ones they pull in)."""
+        early, static = _updates(self.nodes)
+        return frozenset(early), frozenset(static)
+
+    def early(self, updates: str) -> frozenset[fx.Node]:
+        """The update nodes that run early with ``updates`` ("end" or "early")."""
+        return self.updates[0] if updates == "early" else frozenset()
+
+
+class _Scheduler:
+    """One run of the list scheduler over ``program``'s nodes (see the module docstring), the
+    update nodes ``early`` (of those that may) inside backward. ``costs``: the
+    :class:`cost_models.program.NodeCosts` of the nodes on ``profile`` for its clock."""
+
+    def __init__(self, program: _Program, max_inflight_bytes: float, max_live_bytes: float | None,
+                 profile: HardwareProfile | None, costs: NodeCosts | None = None,
+                 early: frozenset[fx.Node] = frozenset()):
+        self.nodes = nodes = program.nodes
+        self.position = program.position
+        self.early = early
+        self.static = program.updates[1] if early else frozenset()
+        self.eager = program.eager - self.early - self.static
         self.max_inflight = max_inflight_bytes
         self.memory = _LiveCap(nodes, max_live_bytes) if max_live_bytes is not None else None
-        split = any(PIECE.has(n) for n in nodes)
-        timed = profile is not None and (split or updates == "early")
+        timed = profile is not None and (program.split or bool(early))
         self.clock = ProgramClock(profile, costs=costs) if timed else None
-        self.pieces = _Pieces(nodes, self.clock) if timed and split else None
-        deps = {n: _depends_on(n) - self.static if n in self.early else _depends_on(n) for n in nodes}
+        self.pieces = _Pieces(nodes, self.clock) if timed and program.split else None
+        deps = {n: program.inputs[n] - self.static if n in early else program.inputs[n] for n in nodes}
         self.waiting_on = {n: [] for n in nodes}
         for node, inputs in deps.items():
             for a in inputs:
@@ -380,7 +427,8 @@ class _Scheduler:
             _, position, node = heapq.heappop(self.gated)
             heapq.heappush(self.ready_updates, (position, node))
 
-    def run(self, nodes: list[fx.Node]) -> list[fx.Node]:
+    def run(self) -> list[fx.Node]:
+        nodes = self.nodes
         for node in nodes:
             if self.missing[node] == 0:
                 self._push(node)
@@ -404,39 +452,67 @@ class _Scheduler:
 
 def schedule(gm: fx.GraphModule, max_inflight_bytes: float = float("inf"),
              max_live_bytes: float | None = None, profile: HardwareProfile | None = None,
-             updates: str = "end") -> fx.GraphModule:
+             updates: str = "end", search: bool = False) -> fx.GraphModule:
     """Reorder ``gm`` in place (see the module docstring) and return it. ``max_live_bytes``
     applies only if the order without it exceeds it (a refused hoist can also keep an input
     alive that the hoist would free). ``profile`` times the program for holding back the
     pieces of split collectives (without it, they are issued as soon as they can be, like
     any collective) and for early updates. ``updates``: one of :data:`UPDATES`, or "auto":
-    the one whose order has the shorter modeled makespan (ties: "end"); the choice is
-    recorded in ``ir.UPDATES``."""
+    the one whose order has the shorter modeled makespan (ties: "end"). With ``search`` (for
+    the final order of a program; the trials that only time it leave it off), "auto" then
+    chooses per group of updates which run early (:func:`_search_updates`; at most
+    :data:`SEARCH_NODES` / (nodes of ``gm``) more scheduler runs; none where
+    :func:`searches_updates` says the budget is too small), "mixed" where neither whole
+    order is best. The choice is recorded in ``ir.UPDATES``."""
     options = UPDATES if updates == "auto" else (updates,)
     if updates not in UPDATES + ("auto",):
         raise ValueError(f"updates must be one of {UPDATES + ('auto',)}, got {updates!r}")
     if profile is None and "early" in options:
         raise ValueError(f"updates={updates!r} needs a profile to time the program")
-    nodes = list(gm.graph.nodes)
+    program = _Program(list(gm.graph.nodes))
     costs = NodeCosts(profile) if profile is not None else None  # the nodes stay as they are
-    orders = {u: _order(nodes, max_inflight_bytes, max_live_bytes, profile, u, costs) for u in options}
-    chosen = UPDATES_KEY.set(gm, _shortest(orders, profile, costs))
-    _reorder(gm, orders[chosen][0])
+
+    def order_of(early: frozenset[fx.Node]) -> tuple[list[fx.Node], float | None]:
+        return _order(program, max_inflight_bytes, max_live_bytes, profile, costs, early)
+    orders = {u: order_of(program.early(u)) for u in options}
+    chosen = _shortest(orders, profile, costs)
+    order = orders[chosen][0]
+    if search and updates == "auto" and searches_updates(gm):
+        chosen, order = _per_group(program, order_of, orders, chosen, profile, costs)
+    UPDATES_KEY.set(gm, chosen)
+    _reorder(gm, order)
     check_waits(gm)
     return gm
 
 
-def _order(nodes: list[fx.Node], max_inflight_bytes: float, max_live_bytes: float | None,
-           profile: HardwareProfile | None, updates: str,
-           costs: NodeCosts | None) -> tuple[list[fx.Node], float | None]:
-    """The scheduled order; again under the live-bytes cap if the first one exceeds it.
-    With it, its modeled makespan if the scheduler timed it (else None)."""
-    run = _Scheduler(nodes, max_inflight_bytes, None, profile, updates, costs)
-    order = run.run(nodes)
+def searches_updates(gm: fx.GraphModule) -> bool:
+    """Whether ``schedule(gm, ..., updates="auto", search=True)`` searches per group: only
+    where its budget (:data:`SEARCH_NODES` / nodes) covers a sweep over one update per
+    parameter; on a larger program a partial sweep would cost runs for little, so it keeps
+    the better whole order, as without ``search``."""
+    params = sum(1 for n in gm.graph.nodes if n.op == "placeholder" and ROLE.get(n) == "param")
+    return SEARCH_NODES // max(1, len(gm.graph.nodes)) >= params
+
+
+def _order(program: _Program, max_inflight_bytes: float, max_live_bytes: float | None,
+           profile: HardwareProfile | None, costs: NodeCosts | None,
+           early: frozenset[fx.Node]) -> tuple[list[fx.Node], float | None]:
+    """The scheduled order with the update nodes ``early`` inside backward; again under the
+    live-bytes cap if the first one exceeds it. With it, its modeled makespan if the
+    scheduler timed it (else None)."""
+    run = _Scheduler(program, max_inflight_bytes, None, profile, costs, early)
+    order = run.run()
     if max_live_bytes is not None and max(live_bytes(order)) > max_live_bytes:
-        run = _Scheduler(nodes, max_inflight_bytes, max_live_bytes, profile, updates, costs)
-        order = run.run(nodes)
+        run = _Scheduler(program, max_inflight_bytes, max_live_bytes, profile, costs, early)
+        order = run.run()
     return order, run.makespan
+
+
+def _makespan(built: tuple[list[fx.Node], float | None], profile: HardwareProfile,
+              costs: NodeCosts | None) -> float:
+    """The modeled makespan of an ``_order`` result: the scheduler's own if it timed it."""
+    order, timed = built
+    return timed if timed is not None else order_timeline(order, profile, costs).makespan
 
 
 def _shortest(orders: dict[str, tuple[list[fx.Node], float | None]], profile: HardwareProfile | None,
@@ -445,16 +521,82 @@ def _shortest(orders: dict[str, tuple[list[fx.Node], float | None]], profile: Ha
     (a single order, or one equal to the best so far, is not timed; an order the scheduler
     timed as it built it is not timed again: :func:`order_timeline` gives the same)."""
     best = None
-    for key, (order, timed) in orders.items():
-        if best is not None and order == orders[best[1]][0]:
+    for key, built in orders.items():
+        if best is not None and built[0] == orders[best[1]][0]:
             continue
-        if len(orders) == 1:
-            makespan = 0.0
-        else:
-            makespan = timed if timed is not None else order_timeline(order, profile, costs).makespan
+        makespan = 0.0 if len(orders) == 1 else _makespan(built, profile, costs)
         if best is None or makespan < best[0] - 1e-12:
             best = (makespan, key)
     return best[1]
+
+
+def _per_group(program: _Program, order_of, whole: dict[str, tuple[list[fx.Node], float | None]],
+               chosen: str, profile: HardwareProfile,
+               costs: NodeCosts | None) -> tuple[str, list[fx.Node]]:
+    """(the label, the order) of the best choice of which :func:`_update_groups` run early,
+    searched from the whole order ``chosen`` of ``whole`` (both "end" and "early", built by
+    ``order_of(early update nodes)``): "end", "early" or "mixed"."""
+    groups = _update_groups(program)
+    if not groups:
+        return chosen, whole[chosen][0]
+    every = frozenset(range(len(groups)))
+    built = {frozenset(): whole["end"], every: whole["early"]}
+
+    def evaluate(indices: frozenset[int]) -> float:
+        if indices not in built:
+            built[indices] = order_of(frozenset().union(*(groups[i] for i in indices)))
+        return _makespan(built[indices], profile, costs)
+    budget = max(1, SEARCH_NODES // len(program.nodes))
+    indices = _search_updates(len(groups), evaluate, every if chosen == "early" else frozenset(), budget)
+    label = {frozenset(): "end", every: "early"}.get(indices, "mixed")
+    return label, built[indices][0]
+
+
+def _update_groups(program: _Program) -> list[frozenset[fx.Node]]:
+    """The update nodes that may run early, in groups that go early together: the connected
+    components of those nodes (one parameter's update, or a bucket's members with their
+    unpacking), in the order of their first node."""
+    early = program.updates[0]
+    parent = {n: n for n in program.nodes if n in early}
+
+    def root(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+    for node in parent:
+        for arg in node.all_input_nodes:
+            if arg in parent:
+                parent[root(arg)] = root(node)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for node in parent:
+        groups.setdefault(root(node), []).append(node)
+    return [frozenset(g) for g in groups.values()]
+
+
+def _search_updates(count: int, evaluate, start: frozenset[int], budget: int) -> frozenset[int]:
+    """The set of groups ``0..count-1`` to run early, by first-improvement hill climbing on
+    ``evaluate(indices) -> makespan`` from ``start``: each sweep tries, in order, toggling
+    one group, then two consecutive ones (a compound move: an update that pays only with
+    its neighbour's), and takes each toggle that shortens the makespan; it sweeps again
+    while one did, evaluating at most ``budget`` sets besides ``start``. Ties keep the
+    current set, so the result is never worse than ``start``."""
+    seen: dict[frozenset[int], float] = {}
+
+    def cost(indices: frozenset[int]) -> float:
+        if indices not in seen:
+            seen[indices] = evaluate(indices)
+        return seen[indices]
+    moves = [frozenset({i}) for i in range(count)] + [frozenset({i, i + 1}) for i in range(count - 1)]
+    chosen, best, improved = start, cost(start), True
+    while improved:
+        improved = False
+        for move in moves:
+            if chosen ^ move not in seen and len(seen) > budget:
+                return chosen
+            if cost(chosen ^ move) < best - 1e-12:
+                chosen, best, improved = chosen ^ move, cost(chosen ^ move), True
+    return chosen
 
 
 def follow(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
@@ -494,3 +636,4 @@ def check_waits(gm: fx.GraphModule) -> None:
             if not users or not all(is_wait(u) for u in users):
                 raise LoweringError(f"collective {node.name} is read before (or without) its "
                                     f"wait_tensor: users {[u.name for u in users]}")
+

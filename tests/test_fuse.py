@@ -327,3 +327,88 @@ def test_sizes_that_split_alike_are_tried_once(unfused, monkeypatch):
     assert choose_by_timeline(every, mesh, tried, lambda g, s: partition(g, mesh, s), order) == \
         partition_best(skipping, mesh, order)
     assert _program(every) == _program(skipping)
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_fake_values_are_those_the_fake_mode_gives(kind):
+    """FakeValues works values out on meta tensors, not under the fake mode: the buckets'
+    and the pieces' values have the shapes, strides, dtypes, device, type and fake mode that
+    running under the fake mode gives (non-contiguous inputs included)."""
+    import torch.distributed._functional_collectives  # noqa: F401  (the collectives' meta kernels)
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from passes.fuse import FakeValues, issue_args
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    target = {"all_reduce": c10d.all_reduce.default, "reduce_scatter": c10d.reduce_scatter_tensor.default,
+              "all_gather": c10d.all_gather_into_tensor.default}[kind]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        xs = [torch.empty(6, 8).t(), torch.empty(12), torch.empty(4, 2, 2)]
+    values = FakeValues()
+    calls = []
+
+    def both(fn, *args, **kwargs):
+        mine = values.call(fn, *args, **kwargs)
+        with mode:
+            calls.append((mine, fn(*args, **kwargs)))
+        return mine
+    packed = both(pack, kind, xs, 4)
+    done = both(target, *issue_args(kind, packed, 4, "g"))
+    shapes = [tuple(both(target, *issue_args(kind, x.contiguous(), 4, "g")).shape) for x in xs]
+    parts = both(unpack, kind, done, shapes, 4)
+    grid = both(aten.view.default, packed, [4, -1])
+    column = both(aten.slice.Tensor, grid, 1, 0, 1)
+    both(aten.view.default, both(aten.clone.default, column, memory_format=torch.contiguous_format), [-1])
+    both(aten.cat.default, [both(aten.view.default, p, [-1]) for p in parts])
+    for mine, theirs in calls:
+        for a, b in zip(*(m if isinstance(m, tuple) else (m,) for m in (mine, theirs))):
+            assert type(a) is type(b) is FakeTensor and a.fake_mode is b.fake_mode is mode
+            assert (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+
+
+def _searched_and_scheduled_again(gm, mesh):
+    """``gm`` fused and partitioned by the searches and given the order they kept, and
+    fused and partitioned by fuse_best and partition_best and scheduled again; the
+    partition search's record."""
+    from passes.fuse import adopt, fuse_best, fuse_search
+    from passes.partition import partition_best, partition_search
+    from passes.schedule import follow, schedule
+    order = lambda g: schedule(g, profile=mesh.profile, updates="auto")  # noqa: E731
+    searched, again = copy.deepcopy(gm), copy.deepcopy(gm)
+    fused = fuse_search(searched, mesh, order)
+    timed = partition_search(searched, mesh, order, fused)
+    assert timed.order is not None
+    adopt(searched, timed, follow)
+    assert fused.option == fuse_best(again, mesh, order)
+    assert timed.option == partition_best(again, mesh, order)
+    order(again)
+    return searched, again, timed
+
+
+def _assert_same_programs(searched, again, timed, mesh):
+    assert _program(searched) == _program(again) and searched.code == again.code
+    assert searched.meta["ddlc_updates"] == again.meta["ddlc_updates"]
+    assert timed.makespan == program_timeline(again, mesh.profile).makespan
+
+
+@pytest.mark.parametrize("sizes", [(math.inf, 4096, 256), (math.inf,)])
+def test_searches_keep_the_program_scheduling_again_gives(unfused, monkeypatch, sizes):
+    """fuse_search keeps its chosen trial's scheduled order, partition_search takes that
+    timing for the size that splits nothing (not trying it again); adopting the order
+    gives the very program (names, order, annotations) and makespan that choosing with
+    fuse_best and partition_best and scheduling the result again gives."""
+    import passes.partition as partition_module
+    gm, mesh = unfused
+    monkeypatch.setattr(partition_module, "SIZES", sizes)
+    searched, again, timed = _searched_and_scheduled_again(gm, mesh)
+    _assert_same_programs(searched, again, timed, mesh)
+
+
+def test_a_chosen_split_keeps_the_program_scheduling_again_gives():
+    """Where partition_search chooses to split (the FSDP MLP on a fast link), the order
+    kept from its trial is the order scheduling the split program again gives."""
+    gm = _fsdp_mlp()
+    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-6, 1e8)])
+    local = lower_rank(gm, mesh, (0,), axis_group_names(mesh), fuse=False, partition=False, schedule=False)
+    searched, again, timed = _searched_and_scheduled_again(local, mesh)
+    assert timed.option < math.inf and _pieces(searched)
+    _assert_same_programs(searched, again, timed, mesh)

@@ -295,12 +295,170 @@ def test_the_schedulers_clock_times_its_order_like_the_program_timeline(planned,
     """schedule does not time an order again that its scheduler timed while building it:
     the clock's makespan is the order's program timeline makespan, exactly."""
     from cost_models.program import NodeCosts, order_timeline
-    from passes.schedule import _Scheduler
+    from passes.schedule import _Program, _Scheduler
     mesh = planned[1]
-    nodes = list(_lowered(planned, (0, 0), False, partition=512).graph.nodes)
+    program = _Program(list(_lowered(planned, (0, 0), False, partition=512).graph.nodes))
     costs = NodeCosts(mesh.profile)
-    run = _Scheduler(nodes, float("inf"), None, mesh.profile, updates, costs)
-    order = run.run(nodes)
+    run = _Scheduler(program, float("inf"), None, mesh.profile, costs, program.early(updates))
+    order = run.run()
     assert run.makespan is not None  # the pieces of split collectives need the clock
     assert run.makespan == order_timeline(order, mesh.profile).makespan == \
         order_timeline(order, mesh.profile, costs).makespan
+
+
+# -- per-group choice of early updates, on hand-built programs ------------------------------
+
+#: every compute operator below reads 0-byte values and writes 4 bytes per float at 1 GB/s:
+#: an output of 250 * t floats takes t microseconds; collectives take the seconds they carry
+TOY = ddlc.mesh.HardwareProfile.from_dict({
+    "name": "toy", "devices_per_node": 8, "flops": {"float32": 1e30}, "memory_bandwidth": 1e9,
+    "memory_capacity": 8e9, "links": dict.fromkeys(["intra_node", "inter_node"],
+                                                   {"latency": 1e-7, "bandwidth": 1e10})})
+
+
+def _toy_program(layers):
+    """A data-parallel step of ``layers`` = [(backward, reduce-scatter, update, all-gather)
+    microseconds] in forward order: backward runs the last layer first, each layer's
+    gradient (read by the next backward operator through a 0-byte view) goes to its
+    reduce-scatter; then each layer's update reads its reduce-scatter and feeds its
+    all-gather, whose result the step returns."""
+    from torch import fx
+    from ddlc.ir import ORIGIN, ROLE, CollectiveInfo, Origin
+    c10d, aten, graph = torch.ops._c10d_functional, torch.ops.aten, fx.Graph()
+
+    def add(target, args, us, phase, kind=None):
+        node = graph.call_function(target, args)
+        node.meta["val"] = torch.zeros(int(round(us * 250)) if kind is None else 0)
+        ORIGIN.set(node, Origin(phase, "toy"))
+        if kind is not None:
+            sbp = ddlc.sbp.parse_sbp("(P)"), ddlc.sbp.parse_sbp("(S0)")
+            COLLECTIVE.set(node, CollectiveInfo(kind, 0, "dp", 2, 4, us * 1e-6, *sbp))
+        return node
+
+    def placeholder(name, role):
+        node = graph.placeholder(name)
+        node.meta["val"] = torch.zeros(0)
+        ROLE.set(node, role)
+        return node
+    params = [placeholder(f"p{i}", "param") for i in range(len(layers))]
+    flowing, grads = placeholder("x", "input"), {}
+    for i in reversed(range(len(layers))):
+        grad = add(aten.neg.default, (flowing,), layers[i][0], "backward")
+        issue = add(c10d.reduce_scatter_tensor.default, (grad, "sum", 2, "g0"), layers[i][1], "backward",
+                    "reduce_scatter")
+        grads[i] = add(c10d.wait_tensor.default, (issue,), 0, "backward")
+        flowing = add(aten.alias.default, (grad,), 0, "backward")
+    outputs = []
+    for i, (_, _, update_us, gather_us) in enumerate(layers):
+        update = add(aten.add.Tensor, (params[i], grads[i]), update_us, "optimizer")
+        gather = add(c10d.all_gather_into_tensor.default, (update, 2, "g0"), gather_us, "optimizer",
+                     "all_gather")
+        outputs.append(add(c10d.wait_tensor.default, (gather,), 0, "optimizer"))
+    graph.output(tuple(outputs))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _valid(gm):
+    """The order is topological and every collective is read through its wait."""
+    seen = set()
+    for node in gm.graph.nodes:
+        assert all(a in seen for a in node.all_input_nodes), node.name
+        seen.add(node)
+    check_waits(gm)
+
+
+def _scheduled(layers, updates, search=False):
+    from cost_models.program import program_timeline
+    gm = schedule(_toy_program(layers), profile=TOY, updates=updates, search=search)
+    _valid(gm)
+    return round(program_timeline(gm, TOY).makespan * 1e6, 6), gm.meta["ddlc_updates"]
+
+
+def test_per_group_updates_beat_both_whole_orders():
+    """Layers 0, 1, 2 = (backward, RS, update, AG) us (4,1,3,1), (1,4,2,2), (2,2,4,3); one
+    link. Backward (layer 2 first) runs bw2 0-2, bw1 2-3, bw0 3-7 and their RSs 2-4, 4-8,
+    8-9 back to back (RS2 is ready at 2, RS1 at 3, RS0 at 7).
+    - end: updates in forward order after backward: u0 9-12 (waits RS0), AG0 12-13, u1
+      12-14, AG1 14-16, u2 14-18, AG2 18-21: 21 us.
+    - early: RS2 lands at 4, while bw0 (3-7, emitted at 3) runs; u2 7-11, AG2 11-14; then u0
+      and u1 are both ready and go in original order: u0 11-14, AG0 14-15, u1 14-16, AG1
+      16-18: 18 us.
+    - layers 1 and 2 early, layer 0 at the end: u2 7-11, AG2 11-14, u1 11-13 (ready since 8),
+      AG1 14-16, u0 13-16, AG0 16-17: 17 us, better than both (the long AG1 before the short
+      AG0)."""
+    layers = [(4, 1, 3, 1), (1, 4, 2, 2), (2, 2, 4, 3)]
+    assert _scheduled(layers, "end") == (21, "end")
+    assert _scheduled(layers, "early") == (18, "early")
+    assert _scheduled(layers, "auto") == (18, "early")
+    assert _scheduled(layers, "auto", search=True) == (17, "mixed")
+
+
+def test_per_group_search_takes_a_compound_move():
+    """Layers (1,1,1,2), (2,2,4,3), (2,2,2,2): bw2 0-2, bw1 2-4, bw0 4-5, RS2 2-4, RS1 4-6,
+    RS0 6-7. End: u0 7-8, AG0 8-10, u1 8-12, AG1 12-15, u2 12-14, AG2 15-17: 17 us; early
+    gives the same 17 (the tie goes to "end"). Moving u0 or u1 alone inside backward gives
+    17 again (u1 alone: u1 8-12 behind u0 as before; u0 alone: u1 6-10, AG1 10-13 ahead of
+    AG0, AG2 15-17). Both together free the original order for u2: u2 5-7 (RS2 landed at
+    4), AG2 7-9, u1 7-11, AG1 11-14, u0 11-12, AG0 14-16: 16 us, found by toggling the
+    pair."""
+    layers = [(1, 1, 1, 2), (2, 2, 4, 3), (2, 2, 2, 2)]
+    assert _scheduled(layers, "end")[0] == _scheduled(layers, "early")[0] == 17
+    assert _scheduled(layers, "auto") == (17, "end")
+    assert _scheduled(layers, "auto", search=True) == (16, "mixed")
+
+
+@pytest.mark.parametrize("model_name,link", [("gpt", 3e8), ("gpt_tied", 3e8), ("mlp", 1e9)])
+def test_searched_updates_are_never_worse_and_the_same_on_every_rank(model_name, link):
+    from cost_models.program import program_timeline
+    gm, mesh, *_ = _decoupled(model_name, link)
+    bases = [_lower_rank(gm, mesh, (r,), schedule=False, partition=False) for r in range(4)]
+    whole = min(program_timeline(schedule(copy.deepcopy(bases[0]), profile=mesh.profile, updates=u),
+                                 mesh.profile).makespan for u in UPDATES)
+    ranks = [schedule(b, profile=mesh.profile, updates="auto", search=True) for b in bases]
+    for g in ranks:
+        _valid(g)
+    assert program_timeline(ranks[0], mesh.profile).makespan <= whole + 1e-12
+    sequences = [collective_sequence(g) for g in ranks]
+    assert sequences[0] and all(s == sequences[0] for s in sequences)
+    names = [[n.name for n in g.graph.nodes] for g in ranks]
+    assert all(n == names[0] for n in names)
+
+
+def test_searched_updates_match_single_device():
+    """The pipeline's final order, searched per update group: the same losses, parameters
+    and optimizer state as one device."""
+    gm, mesh, model, data, want = _decoupled("gpt_tied", 3e8)
+    program = _lower_rank(gm, mesh, (0,), partition=False)
+    assert program.meta["ddlc_updates"] == "mixed" and _inside_backward(program)[0]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    losses, params, opt_state, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data,
+                                                  fuse=False, partition=False)
+    assert_matches_reference({"losses": losses, "params": params, "opt_state": opt_state}, want)
+
+
+def _gloo_steps(rank, scheduled):
+    """Worker: the decoupled data-parallel tied GPT (as :func:`_decoupled`, on a 3e8 B/s link)
+    compiled and trained on real gloo groups, its final order searched per update group
+    (``scheduled``) or not scheduled at all; rank 0 returns what the parent compares."""
+    from ddlc.runtime import compile
+    (model, loss_fn), data = model_and_loss("gpt_tied"), batches("gpt", 8)
+    mesh = ddlc.Mesh((4,), profile=NATIVE_RS, links=[ddlc.LinkModel(1e-7, 3e8)])
+    pins = dict.fromkeys(["input0", "input1"], "(S0)") | {k: "(B)" for k, _ in model.named_parameters()}
+    step = compile(model, mesh, data[0], loss_fn, optimizer("adamw", model), placements=pins,
+                   decouple="always", ag_placement="backward", schedule=scheduled, fuse=False,
+                   partition=False)
+    out = {"losses": [step.step(*b) for b in data], "params": step.state_dict(),  # every rank gathers
+           "opt_state": step.optimizer_state(), "updates": step.gm.meta.get("ddlc_updates"),
+           "inside": bool(_inside_backward(step.gm)[0])}
+    return out if rank == 0 else None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_searched_updates_equal_the_unscheduled_program_on_gloo():
+    from ddlc.launch import spawn
+    scheduled = spawn(_gloo_steps, 4, True, timeout=120, deadline=300)[0]
+    plain = spawn(_gloo_steps, 4, False, timeout=120, deadline=300)[0]
+    assert scheduled.pop("updates") == "mixed" and scheduled.pop("inside")
+    plain.pop("updates"), plain.pop("inside")
+    assert_matches_reference(scheduled, plain)

@@ -66,7 +66,7 @@ def test_taking_coordinate_0s_choices_gives_the_searched_program_without_searchi
 
     def no_search(*args):
         raise AssertionError("a rank given coordinate 0's choices searched again")
-    for search in ("fuse_best", "partition_best", "schedule"):
+    for search in ("fuse_search", "partition_search", "schedule"):
         monkeypatch.setattr(pipeline, search, no_search)
     taken = lower_rank(copy.deepcopy(gm), mesh, (1, 1), groups, choices=choices)
     assert [n.name for n in taken.graph.nodes] == [n.name for n in searched.graph.nodes]

@@ -1,0 +1,187 @@
+"""Run views as views: give the view copies of a lowered graph back their view form.
+
+Tracing functionalizes views away (``remove="mutations_and_views"``): every ``view``,
+``t``, ``transpose``, ``expand``, ``slice``, ``split`` ... of the model is a ``*_copy``
+operator that allocates and copies its output. In a graph without mutation an alias
+reads the same values, so this pass, the last of lowering, turns each of those copies
+back into the view it came from (:data:`VIEW_FORMS`; ``as_strided_copy``, which reads
+storage, stays a copy), in one walk in program order that keeps the strides every
+tensor will have at run time (each operator run on ``meta`` tensors; an operator that
+cannot run there, a collective or a random draw, makes a fresh contiguous tensor):
+
+- a ``view`` (or ``_unsafe_view``) whose input's strides do not allow a view becomes a
+  ``reshape`` (a copy exactly there);
+- a reader that needs a contiguous tensor of its own gets a contiguous clone of a
+  strided input, made once before its first such reader: every collective (gloo and
+  NCCL send contiguous buffers), every call of a Python function (``ddlc.comm``'s
+  boxing pieces, ``ddlc.rng`` draws), ``native_layer_norm_backward`` (wrong values on
+  CPU from strided ``mean``/``rstd``, see TORCH_NOTES.md) and the graph's outputs,
+  which become the step's new parameters, buffers and optimizer state and so must own
+  their memory (an output that is a view is cloned too).
+
+Values are unchanged (each alias reads what its copy held); the collective sequence and
+the node order are those of the scheduled program. A graph with a mutating operator is
+left as it is.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+from torch._ops import OpOverload
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ddlc.ir import ORIGIN
+
+__all__ = ["VIEW_FORMS", "views_as_views"]
+
+_aten = torch.ops.aten
+
+#: ``*_copy`` operator -> the view it copies (same arguments)
+VIEW_FORMS = {
+    _aten.view_copy.default: _aten.view.default,
+    _aten.t_copy.default: _aten.t.default,
+    _aten.transpose_copy.int: _aten.transpose.int,
+    _aten.permute_copy.default: _aten.permute.default,
+    _aten.expand_copy.default: _aten.expand.default,
+    _aten.unsqueeze_copy.default: _aten.unsqueeze.default,
+    _aten.squeeze_copy.dim: _aten.squeeze.dim,
+    _aten.squeeze_copy.dims: _aten.squeeze.dims,
+    _aten.squeeze_copy.default: _aten.squeeze.default,
+    _aten.slice_copy.Tensor: _aten.slice.Tensor,
+    _aten.select_copy.int: _aten.select.int,
+    _aten.split_copy.Tensor: _aten.split.Tensor,
+    _aten.split_with_sizes_copy.default: _aten.split_with_sizes.default,
+    _aten.unbind_copy.int: _aten.unbind.int,
+    _aten.alias_copy.default: _aten.alias.default,
+    _aten.detach_copy.default: _aten.detach.default,
+    _aten.diagonal_copy.default: _aten.diagonal.default,
+    _aten.unfold_copy.default: _aten.unfold.default,
+}
+#: views that need view-compatible strides; a ``reshape`` where the input lacks them
+_STRIDE_BOUND = (_aten.view.default, _aten._unsafe_view.default)
+#: what a contiguous clone keeps of its input's meta (the value, where it comes from)
+_COPIED_META = ("val", "tensor_meta", ORIGIN.name)
+#: operators that read their tensor inputs as contiguous buffers
+_CONTIGUOUS_READERS = (_aten.native_layer_norm_backward.default,)
+
+
+def views_as_views(gm: fx.GraphModule) -> fx.GraphModule:
+    """Turn ``gm``'s view copies into views in place (see the module docstring)."""
+    graph = gm.graph
+    if any(_mutates(n) for n in graph.nodes):
+        return gm
+    walk = _Walk(graph)
+    for node in list(graph.nodes):
+        walk.visit(node)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+class _Walk:
+    """The walk in program order. ``layout`` holds, for each node whose run-time strides
+    differ from its traced value's (a view, or a reader of one), meta tensors with those
+    strides; every other node has its traced value's layout, so only those run on meta."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.layout: dict[fx.Node, object] = {}
+        self.contiguous: dict[fx.Node, fx.Node] = {}   # strided node -> its contiguous clone
+        self.aliases: set[fx.Node] = set()   # nodes whose value is a view of another's
+
+    def visit(self, node: fx.Node) -> None:
+        if node.op == "output":
+            self.give_contiguous(node, owned=True)
+        if node.op != "call_function":
+            return
+        if node.target in VIEW_FORMS and isinstance(self.value(node.args[0]), torch.Tensor):
+            node.target = VIEW_FORMS[node.target]
+        if _needs_contiguous(node):
+            self.give_contiguous(node, owned=False)
+        moved = node.target in VIEW_FORMS.values() or any(
+            a in self.layout for a in node.all_input_nodes)
+        if moved:
+            out = self.run_on_meta(node)
+            if out is None and node.target in _STRIDE_BOUND:
+                node.target = _aten.reshape.default
+                out = self.run_on_meta(node)
+            if out is not None and not _same_layout(out, node.meta.get("val")):
+                self.layout[node] = out
+        if _is_view(node) or (node.target is operator.getitem and node.args[0] in self.aliases):
+            self.aliases.add(node)
+
+    def value(self, node):
+        """``node``'s value with its run-time strides (meta or fake tensors), or None."""
+        return self.layout[node] if node in self.layout else node.meta.get("val")
+
+    def run_on_meta(self, node: fx.Node):
+        """``node``'s output on meta tensors of its inputs' run-time layouts, or None where
+        its operator cannot run there (or refuses those strides)."""
+        args, kwargs = tree_map(lambda a: _meta(self.value(a)) if isinstance(a, fx.Node) else a,
+                                (node.args, node.kwargs))
+        try:
+            return node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - no meta kernel, a collective, a draw, bad strides
+            return None
+
+    def give_contiguous(self, reader: fx.Node, owned: bool) -> None:
+        """Replace each strided tensor input of ``reader`` (with ``owned``, also each alias)
+        by its contiguous clone, made once before the first reader that needs it."""
+        def fix(arg):
+            if not isinstance(arg, fx.Node):
+                return arg
+            value = self.value(arg)
+            if not isinstance(value, torch.Tensor):
+                return arg
+            if value.is_contiguous() and not (owned and arg in self.aliases):
+                return arg
+            if arg not in self.contiguous:
+                with self.graph.inserting_before(reader):
+                    clone = self.graph.call_function(_aten.clone.default, (arg,),
+                                                     {"memory_format": torch.contiguous_format})
+                clone.meta = {k: arg.meta[k] for k in _COPIED_META if k in arg.meta}
+                if "val" in clone.meta and not clone.meta["val"].is_contiguous():
+                    self.layout[clone] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+                self.contiguous[arg] = clone
+            return self.contiguous[arg]
+
+        reader.args = tuple(tree_map(fix, list(reader.args)))
+        reader.kwargs = {k: tree_map(fix, v) for k, v in reader.kwargs.items()}
+
+
+def _mutates(node: fx.Node) -> bool:
+    return isinstance(node.target, OpOverload) and node.target._schema.is_mutable
+
+
+def _is_view(node: fx.Node) -> bool:
+    return isinstance(node.target, OpOverload) and (
+        node.target.is_view or node.target is _aten.reshape.default)
+
+
+def _needs_contiguous(node: fx.Node) -> bool:
+    target = node.target
+    if target is operator.getitem:
+        return False
+    if not isinstance(target, OpOverload):
+        return True   # a Python function: ddlc.comm's boxing pieces, ddlc.rng's draws
+    return target.namespace == "_c10d_functional" or target in _CONTIGUOUS_READERS
+
+
+def _meta(value):
+    """Meta tensors with ``value``'s shapes, dtypes and strides."""
+    def one(v):
+        if isinstance(v, torch.Tensor) and v.device.type != "meta":
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return v
+    return tree_map(one, value)
+
+
+def _same_layout(a, b) -> bool:
+    """Whether two values (tensors or trees of them) have the same shapes and strides."""
+    left, right = tree_leaves(a), tree_leaves(b)
+    return len(left) == len(right) and all(
+        not isinstance(x, torch.Tensor) or (isinstance(y, torch.Tensor) and x.shape == y.shape
+                                            and x.stride() == y.stride())
+        for x, y in zip(left, right))

@@ -1,0 +1,158 @@
+"""passes/views.py: view copies run as views, and every reader that needs a contiguous
+tensor of its own still gets one."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functionalize
+
+import ddlc
+from ddlc.ir import collective_sequence
+from ddlc.simulate import lower_ranks, run_ranks
+from passes.views import views_as_views
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def functional(fn, *args) -> fx.GraphModule:
+    """``fn`` traced as ddlc traces a step: views become ``*_copy`` operators."""
+    return make_fx(functionalize(fn, remove="mutations_and_views"), tracing_mode="fake")(*args)
+
+
+def targets(gm: fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_a_transposed_weight_feeding_a_matmul_is_a_view():
+    gm = functional(lambda x, w: (x @ w.t()).relu(), torch.randn(4, 3), torch.randn(5, 3))
+    assert aten.t_copy.default in targets(gm)
+    x, w = torch.randn(4, 3), torch.randn(5, 3)
+    want = gm(x, w)
+    views_as_views(gm)
+    assert aten.t.default in targets(gm) and aten.t_copy.default not in targets(gm)
+    assert aten.clone.default not in targets(gm)   # mm takes the strided operand as it is
+    torch.testing.assert_close(gm(x, w), want, rtol=0, atol=0)
+
+
+def test_a_view_of_a_transposed_tensor_becomes_a_reshape():
+    # x.t() is strided: viewing it flat is impossible, so that view copies (a reshape)
+    gm = functional(lambda x: (x.t().reshape(-1) * 2), torch.randn(3, 4))
+    x = torch.randn(3, 4)
+    want = gm(x)
+    views_as_views(gm)
+    assert aten.t.default in targets(gm)
+    assert aten.reshape.default in targets(gm)
+    torch.testing.assert_close(gm(x), want, rtol=0, atol=0)
+
+
+def test_an_output_that_is_a_view_gets_its_own_memory():
+    gm = functional(lambda x: (x * 2).view(-1), torch.randn(3, 4))
+    views_as_views(gm)
+    x = torch.randn(3, 4)
+    (out,) = [gm(x)]
+    assert aten.view.default in targets(gm) and aten.clone.default in targets(gm)
+    assert out._base is None   # not an alias of the product
+    torch.testing.assert_close(out, (x * 2).view(-1))
+
+
+def test_a_strided_tensor_is_made_contiguous_once_before_its_collective():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4, 6, device="meta")
+    t = graph.call_function(aten.t_copy.default, (x,))
+    t.meta["val"] = torch.empty(6, 4, device="meta")
+    sums = []
+    for _ in range(2):   # two collectives read it: one clone serves both
+        issue = graph.call_function(c10d.all_reduce.default, (t, "sum", "axis0"))
+        issue.meta["val"] = torch.empty(6, 4, device="meta")
+        wait = graph.call_function(c10d.wait_tensor.default, (issue,))
+        wait.meta["val"] = torch.empty(6, 4, device="meta")
+        sums.append(wait)
+    mm = graph.call_function(aten.mm.default, (t, x))   # reads the view as it is
+    mm.meta["val"] = torch.empty(6, 6, device="meta")
+    graph.output((sums[0], sums[1], mm))
+    gm = views_as_views(fx.GraphModule(torch.nn.Module(), graph))
+    assert t.target is aten.t.default
+    clones = [n for n in gm.graph.nodes if n.target is aten.clone.default]
+    assert len(clones) == 1 and clones[0].args[0] is t
+    issues = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
+    assert all(n.args[0] is clones[0] for n in issues)
+    assert mm.args[0] is t
+
+
+def test_layer_norm_backward_never_reads_strided_statistics():
+    graph = fx.Graph()
+    args = {}
+    for name, shape in (("grad", (2, 3, 4)), ("x", (2, 3, 4)), ("mean", (2, 3, 1)), ("rstd", (3, 2, 1))):
+        args[name] = graph.placeholder(name)
+        args[name].meta["val"] = torch.empty(shape, device="meta")
+    rstd = graph.call_function(aten.transpose_copy.int, (args["rstd"], 0, 1))
+    rstd.meta["val"] = torch.empty(2, 3, 1, device="meta")
+    back = graph.call_function(aten.native_layer_norm_backward.default,
+                               (args["grad"], args["x"], [4], args["mean"], rstd, None, None,
+                                [True, False, False]))
+    back.meta["val"] = (torch.empty(2, 3, 4, device="meta"), None, None)
+    first = graph.call_function(__import__("operator").getitem, (back, 0))
+    first.meta["val"] = torch.empty(2, 3, 4, device="meta")
+    graph.output((first,))
+    gm = views_as_views(fx.GraphModule(torch.nn.Module(), graph))
+    read = next(n for n in gm.graph.nodes if n.target is aten.native_layer_norm_backward.default).args[4]
+    assert read.target is aten.clone.default and read.args[0].target is aten.transpose.int
+    inputs = [torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(2, 3, 1), torch.rand(3, 2, 1) + 0.5]
+    want = aten.native_layer_norm_backward.default(
+        inputs[0], inputs[1], [4], inputs[2], inputs[3].transpose(0, 1).contiguous(), None, None,
+        [True, False, False])[0]
+    torch.testing.assert_close(gm(*inputs)[0], want)
+
+
+def test_a_graph_that_mutates_is_left_alone():
+    def fn(x):
+        y = x.t()
+        out = torch.zeros(4, 3)
+        out.add_(y)
+        return out
+    gm = make_fx(fn)(torch.randn(3, 4))
+    before = targets(gm)
+    views_as_views(gm)
+    assert targets(gm) == before
+
+
+@pytest.mark.timeout(240)
+def test_gpt_on_simulated_ranks_gives_the_same_numbers_and_collectives(monkeypatch):
+    """The zoo GPT's programs on (2,2): every output equal with views (the pipeline's last
+    pass) and with copies (lowered without it), the collective sequence unchanged, and
+    most view copies gone."""
+    from ddlc import pipeline
+    from passes.canonicalize import canonicalize
+    from passes.sharding import shard
+    from ddlc.ir import SHARDING, STEP
+    from ddlc.sbp import local_slices, parse_sbp
+    from ddlc.zoo import GPT, lm_loss
+    import itertools
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=8)
+    x, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
+    gm = canonicalize(ddlc.trace(model, (x, y), lm_loss, torch.optim.AdamW(model.parameters())))
+    sig, mesh = STEP(gm), ddlc.Mesh((2, 2))
+    shard(gm, mesh, fixed={sig.input_name("input", k): parse_sbp("(S0, B)") for k in sig.keys("input")})
+    viewed = lower_ranks(gm, mesh, fuse=False, partition=False)
+    monkeypatch.setattr(pipeline, "views_as_views", lambda g: g)
+    copies = lower_ranks(gm, mesh, fuse=False, partition=False)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    full = sig.flatten(params, dict(model.named_buffers()), sig.init_opt_state(params), (x, y))
+    sbp = {n.name: SHARDING(n).outputs[0] for n in gm.graph.nodes if n.op == "placeholder"}
+    pieces = [[t[local_slices(tuple(t.shape), sbp[i.name], mesh.shape, c)].contiguous()
+               for t, i in zip(full, sig.inputs)] for c in itertools.product(range(2), range(2))]
+    for want, got in zip(run_ranks(copies, mesh, pieces), run_ranks(viewed, mesh, pieces)):
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+            if isinstance(b, torch.Tensor):
+                assert b._base is None   # outputs own their memory
+    for a, b in zip(copies, viewed):
+        assert collective_sequence(a) == collective_sequence(b)
+        left = sum(str(t).endswith("_copy.default") or "_copy." in str(t) for t in targets(b))
+        assert left < sum("_copy." in str(t) for t in targets(a)) / 4
