@@ -10,10 +10,13 @@
   sequence 256, batch 32) planned data parallel on 8 GPUs of the ``dgx-h100-ib``
   profile (:func:`passes.decouple.layer_profile`).
 
-Modeled against measured step time per plan needs the fidelity benchmark, which does not
-exist yet; that plot is not drawn.
+- ``fidelity.png``: modeled against measured step time per plan, one marker per model,
+  with the y = x line and the +-15 % band, from the rows ``python bench/fidelity.py --json
+  FILE`` wrote (``--fidelity-json FILE``, default ``bench/plots/fidelity.json``; drawn only
+  when that file exists: the benchmark itself takes minutes on 4 ranks).
 
-    python bench/plots.py [--layers 1 2 4] [--meshes 8 2x4 2x2x2] [--only planning|schedule]
+    python bench/plots.py [--layers 1 2 4] [--meshes 8 2x4 2x2x2] [--only planning|schedule|fidelity]
+                          [--fidelity-json FILE]
 """
 from __future__ import annotations
 
@@ -122,15 +125,62 @@ def plot_schedules(profile: dict, title: str, path: str) -> None:
     print(f"{'bound':<12}" + " ".join(f"{v:8.3f}" for v in bounds))
 
 
+def plot_fidelity(data: dict, path: str) -> None:
+    """Modeled against measured milliseconds, every plan of every model of a fidelity run."""
+    fig = Figure(figsize=(6.5, 5))
+    ax = fig.add_subplot()
+    markers = "osD^v<>"
+    everything = []
+    for i, (model, summary) in enumerate(data["summary"].items()):
+        rows = summary["rows"]
+        xs, ys = [r["measured"] * 1e3 for r in rows], [r["modeled"] * 1e3 for r in rows]
+        everything += xs + ys
+        ax.scatter(xs, ys, marker=markers[i % len(markers)], label=f"{model} (median error "
+                   f"{summary['median_error']:.0%}, rho {summary['rho']:.2f})", zorder=3)
+        for r, x, y in zip(rows, xs, ys):
+            ax.annotate(r["plan"] + ("*" if r["plan"] == summary.get("chosen") else ""), (x, y),
+                        fontsize=6, xytext=(3, 2), textcoords="offset points")
+    lo, hi = min(everything) / 1.5, max(everything) * 1.5
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="modeled = measured")
+    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="k", alpha=0.08,
+                    label="+-15 %")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured step time (ms, slowest rank, median)")
+    ax.set_ylabel("modeled step time (ms, timeline model)")
+    load = data.get("load")
+    ax.set_title(f"Cost-model fidelity: {data['world']} gloo ranks, compute {data['compute']}, "
+                 f"profile {os.path.basename(str(data['profile']))}" + (f"\nload average {load[0]:.1f} at the end" if load else ""),
+                 fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, nargs="*", default=[1, 2, 4])
     ap.add_argument("--meshes", nargs="*", default=["8", "2x4", "2x2x2"])
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--layer-profile", metavar="FILE", help="per-layer profile JSON for the schedule plot")
-    ap.add_argument("--only", choices=("planning", "schedule"))
+    ap.add_argument("--only", choices=("planning", "schedule", "fidelity"))
+    ap.add_argument("--fidelity-json", default=os.path.join(OUT, "fidelity.json"),
+                    help="rows of `python bench/fidelity.py --json FILE` for fidelity.png")
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
+    if args.only in (None, "fidelity"):
+        if os.path.exists(args.fidelity_json):
+            import json
+            with open(args.fidelity_json) as f:
+                plot_fidelity(json.load(f), os.path.join(OUT, "fidelity.png"))
+        else:
+            print(f"no {args.fidelity_json}: run `python bench/fidelity.py --json "
+                  f"{args.fidelity_json}` first; fidelity.png not drawn", file=sys.stderr)
+    if args.only == "fidelity":
+        print(f"wrote {OUT}")
+        return
     if args.only != "schedule":
         plot_planning(args.layers, args.meshes, args.width, os.path.join(OUT, "planning_time.png"))
     if args.only != "planning":

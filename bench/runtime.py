@@ -17,7 +17,8 @@ backward, gradient communication, AdamW update) of
 - ``ddlc``: ``ddlc.compile`` with no placements: the plan the search picks;
 - ``ddlc-dp``: ``ddlc.compile`` pinned to data parallelism (batch inputs ``(S0)``, every
   parameter ``(B)``); decoupling, fusion and scheduling as the cost model decides;
-- ``ddlc-inductor``: listed as not available: the Inductor backend is not built.
+- ``ddlc-inductor``: ddlc's plan with ``backend="inductor"`` (each rank's program compiled
+  by Inductor; needs a C++ compiler, else listed as not available).
 
 Every variant starts from the same parameters (seed 0) and sees the same batches; they run
 interleaved (one step of each per round, the order rotating every round) so machine noise
@@ -42,6 +43,7 @@ import argparse
 import contextlib
 import inspect
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -74,8 +76,7 @@ QUICK = {
     "hf-gpt2": (dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=32), 8),
 }
 VARIANTS = ("eager", "DDP", "FSDP2", "ddlc", "ddlc-dp", "ddlc-inductor")
-UNAVAILABLE = {"ddlc-inductor": "compile(..., backend='inductor') is not built: ddlc runs "
-                                "each rank's program as an eager torch.fx graph"}
+UNAVAILABLE: dict[str, str] = {}   # variant -> why it cannot run here (filled by main)
 MICRO_BATCHED = ("DDP", "FSDP2")   # variants that step on this rank's micro-batch
 
 
@@ -174,7 +175,7 @@ def fsdp2_variant(name, kwargs, batch0):
             dict(count_bytes=True, how=f"fully_shard on {len(layers)} layers and the root"))
 
 
-def ddlc_variant(name, kwargs, batch0, pin_data_parallel):
+def ddlc_variant(name, kwargs, batch0, pin_data_parallel, backend="eager"):
     model, loss_fn = build(name, kwargs)
     opt = make_optimizer(model)
     placements = {}
@@ -184,7 +185,7 @@ def ddlc_variant(name, kwargs, batch0, pin_data_parallel):
         placements.update({k: "(B)" for k, _ in model.named_parameters()})
     start = time.perf_counter()
     compiled = ddlc.compile(model, (dist.get_world_size(),), batch0, loss_fn, opt,
-                            placements=placements, profile=PROFILE)
+                            placements=placements, profile=PROFILE, backend=backend)
     compile_s = time.perf_counter() - start
     seq = collective_sequence(compiled.gm)
     info = dict(compile_s=compile_s, collectives=dict(Counter(k for k, _, _ in seq)),
@@ -218,6 +219,7 @@ BUILDERS = {
     "eager": eager_variant, "DDP": ddp_variant, "FSDP2": fsdp2_variant,
     "ddlc": lambda *a: ddlc_variant(*a, pin_data_parallel=False),
     "ddlc-dp": lambda *a: ddlc_variant(*a, pin_data_parallel=True),
+    "ddlc-inductor": lambda *a: ddlc_variant(*a, pin_data_parallel=False, backend="inductor"),
 }
 
 #: torch.distributed collectives FSDP2 calls -> the parameter holding the whole buffer
@@ -293,8 +295,9 @@ def bench_model(name, kwargs, global_batch, warmup, steps):
     return dict(order=order, infos=infos, losses=losses, times_by_rank=everyone)
 
 
-def worker(rank, configs, warmup, steps):
+def worker(rank, configs, warmup, steps, unavailable):
     torch.set_num_threads(1)
+    UNAVAILABLE.update(unavailable)   # a spawned worker starts from the module's defaults
     results = {name: bench_model(name, kwargs, gb, warmup, steps)
                for name, (kwargs, gb) in configs.items()}
     return results if rank == 0 else None
@@ -346,6 +349,8 @@ def main(argv=None) -> int:
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--profile", help="hardware profile name or JSON path the search plans for "
                     "(e.g. one written by `python -m ddlc calibrate --out FILE`)")
+    ap.add_argument("--no-inductor", action="store_true", help="skip the Inductor variant "
+                    "(its compile takes a minute or more per model here)")
     ap.add_argument("--models", default="gpt,mlp,hf-gpt2", help="comma-separated subset of "
                     "gpt,mlp,hf-gpt2")
     args = ap.parse_args(argv)
@@ -356,6 +361,10 @@ def main(argv=None) -> int:
     steps = args.steps if args.steps is not None else (5 if args.quick else 15)
     table = QUICK if args.quick else FULL
     configs = {m: table[m] for m in args.models.split(",")}
+    if args.no_inductor:
+        UNAVAILABLE["ddlc-inductor"] = "skipped (--no-inductor)"
+    elif shutil.which("g++") is None and shutil.which("c++") is None:
+        UNAVAILABLE["ddlc-inductor"] = "no C++ compiler on PATH (Inductor's CPU kernels need one)"
     world = args.world_size
     for name, (_, gb) in configs.items():
         if gb % world:
@@ -368,7 +377,8 @@ def main(argv=None) -> int:
     print("CAVEAT: gloo implements reduce-scatter as all-reduce + chunk, and the ranks are CPU "
           "processes sharing cores: these timings say nothing about GPU/NCCL behaviour.")
     start = time.perf_counter()
-    results = ddlc.spawn(worker, world, configs, warmup, steps, timeout=300, deadline=3000)[0]
+    results = ddlc.spawn(worker, world, configs, warmup, steps, dict(UNAVAILABLE), timeout=900,
+                         deadline=3000)[0]
     ok = True
     for name, (kwargs, gb) in configs.items():
         ok &= report(name, kwargs, gb, world, results[name])

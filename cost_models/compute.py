@@ -22,6 +22,8 @@ from torch.utils.flop_counter import flop_registry
 
 from ddlc.mesh import HardwareProfile
 
+from .measured import measured_time
+
 __all__ = ["FLOP_ALIASES", "op_flops", "op_bytes", "op_time", "tensors"]
 
 _aten = torch.ops.aten
@@ -82,6 +84,8 @@ def op_bytes(args, kwargs, out) -> int:
 
 def op_time(target, args, kwargs, out, profile: HardwareProfile) -> float:
     """Seconds for one call at the shapes of ``args``/``kwargs``/``out`` (tensors or fakes)."""
+    if profile.compute == "measured":  # cost_models/measured.py
+        return measured_time(target, args, kwargs, out, profile, op_time)
     outs = tensors(out)
     if (not outs or not isinstance(target, (OpOverload, HigherOrderOperator))
             or getattr(target, "is_view", False)):

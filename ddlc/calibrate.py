@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 from .launch import spawn
 
-__all__ = ["measure_compute", "measure_link", "fit_ring_all_reduce", "fit_errors", "calibrate"]
+__all__ = ["measure_compute", "measure_link", "fit_ring_all_reduce", "fit_errors", "calibrate",
+           "calibrated_profile"]
 
 SIZES = [2**12, 2**16, 2**20, 2**22, 2**24]  # bytes
 
@@ -116,6 +117,28 @@ def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
             "emulated_collectives": {"reduce_scatter": "all_reduce"},  # gloo: all-reduce + chunk
             "links": {"intra_node": link, "inter_node": link},
             "fit": {"all_reduce": errors}}
+
+
+def calibrated_profile(world_size: int = 4, refresh: bool = False) -> str:
+    """The path of a profile calibrated on this machine for ``world_size`` local gloo ranks:
+    measured by :func:`calibrate` on first use (about a minute) and cached beside the
+    measured operator tables (:func:`cost_models.measured.cache_dir`), keyed by the CPU,
+    core count, torch version and world size; ``refresh`` measures again. Pass it as
+    ``profile=``. Only as good as the machine was quiet when it was measured."""
+    import hashlib
+    import os
+
+    from cost_models.measured import cache_dir, cpu_name
+    ident = f"{cpu_name()}|{os.cpu_count()}|{torch.__version__}|{world_size}"
+    path = cache_dir() / f"calibrated-{world_size}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}.json"
+    if refresh or not path.exists():
+        profile = calibrate(world_size, name=f"calibrated-{world_size}")
+        profile["measured_at_load_average"] = list(os.getloadavg())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(profile, indent=2) + "\n")
+        os.replace(tmp, path)
+    return str(path)
 
 
 def format_fit(profile: dict) -> str:

@@ -110,6 +110,9 @@ def _compile_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--memory", metavar="BYTES", help="memory budget per device, e.g. 16GB, "
                         "512MiB (default: the profile's device memory)")
     parser.add_argument("--solver", choices=("cd", "exact"), default="cd")
+    parser.add_argument("--compute", choices=("roofline", "measured"), default="roofline",
+                        help="operator times: the profile's roofline, or measured on this machine "
+                             "(cached; see cost_models/measured.py)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw",
                         help="the optimizer of the step (none: gradients, or inference without loss)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every pass with its time "
@@ -178,8 +181,9 @@ def _compile_rank0(args) -> Compiled:
     from .mesh import Mesh, load_profile
     from .options import CompileOptions
     from .simulate import axis_group_names
-    profile = load_profile(args.profile or "cpu-gloo")
-    options = CompileOptions.from_kwargs(solver=args.solver, memory_budget=budget, profile=profile)
+    profile = replace(load_profile(args.profile or "cpu-gloo"), compute=args.compute)
+    options = CompileOptions.from_kwargs(solver=args.solver, memory_budget=budget, profile=profile,
+                                         compute=args.compute)
     start = time.perf_counter()
     model, inputs, loss_fn = call_factory(args.factory)
     log.info("factory      %8.1f ms  %s", (time.perf_counter() - start) * 1e3, args.factory)

@@ -53,6 +53,7 @@ class HardwareProfile:
     cache_bytes: float = 0.0                  # an op whose bytes fit here runs at cache_bandwidth
     cache_bandwidth: float = 0.0              # bytes/s (0: no cache level modeled)
     emulated: tuple[tuple[str, str], ...] = ()  # collective -> the one the backend runs instead
+    compute: str = "roofline"                 # operator times: "roofline", or "measured" here
     source: str = field(default="", compare=False)
 
     def runs_as(self, collective: str) -> str:
@@ -77,7 +78,8 @@ class HardwareProfile:
                 description=d.get("description", ""), source=d.get("source", ""),
                 cache_bytes=float(d.get("cache", {}).get("bytes", 0.0)),
                 cache_bandwidth=float(d.get("cache", {}).get("bandwidth", 0.0)),
-                emulated=tuple(sorted(d.get("emulated_collectives", {}).items())))
+                emulated=tuple(sorted(d.get("emulated_collectives", {}).items())),
+                compute=d.get("compute", "roofline"))
         except (KeyError, TypeError) as e:
             raise MeshError(f"hardware profile is missing or mistypes field {e}") from None
 

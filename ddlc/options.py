@@ -17,13 +17,16 @@ from typing import Any, Literal, Mapping, Union
 from .errors import OptionError
 from .mesh import HardwareProfile
 
-__all__ = ["CompileOptions", "Solver", "BatchMode", "Decouple", "AllGatherPlacement", "Updates"]
+__all__ = ["CompileOptions", "Solver", "BatchMode", "Decouple", "AllGatherPlacement", "Updates",
+           "Compute", "Backend"]
 
 Solver = Literal["cd", "exact"]
 BatchMode = Literal["global", "local"]
 Decouple = Union[bool, Literal["always"]]
 AllGatherPlacement = Literal["auto", "forward", "backward"]
 Updates = Literal["auto", "early", "end"]
+Backend = Literal["eager", "inductor"]
+Compute = Literal["roofline", "measured"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,14 @@ class CompileOptions:
     #: peak live bytes the scheduler may not raise by issuing early
     max_live_bytes: Union[float, None] = None
     #: optimizer updates at the end of the step, inside backward, or as modeled faster
+    #: ("auto": the faster whole order, then per parameter or bucket in the final schedule)
     updates: Updates = "auto"
+    #: operator times: the roofline over the profile, or measured on this machine and
+    #: cached (cost_models/measured.py); sets the mesh profile's ``compute``
+    compute: Compute = "roofline"
+    #: how each rank runs its program: the torch.fx graph as it is, or compiled by
+    #: Inductor (ddlc/inductor.py; checked to keep the planned collective order)
+    backend: Backend = "eager"
 
     def __post_init__(self):
         hints = typing.get_type_hints(CompileOptions)

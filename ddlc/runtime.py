@@ -12,6 +12,7 @@ passes themselves are listed and run by :mod:`ddlc.pipeline`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 from typing import Mapping, Sequence
 
@@ -24,8 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from cost_models.program import program_timeline
 
-from . import pipeline
-from .errors import DDLCError, RuntimeMismatchError, UnsupportedInputError
+from . import inductor, pipeline
+from .errors import DDLCError, LoweringError, RuntimeMismatchError, UnsupportedInputError
 from .ir import GLOBAL_VAL, SHARDING, STEP, collective_sequence
 from .mesh import Mesh
 from .optim import hyperparameter_values, structure as optimizer_structure
@@ -148,6 +149,8 @@ def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh, st
     """The ddlc mesh, the DeviceMesh whose groups the program uses, and the device type."""
     device_mesh = mesh if isinstance(mesh, DeviceMesh) else None
     mesh = Mesh.of(mesh, **({"profile": options.profile} if options.profile else {}))
+    if options.compute != mesh.profile.compute:
+        mesh = mesh.with_(profile=dataclasses.replace(mesh.profile, compute=options.compute))
     mesh.check_world_size(dist.get_world_size())
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if device_mesh is None:
@@ -180,8 +183,28 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
     _share_generator(gm, device, rng_state)
-    return CompiledStep(model, gm, plan, mesh, coord, options.batch, fingerprint, device, optimizer,
+    step = CompiledStep(model, gm, plan, mesh, coord, options.batch, fingerprint, device, optimizer,
                         device_mesh)
+    if options.backend == "inductor":
+        step.program = _compile_with_inductor(gm, device)
+    return step
+
+
+def _compile_with_inductor(gm: fx.GraphModule, device: torch.device):
+    """``gm`` compiled by Inductor (:mod:`ddlc.inductor`), once every rank's compiled
+    collectives are checked to be its planned ones, in order."""
+    examples = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device).zero_()
+                for v in (n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")]
+    program, compiled = pipeline.run_pass("inductor", inductor.compile_program, gm, examples)
+    problem = inductor.check_order(inductor.planned_collectives(gm), compiled)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problem)
+    if any(everyone):
+        raise LoweringError("Inductor changed the planned collective sequence, so ranks would "
+                            "deadlock or reduce mismatched tensors: "
+                            + "; ".join(f"rank {r}: {p}" for r, p in enumerate(everyone) if p)
+                            + "; use backend='eager'")
+    return program
 
 
 def _difference(old: tuple, new: tuple) -> str:
@@ -211,6 +234,8 @@ class CompiledStep:
                  coord: Sequence[int], batch: str, fingerprint: str, device: torch.device,
                  optimizer: torch.optim.Optimizer | None = None, device_mesh: DeviceMesh | None = None):
         self.gm, self.plan, self.mesh, self.coord = gm, plan, mesh, tuple(coord)
+        #: what runs the program: the graph module itself, or Inductor's compiled form of it
+        self.program = gm
         self.batch_mode, self.fingerprint, self.device = batch, fingerprint, device
         self.signature = STEP(gm)
         self._placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -316,7 +341,7 @@ class CompiledStep:
     def _run(self, args, kwargs, hyperparameters: dict | None = None):
         flat = self.signature.flatten(self.params, self.buffers, self.opt_state,
                                       self._local_batch(args, kwargs), hyperparameters)
-        return self.signature.unflatten(self.gm(*flat))
+        return self.signature.unflatten(self.program(*flat))
 
     def step(self, *batch, **keyword_batch) -> torch.Tensor:
         """One training step on ``batch`` (the tensors, or for a step compiled on a dict

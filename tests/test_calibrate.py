@@ -44,3 +44,24 @@ def test_roofline_uses_the_cache_bandwidth_for_small_ops():
     assert op_time(add, (small, small), {}, small, cached) == pytest.approx(
         op_time(add, (small, small), {}, small, flat) / 10)
     assert op_time(add, (large, large), {}, large, cached) == op_time(add, (large, large), {}, large, flat)
+
+
+def test_calibrated_profile_is_measured_on_first_use_then_cached(tmp_path, monkeypatch):
+    import ddlc.calibrate as calibrate
+    monkeypatch.setenv("DDLC_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake(world_size, name):
+        calls.append(world_size)
+        link = {"latency": 2e-4, "bandwidth": 7e8}
+        return {"name": name, "devices_per_node": 64, "flops": {"float32": 1e10},
+                "memory_bandwidth": 4e9, "memory_capacity": 8e9,
+                "links": {"intra_node": link, "inter_node": link}}
+    monkeypatch.setattr(calibrate, "calibrate", fake)
+    path = calibrate.calibrated_profile(4)
+    assert calibrate.calibrated_profile(4) == path and calls == [4]   # second call: the cache
+    assert path.startswith(str(tmp_path))
+    mesh = ddlc.Mesh((2, 2), profile=path)
+    assert mesh.profile.name == "calibrated-4" and mesh.links[0].latency == 2e-4
+    calibrate.calibrated_profile(4, refresh=True)
+    assert calls == [4, 4]

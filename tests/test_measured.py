@@ -1,0 +1,179 @@
+"""Measured compute mode (cost_models/measured.py): operator times measured on this machine,
+cached on disk per hardware profile, with the roofline scaled by the op's measured ratio
+for what was not measured; ``compute="measured"`` selects it."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import ddlc
+from cost_models import measured
+from cost_models.compute import op_time
+from ddlc.errors import OptionError
+from ddlc.mesh import load_profile
+from ddlc.options import CompileOptions
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """Every test gets its own cache directory and a fresh set of in-memory tables."""
+    monkeypatch.setenv("DDLC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("DDLC_MEASURE_BUDGET", raising=False)
+    monkeypatch.setenv("DDLC_SHARING", "1")
+    monkeypatch.setattr(measured, "_TABLES", {})
+    return tmp_path / "cache"
+
+
+def meta(*shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def test_option_selects_measured_mode_and_keeps_roofline_default():
+    assert CompileOptions().compute == "roofline" and CompileOptions().profile is None
+    assert load_profile("dgx-h100-ib").compute == "roofline"
+    profile = measured.measured_profile(load_profile("dgx-h100-ib"))
+    assert profile.compute == "measured" and profile.name == "dgx-h100-ib"
+    assert measured.base_profile(profile) == load_profile("dgx-h100-ib")
+    with pytest.raises(OptionError, match="compute"):
+        CompileOptions(compute="guess")
+
+
+def test_measured_times_are_positive_and_cached_on_disk(cache):
+    profile = measured.measured_profile(load_profile("cpu-gloo"))
+    a, b, out = meta(64, 64), meta(64, 64), meta(64, 64)
+    t = op_time(aten.mm.default, (a, b), {}, out, profile)
+    assert t > 0
+    table = measured.table_for(profile)
+    assert table.measured == 1 and len(table.entries) == 1
+    # the second call is a cache hit: same value, nothing measured again
+    assert op_time(aten.mm.default, (a, b), {}, out, profile) == t and table.measured == 1
+    measured.flush_all()
+    path = measured.cache_path(profile)
+    assert path.parent == cache and path.name.startswith("measured-cpu-gloo-")
+    entries = json.loads(path.read_text())["entries"]
+    assert list(entries.values())[0][1] == t
+    # another process (a fresh table) reads it back without measuring
+    fresh = measured.MeasuredTable(path)
+    assert fresh.seconds(aten.mm.default, (a, b), {}, 1.0) == t and fresh.measured == 0
+
+
+def test_cache_is_keyed_by_profile_and_thread_count():
+    cpu = measured.measured_profile(load_profile("cpu-gloo"))
+    dgx = measured.measured_profile(load_profile("dgx-h100-ib"))
+    assert measured.cache_path(cpu) != measured.cache_path(dgx)
+    assert measured.cache_path(cpu, threads=1) != measured.cache_path(cpu, threads=2)
+    assert measured.cache_path(cpu) == measured.cache_path(measured.base_profile(cpu))
+
+
+def test_views_non_operators_and_collectives_are_not_measured():
+    profile = measured.measured_profile(load_profile("cpu-gloo"))
+    x = meta(8, 8)
+    assert op_time(aten.view.default, (x, [64]), {}, meta(64), profile) == 0.0
+    assert op_time(lambda *a: None, (x,), {}, x, profile) == 0.0
+    # a collective is never run alone (it would wait for its peers): priced by the roofline
+    all_reduce = torch.ops._c10d_functional.all_reduce.default
+    assert op_time(all_reduce, (x, "sum", "0"), {}, x, profile) == op_time(
+        all_reduce, (x, "sum", "0"), {}, x, measured.base_profile(profile))
+    assert measured.table_for(profile).measured == 0
+
+
+def test_unseen_shapes_fall_back_to_the_roofline_scaled_by_the_ops_measured_ratio(cache):
+    """Hand-computed: add measured at two shapes as 3x and 5x its roofline; a third shape,
+    not measured (budget spent), costs its roofline x median(3, 5) = 4x; an op never
+    measured costs its plain roofline."""
+    profile = load_profile("cpu-gloo")
+    table = measured.MeasuredTable(cache / "t.json", budget=0.0)
+    add = aten.add.Tensor
+    r1 = op_time(add, (meta(1024), meta(1024)), {}, meta(1024), profile)
+    r2 = op_time(add, (meta(4096), meta(4096)), {}, meta(4096), profile)
+    for n, r, factor in ((1024, r1, 3.0), (4096, r2, 5.0)):
+        key = measured.op_key(add, (meta(n), meta(n)), {})
+        table.entries[key] = (str(add), factor * r, r)
+    r3 = op_time(add, (meta(2**16), meta(2**16)), {}, meta(2**16), profile)
+    assert r3 == pytest.approx(3 * 2**18 / profile.memory_bandwidth)   # 3 tensors of 256 KiB
+    assert table.seconds(add, (meta(2**16), meta(2**16)), {}, r3) == pytest.approx(4.0 * r3)
+    assert table.ratio(str(aten.mul.Tensor)) == 1.0
+    assert table.seconds(aten.mul.Tensor, (meta(8), meta(8)), {}, 2e-6) == 2e-6
+    assert table.measured == 0
+
+
+def test_an_op_whose_made_up_inputs_fail_falls_back(cache):
+    table = measured.MeasuredTable(cache / "t.json")
+    # view_copy of 6 elements to 7: the call fails on real tensors
+    assert table.seconds(aten.view_copy.default, (meta(6), [7]), {}, 1e-6) == 1e-6
+    assert len(table.failed) == 1 and not table.entries
+
+
+def test_sharing_scales_measured_times(monkeypatch):
+    profile = measured.measured_profile(load_profile("cpu-gloo"))
+    args, out = (meta(32, 32), meta(32, 32)), meta(32, 32)
+    alone = op_time(aten.mm.default, args, {}, out, profile)
+    monkeypatch.setenv("DDLC_SHARING", "2")
+    assert op_time(aten.mm.default, args, {}, out, profile) == pytest.approx(2 * alone)
+
+
+def test_keys_distinguish_shapes_dtypes_strides_and_arguments():
+    x, y = meta(4, 8), meta(4, 8, dtype=torch.float64)
+    t = torch.empty(8, 4, device="meta").t()   # (4, 8), not contiguous
+    keys = {measured.op_key(aten.sum.dim_IntList, (z, [d]), {}) for z in (x, y, t) for d in (0, 1)}
+    assert len(keys) == 6
+    assert measured.op_key(aten.mm.default, (x, object()), {}) is None
+
+
+def _train_measured(rank):
+    from ddlc.zoo import MLP
+    torch.manual_seed(0)
+    model = MLP(d_in=8, d_hidden=16, d_out=4, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    step = ddlc.compile(model, (2,), (x, y), torch.nn.functional.mse_loss, opt, compute="measured")
+    losses = [float(step.step(x, y)) for _ in range(2)]
+    measured.flush_all()
+    return losses, step.mesh.profile.compute, step.timeline().makespan
+
+
+@pytest.mark.multiprocess
+def test_a_plan_in_measured_mode_compiles_and_runs(cache):
+    from ddlc.zoo import MLP
+    (losses, compute, makespan), _ = ddlc.spawn(_train_measured, 2, timeout=120, deadline=300)
+    torch.manual_seed(0)
+    model = MLP(d_in=8, d_hidden=16, d_out=4, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    expected = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5)
+    assert compute == "measured" and makespan > 0 and math.isfinite(makespan)
+    assert any(cache.glob("measured-cpu-gloo-*.json"))
+
+
+def test_peers_of_rank0_read_its_file_instead_of_measuring(cache, monkeypatch):
+    """In a process group only rank 0 measures; a peer takes the scaled roofline until rank
+    0's file has the entry. Saving keeps an entry already in the file."""
+    path = cache / "t.json"
+    args = (meta(16, 16), meta(16, 16))
+    peer = measured.MeasuredTable(path)
+    monkeypatch.setattr(measured, "_measures_here", lambda: False)
+    assert peer.seconds(aten.mm.default, args, {}, 3e-6) == 3e-6 and peer.measured == 0
+    monkeypatch.setattr(measured, "_measures_here", lambda: True)
+    rank0 = measured.MeasuredTable(path)
+    t = rank0.seconds(aten.mm.default, args, {}, 3e-6)
+    rank0.save()
+    monkeypatch.setattr(measured, "_measures_here", lambda: False)
+    peer._loaded_at = -math.inf   # as if a second had passed since it last read the file
+    assert peer.seconds(aten.mm.default, args, {}, 3e-6) == t and peer.measured == 0
+    other = measured.MeasuredTable(cache / "elsewhere.json")
+    other.entries[measured.op_key(aten.mm.default, args, {})] = (str(aten.mm.default), 1.0, 3e-6)
+    other.path, other._dirty = path, True
+    other.save()
+    assert measured.MeasuredTable(path).seconds(aten.mm.default, args, {}, 3e-6) == t
