@@ -204,7 +204,13 @@ def _compile_with_inductor(gm: fx.GraphModule, device: torch.device):
                             "deadlock or reduce mismatched tensors: "
                             + "; ".join(f"rank {r}: {p}" for r, p in enumerate(everyone) if p)
                             + "; use backend='eager'")
-    return program
+    strides = [e.stride() for e in examples]
+
+    def run(*flat):
+        # Inductor's program asserts the strides it was compiled for; a new parameter or
+        # state tensor it returned with other strides is made contiguous on its way back in
+        return program(*(x if x.stride() == s else x.contiguous() for x, s in zip(flat, strides)))
+    return run
 
 
 def _difference(old: tuple, new: tuple) -> str:
