@@ -55,6 +55,7 @@ or within 5 % of it. ``--json OUT`` keeps the rows (``bench/plots.py`` draws the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -341,6 +342,7 @@ def prewarm(configs, world, common) -> float:
                 try:
                     gm = pipeline.trace_step(model, batch, loss_fn, make_optimizer(model), opts)
                     mesh = Mesh(shape, profile=opts.profile or "cpu-gloo")
+                    mesh = mesh.with_(profile=dataclasses.replace(mesh.profile, compute=opts.compute))
                     fixed = pipeline.resolve_placements(gm, opts.placements, mesh.ndim)
                     pipeline.plan(gm, mesh, opts, fixed)
                     pipeline.lower(gm, mesh, (0,) * mesh.ndim, axis_group_names(mesh), opts)
@@ -349,7 +351,7 @@ def prewarm(configs, world, common) -> float:
                     print(f"  prewarm {name} {plan}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
         flush_all()
         if common.get("compute") == "measured":
-            table = table_for(opts.profile)
+            table = table_for(mesh.profile)
             print(f"measured cache {table.path}: {len(table.entries)} operator calls, "
                   f"{table.measured} measured now in {table.spent:.1f} s", flush=True)
     finally:
