@@ -436,10 +436,14 @@ def test_searched_updates_match_single_device():
     assert_matches_reference({"losses": losses, "params": params, "opt_state": opt_state}, want)
 
 
-def _gloo_steps(rank, scheduled):
+def _gloo_steps(rank):
     """Worker: the decoupled data-parallel tied GPT (as :func:`_decoupled`, on a 3e8 B/s link)
-    compiled and trained on real gloo groups, its final order searched per update group
-    (``scheduled``) or not scheduled at all; rank 0 returns what the parent compares."""
+    compiled and trained on real gloo groups, its final order searched per update group and
+    not scheduled at all; rank 0 returns what the parent compares, by ``scheduled``."""
+    return {scheduled: _gloo_run(rank, scheduled) for scheduled in (True, False)}
+
+
+def _gloo_run(rank, scheduled):
     from ddlc.runtime import compile
     (model, loss_fn), data = model_and_loss("gpt_tied"), batches("gpt", 8)
     mesh = ddlc.Mesh((4,), profile=NATIVE_RS, links=[ddlc.LinkModel(1e-7, 3e8)])
@@ -457,8 +461,8 @@ def _gloo_steps(rank, scheduled):
 @pytest.mark.timeout(400)
 def test_searched_updates_equal_the_unscheduled_program_on_gloo():
     from ddlc.launch import spawn
-    scheduled = spawn(_gloo_steps, 4, True, timeout=120, deadline=300)[0]
-    plain = spawn(_gloo_steps, 4, False, timeout=120, deadline=300)[0]
+    runs = spawn(_gloo_steps, 4, timeout=120, deadline=300)[0]
+    scheduled, plain = runs[True], runs[False]
     assert scheduled.pop("updates") == "mixed" and scheduled.pop("inside")
     plain.pop("updates"), plain.pop("inside")
     assert_matches_reference(scheduled, plain)
