@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import inspect
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -57,6 +56,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ddlc  # noqa: E402
+from ddlc.inductor import has_compiler  # noqa: E402
 from ddlc.ir import collective_sequence  # noqa: E402
 from ddlc.zoo import GPT, MLP, lm_loss  # noqa: E402
 
@@ -363,7 +363,7 @@ def main(argv=None) -> int:
     configs = {m: table[m] for m in args.models.split(",")}
     if args.no_inductor:
         UNAVAILABLE["ddlc-inductor"] = "skipped (--no-inductor)"
-    elif shutil.which("g++") is None and shutil.which("c++") is None:
+    elif not has_compiler():
         UNAVAILABLE["ddlc-inductor"] = "no C++ compiler on PATH (Inductor's CPU kernels need one)"
     world = args.world_size
     for name, (_, gb) in configs.items():

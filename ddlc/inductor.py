@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from . import comm
-from .errors import UnsupportedInputError
+from .errors import LoweringError, UnsupportedInputError
 from .ir import is_collective
 
 __all__ = ["compile_program", "planned_collectives", "compiled_collectives", "check_order"]
@@ -37,20 +37,29 @@ _IN_PLACE = {"all_reduce_": "all_reduce"}
 
 def compile_program(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> tuple[Callable, list]:
     """``(the compiled program, the collectives its wrapper calls, in order)``."""
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        raise UnsupportedInputError("backend='inductor' needs a C++ compiler (Inductor's CPU "
-                                    "kernels are C++); none was found on PATH")
     if any(n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Generator)
            for n in gm.graph.nodes):
         raise UnsupportedInputError("backend='inductor' does not run programs that draw random "
                                     "numbers (dropout, random init) yet: use backend='eager'")
+    if not has_compiler():
+        raise UnsupportedInputError("backend='inductor' needs a C++ compiler (Inductor's CPU "
+                                    "kernels are C++); none was found on PATH")
     from torch._inductor.codecache import PyCodeCache
     from torch._inductor.compile_fx import compile_fx
     loaded = len(PyCodeCache.modules)
-    program = compile_fx(gm, list(example_inputs),
-                         config_patches={"reorder_for_compute_comm_overlap": False})
+    try:
+        program = compile_fx(gm, list(example_inputs),
+                             config_patches={"reorder_for_compute_comm_overlap": False})
+    except Exception as e:  # noqa: BLE001 - Inductor's own failure, named for the user
+        raise LoweringError(f"Inductor could not compile this rank's program ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}); use backend='eager'") from e
     sources = [open(module.__file__).read() for module in PyCodeCache.modules[loaded:]]
     return program, [call for source in sources for call in compiled_collectives(source)]
+
+
+def has_compiler() -> bool:
+    """Whether a C++ compiler for Inductor's CPU kernels is on PATH."""
+    return shutil.which("c++") is not None or shutil.which("g++") is not None
 
 
 def compiled_collectives(source: str) -> list[tuple[str, str]]:

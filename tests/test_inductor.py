@@ -2,7 +2,6 @@
 the single-device numbers, and its collectives are checked to be the planned ones."""
 from __future__ import annotations
 
-import shutil
 import warnings
 
 import pytest
@@ -65,10 +64,13 @@ def _train(rank, backend):
         inductor.planned_collectives(step.gm), step.program is step.gm
 
 
+NEEDS_COMPILER = pytest.mark.skipif(not inductor.has_compiler(),
+                                    reason="Inductor's CPU kernels need a C++ compiler")
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="Inductor's CPU kernels need a C++ compiler")
+@NEEDS_COMPILER
 def test_inductor_programs_match_single_device():
     torch.manual_seed(0)
     model = MLP(d_in=16, d_hidden=32, d_out=4, depth=2)
@@ -87,3 +89,16 @@ def test_inductor_programs_match_single_device():
         assert losses == pytest.approx(want, rel=1e-5, abs=1e-6)
         for key, value in model.state_dict().items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+
+
+@NEEDS_COMPILER
+def test_an_inductor_failure_is_a_lowering_error(monkeypatch):
+    import torch._inductor.compile_fx as compile_fx_module
+    from ddlc.errors import LoweringError
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this\nlong trace")
+    monkeypatch.setattr(compile_fx_module, "compile_fx", broken)
+    gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(LoweringError, match="Inductor could not compile.*no kernel for this"):
+        inductor.compile_program(gm, [torch.zeros(1, 2)])
