@@ -24,7 +24,7 @@ key               holds                  written by               read by
 ``STEP``          :class:`StepSignature` trace (on the graph)     every pass, runtime
 ``BUCKET_CAP``    ``float`` (bytes)      fuse (on the graph)      pipeline (leader choices)
 ``PIECE_BYTES``   ``float`` (bytes)      partition (on the graph) pipeline (leader choices)
-``UPDATES``       ``str`` ("end"/"early") schedule (on the graph) tests, bench
+``UPDATES``       ``str`` (schedule's)   schedule (on the graph) tests, bench
 ================  =====================  =======================  =============================
 """
 from __future__ import annotations
@@ -299,6 +299,7 @@ GLOBAL_VAL: MetaKey[Any] = MetaKey("ddlc_global_val", object)
 STEP: MetaKey[StepSignature] = MetaKey("ddlc_step", StepSignature)
 BUCKET_CAP: MetaKey[float] = MetaKey("ddlc_bucket_cap", (int, float))
 PIECE_BYTES: MetaKey[float] = MetaKey("ddlc_piece_bytes", (int, float))
+#: where the schedule put the optimizer updates: "end", "early" (inside backward) or "mixed" (per group)
 UPDATES: MetaKey[str] = MetaKey("ddlc_updates", str)
 
 
