@@ -136,8 +136,9 @@ def _buckets(candidates: list[fx.Node], pos: dict[fx.Node, int], cap: float,
     return sorted(fused, key=lambda b: pos[b[0]])
 
 
-#: The local steps the collectives pass puts right before a collective (dim moves, padding).
-_PREPARATIONS = (comm.moved, comm.padded)
+#: The local steps the collectives pass puts right before a collective (dim moves, padding,
+#: the slice of a placement that moves from B to S on another axis).
+_PREPARATIONS = (comm.moved, comm.padded, comm.local_chunk)
 
 
 def _hoist_feeders(graph: fx.Graph) -> None:

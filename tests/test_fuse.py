@@ -212,19 +212,47 @@ def test_buckets_span_collectives_of_other_kinds():
     assert [[n.args[0].name for n in b] for b in _members(gm, math.inf)] == [["x1", "x2"]]
 
 
-def test_dim_moves_go_up_to_their_input():
-    """The copy that moves a collective's dim to 0 is inserted right before the collective;
-    fusion first moves it up to just after its input, where the input really exists."""
+@pytest.mark.parametrize("prepare, args", [("moved", (1, 0)), ("local_chunk", (0, 2, 1))])
+def test_preparations_go_up_to_their_input(prepare, args):
+    """The copy that moves a collective's dim to 0, and the slice that splits a tensor on
+    another mesh axis before it is reduced on this one ((P, B) -> (P, S0) -> (B, S0)), are
+    inserted right before the collective; fusion first moves them up to just after their
+    input, where the input really exists."""
     from ddlc import comm
     from passes.fuse import _hoist_feeders
     graph = fx.Graph()
     x = graph.placeholder("x")
     later = graph.call_function(torch.ops.aten.neg.default, (x,))
-    moved = graph.call_function(comm.moved, (x, 1, 0))
-    issued = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (moved, "sum", "g"))
+    prepared = graph.call_function(getattr(comm, prepare), (x, *args))
+    issued = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (prepared, "sum", "g"))
     graph.output((graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (issued,)), later))
     _hoist_feeders(graph)
-    assert list(graph.nodes)[:3] == [x, moved, later]
+    assert list(graph.nodes)[:3] == [x, prepared, later]
+
+
+def test_sliced_gradients_share_a_bucket():
+    """Two gradients, each sliced on another axis right before its all-reduce, which sits
+    right before its reader (the optimizer, after every gradient exists): once the slices
+    go up, the second gradient exists before the first is read, so they share a bucket
+    (left in place, each collective's input would come after the other's reader)."""
+    from ddlc import comm
+    from passes.fuse import _hoist_feeders, _members
+    c10d = torch.ops._c10d_functional
+    graph = fx.Graph()
+    grads = [graph.placeholder(f"g{i}") for i in range(2)]
+    for g in grads:
+        g.meta["val"] = torch.zeros(8)
+    for g in grads:
+        chunk = graph.call_function(comm.local_chunk, (g, 0, 2, 0))
+        chunk.meta["val"] = torch.zeros(4)
+        issued = graph.call_function(c10d.all_reduce.default, (chunk, "sum", "g"))
+        wait = graph.call_function(c10d.wait_tensor.default, (issued,))
+        graph.call_function(torch.ops.aten.neg.default, (wait,))
+    graph.output(None)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert _members(gm, math.inf) == []
+    _hoist_feeders(gm.graph)
+    assert [len(b) for b in _members(gm, math.inf)] == [2]
 
 
 def _program(gm):
