@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FAST_GLOO_DICT
 from ddlc.calibrate import fit_errors, format_fit
 from ddlc.cli import parse_bytes
 from ddlc.errors import FactoryError, OptionError
@@ -38,13 +39,15 @@ def broken():
 def _commands(tmp: Path) -> dict[str, tuple[list[str], str]]:
     """name -> (arguments of ``python -m ddlc``, PYTHONHASHSEED)."""
     (tmp / "raising.py").write_text(RAISING)
+    (tmp / "fast.json").write_text(json.dumps(FAST_GLOO_DICT))  # a link the MLP's dp pays on
     full = ["plan", f"{FACTORIES}:mlp_deep", "--mesh", "2x2", "--graph", "--json", str(tmp / "plan.json"),
             "--svg", str(tmp / "plan.svg"), "--html", str(tmp / "plan.html")]
     return {
         "plan": (full, "1"),
         "plan_other_seed": ([*full[:-6], "--json", str(tmp / "plan2.json")], "12345"),
         "search": (["plan", f"{FACTORIES}:mlp", "--mesh", "4"], "0"),
-        "schedule": (["schedule", f"{FACTORIES}:mlp", "--mesh", "2", "--trace", str(tmp / "trace.json")], "0"),
+        "schedule": (["schedule", f"{FACTORIES}:mlp", "--mesh", "2", "--trace", str(tmp / "trace.json"),
+                      "--profile", str(tmp / "fast.json")], "0"),
         "missing_file": (["plan", "no/such/file.py:gpt", "--mesh", "2x2"], "0"),
         "factory_raises": (["plan", f"{tmp / 'raising.py'}:broken", "--mesh", "2"], "0"),
         "factory_raises_verbose": (["plan", f"{tmp / 'raising.py'}:broken", "--mesh", "2", "-v"], "0"),

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 import ddlc
-from conftest import DP_BATCH, assert_matches_reference, data_parallel_mlp, reference, replicate_updates
+from conftest import DP_BATCH, FAST_GLOO, assert_matches_reference, data_parallel_mlp, reference, replicate_updates
 from ddlc.ir import COLLECTIVE, SHARDING, collective_sequence
 from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
 from passes.decouple import decouple
@@ -62,7 +62,7 @@ def test_pinned_parameters_keep_their_placement():
 
 @pytest.mark.parametrize("profile, decoupled", [
     ("dgx-h100-ib", ["layers.0.bias", "layers.0.weight", "layers.1.bias", "layers.1.weight"]),
-    ("cpu-gloo", ["layers.0.weight", "layers.1.weight"])])
+    (FAST_GLOO, ["layers.0.weight", "layers.1.weight"])], ids=["dgx-h100-ib", "gloo"])
 def test_decoupling_only_where_the_backend_makes_it_pay(profile, decoupled):
     """NCCL's ring reduce-scatter + all-gather costs what the all-reduce does, so the
     sharded update is a pure gain; gloo runs the reduce-scatter as a whole all-reduce, so

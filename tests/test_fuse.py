@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import fx
 
 import ddlc
-from conftest import DP_BATCH, assert_matches_reference, data_parallel_mlp, reference, replicate_updates
+from conftest import DP_BATCH, FAST_GLOO, assert_matches_reference, data_parallel_mlp, reference, replicate_updates
 from cost_models.collectives import collective_time
 from cost_models.program import program_timeline
 from ddlc.ir import COLLECTIVE, SHARDING, NdSignature, collective_sequence
@@ -435,7 +435,7 @@ def test_a_chosen_split_keeps_the_program_scheduling_again_gives():
     """Where partition_search chooses to split (the FSDP MLP on a fast link), the order
     kept from its trial is the order scheduling the split program again gives."""
     gm = _fsdp_mlp()
-    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-6, 1e8)])
+    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-6, 1e8)], profile=FAST_GLOO)
     local = lower_rank(gm, mesh, (0,), axis_group_names(mesh), fuse=False, partition=False, schedule=False)
     searched, again, timed = _searched_and_scheduled_again(local, mesh)
     assert timed.option < math.inf and _pieces(searched)

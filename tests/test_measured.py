@@ -94,9 +94,10 @@ def test_unseen_shapes_fall_back_to_the_roofline_scaled_by_the_ops_measured_rati
     for n, r, factor in ((1024, r1, 3.0), (4096, r2, 5.0)):
         key = measured.op_key(add, (meta(n), meta(n)), {})
         table.entries[key] = (str(add), factor * r, r)
-    r3 = op_time(add, (meta(2**16), meta(2**16)), {}, meta(2**16), profile)
-    assert r3 == pytest.approx(3 * 2**18 / profile.memory_bandwidth)   # 3 tensors of 256 KiB
-    assert table.seconds(add, (meta(2**16), meta(2**16)), {}, r3) == pytest.approx(4.0 * r3)
+    r3 = op_time(add, (meta(2**18), meta(2**18)), {}, meta(2**18), profile)
+    assert 3 * 2**20 > profile.cache_bytes
+    assert r3 == pytest.approx(3 * 2**20 / profile.memory_bandwidth)   # 3 tensors of 1 MiB
+    assert table.seconds(add, (meta(2**18), meta(2**18)), {}, r3) == pytest.approx(4.0 * r3)
     assert table.ratio(str(aten.mul.Tensor)) == 1.0
     assert table.seconds(aten.mul.Tensor, (meta(8), meta(8)), {}, 2e-6) == 2e-6
     assert table.measured == 0

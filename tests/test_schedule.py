@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ddlc
-from conftest import assert_matches_reference, batches, model_and_loss, optimizer, replicate_updates, train
+from conftest import FAST_GLOO, assert_matches_reference, batches, model_and_loss, optimizer, replicate_updates, train
 from cost_models.program import live_bytes
 from ddlc.errors import LoweringError
 from ddlc.ir import COLLECTIVE, collective_sequence, is_collective as is_issue, is_wait
@@ -145,7 +145,7 @@ def prefetching():
     model, data = _wide_mlp(2)
     gm = canonicalize(ddlc.trace(model, data[0], F.mse_loss, optimizer("adamw", model)))
     names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
-    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-7, 1e10)])
+    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-7, 1e10)], profile=FAST_GLOO)
     pins = dict.fromkeys(["input0", "input1"], "(S0)") | {k: "(B)" for k, _ in model.named_parameters()}
     shard(gm, mesh, fixed={names[k]: ddlc.sbp.parse_sbp(v) for k, v in pins.items()})
     replicate_updates(gm, mesh)
