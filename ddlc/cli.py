@@ -33,6 +33,8 @@ from .errors import DDLCError, OptionError
 
 TRACE_ITERATIONS = 2
 SEARCH_SHOWN = 5
+#: Mesh shapes of least planner objective that a device-count search lowers and times.
+SEARCH_LOWERED = 3
 log = logging.getLogger("ddlc.cli")
 
 
@@ -145,7 +147,7 @@ class Compiled:
     mesh: object
     signature: object
     budget: float
-    searched: list         # [(shape, objective or None, note)] when the mesh was searched
+    searched: list         # [(shape, objective or None, modeled step or None, note)] when searched
 
 
 def _mesh_request(text: str | None):
@@ -180,7 +182,6 @@ def _compile_rank0(args) -> Compiled:
     from .ir import STEP
     from .mesh import Mesh, load_profile
     from .options import CompileOptions
-    from .simulate import axis_group_names
     profile = replace(load_profile(args.profile or "cpu-gloo"), compute=args.compute)
     options = CompileOptions.from_kwargs(solver=args.solver, memory_budget=budget, profile=profile,
                                          compute=args.compute)
@@ -188,38 +189,62 @@ def _compile_rank0(args) -> Compiled:
     model, inputs, loss_fn = call_factory(args.factory)
     log.info("factory      %8.1f ms  %s", (time.perf_counter() - start) * 1e3, args.factory)
     gm = pipeline.trace_step(model, inputs, loss_fn, _optimizer(args.optimizer, model), options)
-    searched = []
     if devices is not None:
-        shape, searched = _search_meshes(gm, devices, profile, options)
+        (mesh, plan, program), searched = _search_meshes(gm, devices, profile, options)
+        return Compiled(plan, program, mesh, STEP(program), budget or profile.memory_capacity, searched)
     mesh = Mesh(shape, profile=profile)
+    plan, program = _plan_and_lower(gm, mesh, options)
+    return Compiled(plan, program, mesh, STEP(program), budget or profile.memory_capacity, [])
+
+
+def _plan_and_lower(gm, mesh, options):
+    """Plan ``gm`` (in place) on ``mesh`` and lower mesh coordinate 0's program."""
+    from . import pipeline
+    from .simulate import axis_group_names
     plan = pipeline.plan(gm, mesh, options, {})
-    signature = STEP(gm)
     pipeline.lower(gm, mesh, (0,) * mesh.ndim, axis_group_names(mesh), options)
-    return Compiled(plan, gm, mesh, signature, budget or profile.memory_capacity, searched)
+    return plan, gm
 
 
 def _search_meshes(gm, devices: int, profile, options):
     """Plan ``gm`` on every mesh shape of ``devices`` devices (without decoupling, which
-    does not change the planner's objective) and return the best shape and, per shape,
-    (shape, objective or None, note). A progress bar on a terminal."""
+    does not change the planner's objective); then plan and lower rank 0's program on the
+    :data:`SEARCH_LOWERED` shapes of least objective and choose the one whose program has
+    the least modeled step (its timeline counts what the objective leaves out: the
+    start-ups of buckets, overlap, decoupling). Returns (mesh, plan, program) of the choice
+    and, per shape, (shape, objective or None, modeled step or None, note). A progress bar
+    on a terminal."""
+    import copy
+
     from tqdm import tqdm
+
+    from cost_models.program import program_makespan
     from . import pipeline
     from .errors import ShardingError
     from .mesh import Mesh
     shapes = pipeline.mesh_shapes(devices)
-    results = []
+    objectives = {}
+    notes = {}
     for shape in tqdm(shapes, desc="mesh shapes", file=sys.stderr, disable=not sys.stderr.isatty()):
         try:
-            plan = pipeline.plan(gm, Mesh(shape, profile=profile), replace(options, decouple=False), {})
-            results.append((shape, plan.objective, ""))
+            plan = pipeline.plan(copy.deepcopy(gm), Mesh(shape, profile=profile),
+                                 replace(options, decouple=False), {})
+            objectives[shape] = plan.objective
         except ShardingError as e:
-            results.append((shape, None, _one_line(e)))
-    feasible = [r for r in results if r[1] is not None]
-    if not feasible:
+            notes[shape] = _one_line(e)
+    if not objectives:
         raise ShardingError(f"no mesh shape of {devices} devices admits a plan: "
-                            + "; ".join(f"{'x'.join(map(str, s))}: {note}" for s, _, note in results))
-    best = min(feasible, key=lambda r: r[1])  # min keeps the first of equal objectives
-    return best[0], results
+                            + "; ".join(f"{'x'.join(map(str, s))}: {note}" for s, note in notes.items()))
+    ranked = sorted(objectives, key=lambda s: (objectives[s], shapes.index(s)))
+    lowered = {}
+    for shape in ranked[:SEARCH_LOWERED]:
+        mesh = Mesh(shape, profile=profile)
+        plan, program = _plan_and_lower(copy.deepcopy(gm), mesh, options)
+        lowered[shape] = (program_makespan(program, mesh.profile), (mesh, plan, program))
+    best = min(lowered, key=lambda s: (lowered[s][0], ranked.index(s)))
+    rows = [(s, objectives.get(s), lowered[s][0] if s in lowered else None, notes.get(s, ""))
+            for s in shapes]
+    return lowered[best][1], rows
 
 
 # -- plan -----------------------------------------------------------------------------------
@@ -248,10 +273,19 @@ def _plan(args) -> int:
 
 
 def _format_search(results) -> str:
-    ranked = sorted((r for r in results if r[1] is not None), key=lambda r: r[1])
-    lines = [f"mesh shapes of {math.prod(results[0][0])} devices, best {min(SEARCH_SHOWN, len(ranked))} of {len(results)} by planner objective"]
-    lines += [f"  {'x'.join(map(str, s)):>8}  {obj * 1e3:10.3f} ms" for s, obj, _ in ranked[:SEARCH_SHOWN]]
-    lines += [f"  {'x'.join(map(str, s)):>8}  no plan: {note}" for s, obj, note in results if obj is None]
+    """The searched shapes: the lowered ones by modeled step, then the rest by planner
+    objective, then those with no plan."""
+    ranked = sorted((r for r in results if r[1] is not None),
+                    key=lambda r: (r[2] is None, r[2] if r[2] is not None else r[1]))
+    lines = [f"mesh shapes of {math.prod(results[0][0])} devices, best {min(SEARCH_SHOWN, len(ranked))} "
+             f"of {len(results)}, by the modeled step of the {min(SEARCH_LOWERED, len(ranked))} of "
+             "least planner objective (lowered)",
+             f"  {'mesh':>8}  {'modeled step':>12}  {'planner objective':>17}"]
+    for s, objective, step, _ in ranked[:SEARCH_SHOWN]:
+        modeled = f"{step * 1e3:9.3f} ms" if step is not None else f"{'-':>12}"
+        lines.append(f"  {'x'.join(map(str, s)):>8}  {modeled}  {objective * 1e3:14.3f} ms")
+    lines += [f"  {'x'.join(map(str, s)):>8}  no plan: {note}" for s, objective, _, note in results
+              if objective is None]
     return "\n".join(lines)
 
 

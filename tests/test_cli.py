@@ -131,9 +131,15 @@ def test_mesh_search_lists_the_shapes(runs):
     out = _result(runs, "search")
     assert out.returncode == 0, out.stderr
     head = out.stdout.split("\n\n")[0]
-    assert head.startswith("mesh shapes of 4 devices, best 2 of 2")
+    assert head.startswith("mesh shapes of 4 devices, best 2 of 2, by the modeled step")
     assert " 4 " in head and "2x2" in head
-    assert "plan on mesh" in out.stdout
+    rows = [line.split() for line in head.splitlines()[2:]]  # mesh, modeled step, ms, objective, ms
+    steps = [float(r[1]) for r in rows]
+    assert steps == sorted(steps)  # both shapes lowered, the least modeled step first
+    chosen = out.stdout.split("plan on mesh ")[1].split("(")[0]
+    assert chosen == rows[0][0]
+    modeled = float(re.search(r"modeled step ([\d.]+) ms", out.stdout).group(1))
+    assert modeled == pytest.approx(steps[0], abs=1e-3)  # the report is of the chosen program
 
 
 @pytest.mark.timeout(TIMEOUT)
