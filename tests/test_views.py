@@ -156,3 +156,41 @@ def test_gpt_on_simulated_ranks_gives_the_same_numbers_and_collectives(monkeypat
         assert collective_sequence(a) == collective_sequence(b)
         left = sum(str(t).endswith("_copy.default") or "_copy." in str(t) for t in targets(b))
         assert left < sum("_copy." in str(t) for t in targets(a)) / 4
+
+
+def test_the_update_reads_each_gradient_in_its_parameters_layout():
+    """A Linear weight's gradient comes out of backward as a transposed view; the AdamW
+    update reads it through one contiguous clone (as autograd's AccumulateGrad lays it
+    out), and no operator of the update reads a strided tensor. The step's numbers are
+    unchanged."""
+    from ddlc.ir import ORIGIN
+    from ddlc.zoo import MLP
+    from passes.canonicalize import canonicalize
+    from passes.sharding import shard
+    torch.manual_seed(0)
+    model = MLP(16, 32, 8)
+    batch = (torch.randn(8, 16), torch.randn(8, 8))
+    mesh = ddlc.Mesh((1,))
+    gm = canonicalize(ddlc.trace(model, batch, torch.nn.functional.mse_loss,
+                                 torch.optim.AdamW(model.parameters())))
+    shard(gm, mesh)
+    (program,) = lower_ranks(gm, mesh)
+    seen = {}
+
+    class Layouts(fx.Interpreter):
+        def run_node(self, node):
+            out = super().run_node(node)
+            origin = ORIGIN.get(node)
+            if node.op == "call_function" and origin is not None and origin.phase == "optimizer" \
+                    and not getattr(node.target, "is_view", False):
+                for a in node.all_input_nodes:
+                    if isinstance(self.env[a], torch.Tensor):
+                        seen[(node.name, a.name)] = self.env[a].is_contiguous()
+            return out
+
+    inputs = [torch.rand(tuple(i.meta["val"].shape)) + 0.1 for i in program.graph.find_nodes(op="placeholder")]
+    Layouts(program).run(*inputs)
+    assert seen and all(seen.values()), [k for k, ok in seen.items() if not ok]
+    clones = [n for n in program.graph.nodes if n.target is aten.clone.default
+              and getattr(ORIGIN.get(n.args[0]), "phase", None) == "backward"]
+    assert clones  # the transposed weight gradients, made contiguous once each
