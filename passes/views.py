@@ -145,6 +145,8 @@ class _Walk:
                     clone = self.graph.call_function(_aten.clone.default, (arg,),
                                                      {"memory_format": torch.contiguous_format})
                 clone.meta = {k: arg.meta[k] for k in _COPIED_META if k in arg.meta}
+                if _in_update(reader):  # it runs with the update, wherever that is scheduled
+                    ORIGIN.set(clone, ORIGIN(reader))
                 if "val" in clone.meta and not clone.meta["val"].is_contiguous():
                     self.layout[clone] = torch.empty(value.shape, dtype=value.dtype, device="meta")
                 self.contiguous[arg] = clone
@@ -174,9 +176,13 @@ def _needs_contiguous(node: fx.Node) -> bool:
     # the update reads each gradient in its parameter's (contiguous) layout, as autograd's
     # AccumulateGrad makes it: a transposed weight gradient read by the ten or so
     # elementwise operators of an AdamW update costs each of them 15x (1M floats on CPU)
-    origin = ORIGIN.get(node)
-    return origin is not None and origin.phase == "optimizer" and not target.is_view
+    return _in_update(node) and not target.is_view
 
+
+def _in_update(node: fx.Node) -> bool:
+    """Whether ``node`` is an operator of the optimizer update."""
+    origin = ORIGIN.get(node)
+    return origin is not None and origin.phase == "optimizer"
 
 def _meta(value):
     """Meta tensors with ``value``'s shapes, dtypes and strides."""

@@ -161,8 +161,7 @@ def test_gpt_on_simulated_ranks_gives_the_same_numbers_and_collectives(monkeypat
 def test_the_update_reads_each_gradient_in_its_parameters_layout():
     """A Linear weight's gradient comes out of backward as a transposed view; the AdamW
     update reads it through one contiguous clone (as autograd's AccumulateGrad lays it
-    out), and no operator of the update reads a strided tensor. The step's numbers are
-    unchanged."""
+    out), and no other operator of the update reads a strided tensor."""
     from ddlc.ir import ORIGIN
     from ddlc.zoo import MLP
     from passes.canonicalize import canonicalize
@@ -182,7 +181,7 @@ def test_the_update_reads_each_gradient_in_its_parameters_layout():
             out = super().run_node(node)
             origin = ORIGIN.get(node)
             if node.op == "call_function" and origin is not None and origin.phase == "optimizer" \
-                    and not getattr(node.target, "is_view", False):
+                    and not getattr(node.target, "is_view", False) and node.target is not aten.clone.default:
                 for a in node.all_input_nodes:
                     if isinstance(self.env[a], torch.Tensor):
                         seen[(node.name, a.name)] = self.env[a].is_contiguous()
@@ -193,4 +192,5 @@ def test_the_update_reads_each_gradient_in_its_parameters_layout():
     assert seen and all(seen.values()), [k for k, ok in seen.items() if not ok]
     clones = [n for n in program.graph.nodes if n.target is aten.clone.default
               and getattr(ORIGIN.get(n.args[0]), "phase", None) == "backward"]
-    assert clones  # the transposed weight gradients, made contiguous once each
+    assert clones  # the transposed weight gradients, made contiguous once each, with the update
+    assert all(ORIGIN(c).phase == "optimizer" for c in clones)
