@@ -9,7 +9,11 @@ the *other* axes at that moment (the largest piece, as
 
 Executability (what lowering relies on; DTensor's nesting, axis 0 outermost):
 a step on axis ``k`` whose old or new SBP splits tensor dim ``d`` is only
-allowed while no axis ``j > k`` splits ``d``.
+allowed while no axis ``j > k`` splits ``d``. Uneven pieces (``torch.chunk`` of a
+dim the axis does not divide): an all-gather or reduce-scatter runs on pieces
+zero-padded to the largest and is priced at the padded bytes, only where the other
+axes cut the dim evenly (:func:`ddlc.sbp.padded_shape`); an all-to-all exchanges
+equal pieces only.
 
 The plan is a shortest path in the graph whose nodes are all n-D SBPs of the
 tensor and whose edges are the allowed steps. This covers every order of the
@@ -39,7 +43,7 @@ from scipy.sparse.csgraph import dijkstra
 
 from ddlc.errors import SBPError
 from ddlc.mesh import Mesh
-from ddlc.sbp import B, P, S, SBP, NdSBP, local_shape
+from ddlc.sbp import B, P, S, SBP, NdSBP, divides, local_shape, padded_shape
 
 from .collectives import COLLECTIVES, cheapest_algorithm, collective_expr, collective_time
 
@@ -122,6 +126,15 @@ def _step(shape: tuple[int, ...], itemsize: int, mesh: Mesh, before: NdSBP, axis
     dims = {x.dim for x in (old, new) if x.is_split}
     if any(x.is_split and x.dim in dims for x in before.per_axis[axis + 1:]):
         return None
+    after = before.replace(axis, new)
+    if kind == "all_to_all" and not (divides(shape, before, mesh.shape) and divides(shape, after, mesh.shape)):
+        return None  # ddlc.comm.all_to_all_dims exchanges equal pieces only
+    if kind in ("all_gather", "reduce_scatter"):
+        split = before if kind == "all_gather" else after
+        try:  # an uneven piece runs as a padded collective
+            shape = padded_shape(shape, split, axis, mesh.shape)
+        except SBPError:  # other axes cut the dim unevenly: no padding evens it
+            return None
     nbytes = itemsize * math.prod(local_shape(shape, before.replace(axis, B), mesh.shape))
     algo, seconds, runs_as = None, 0.0, None
     if kind in COLLECTIVES:
@@ -132,7 +145,7 @@ def _step(shape: tuple[int, ...], itemsize: int, mesh: Mesh, before: NdSBP, axis
             algo, seconds = cheapest_algorithm(priced, nbytes, group, link)
         else:
             algo, seconds = algorithm, collective_time(priced, nbytes, group, link, algorithm)
-    return BoxingStep(axis, kind, old, new, before, before.replace(axis, new), nbytes, seconds, algo,
+    return BoxingStep(axis, kind, old, new, before, after, nbytes, seconds, algo,
                       runs_as)
 
 
@@ -171,7 +184,9 @@ def _plan(shape: tuple[int, ...], itemsize: int, src: NdSBP, dst: NdSBP, mesh: M
     if not allow_split_to_partial and any(a.is_split and b.is_partial for a, b in zip(src, dst)):
         return BoxingPlan((), math.inf, src, dst)
     g = _graph(shape, itemsize, mesh, algorithm)
-    route = _routes(shape, itemsize, src, mesh, algorithm)[dst]
+    route = _routes(shape, itemsize, src, mesh, algorithm).get(dst)
+    if route is None:  # only through steps lowering cannot run (uneven pieces)
+        return BoxingPlan((), math.inf, src, dst)
     steps = tuple(g.edges[u, v]["step"] for u, v in itertools.pairwise(route))
     return BoxingPlan(steps, math.fsum(s.seconds for s in steps), src, dst)
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from .errors import SBPError
 
 __all__ = ["SBP", "S", "B", "P", "NdSBP", "parse_sbp", "local_shape", "local_slices",
-           "chunk_bounds", "divides", "padded_shape", "from_placements"]
+           "chunk_bounds", "divides", "fills_every_piece", "cuts_unevenly", "plannable", "padded_shape", "from_placements"]
 
 
 @dataclass(frozen=True, order=True)
@@ -202,6 +202,38 @@ def divides(shape: Sequence[int], sbp: NdSBP, mesh_shape: Sequence[int]) -> bool
             if sizes[x.dim] % mesh_shape[axis]:
                 return False
             sizes[x.dim] //= mesh_shape[axis]
+    return True
+
+
+def fills_every_piece(n: int, parts: int) -> bool:
+    """Whether ``torch.chunk`` cuts ``n`` into ``parts`` pieces none of which is empty
+    (``n = 10`` into 4: 3, 3, 3, 1; ``n = 6`` into 4: 2, 2, 2 and an empty fourth)."""
+    return n % parts == 0 or -(-n // parts) * (parts - 1) < n
+
+
+def cuts_unevenly(shape: Sequence[int], sbp: NdSBP, mesh_shape: Sequence[int]) -> set[int]:
+    """The dims that some mesh axis of ``sbp`` cuts into unequal pieces."""
+    _check(shape, sbp, mesh_shape)
+    sizes, uneven = list(shape), set()
+    for axis, x in enumerate(sbp):
+        if x.is_split:
+            if sizes[x.dim] % mesh_shape[axis]:
+                uneven.add(x.dim)
+            sizes[x.dim] = -(-sizes[x.dim] // mesh_shape[axis])
+    return uneven
+
+
+def plannable(shape: Sequence[int], sbp: NdSBP, mesh_shape: Sequence[int]) -> bool:
+    """Whether the sharding search may place a ``shape`` tensor ``sbp``: every split
+    divides its dim (:func:`divides`), or a dim that does not divide is cut by one mesh
+    axis alone into non-empty ``torch.chunk`` pieces (an uneven split: lowering pads
+    its collectives to the largest piece, :func:`padded_shape`)."""
+    if divides(shape, sbp, mesh_shape):
+        return True
+    for d in cuts_unevenly(shape, sbp, mesh_shape):
+        axes = [axis for axis, x in enumerate(sbp) if x.is_split and x.dim == d]
+        if len(axes) > 1 or not fills_every_piece(shape[d], mesh_shape[axes[0]]):
+            return False
     return True
 
 

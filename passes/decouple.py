@@ -210,6 +210,28 @@ def _gradient_dim(chain: list[fx.Node], axis: int, shape) -> int | None | bool:
     return found
 
 
+def _shard_states_of_a_split_update(chain: list[fx.Node], states: list[fx.Node], param: fx.Node,
+                                    axis: int, shape) -> bool:
+    """Where the search already runs an update on a shard on ``axis`` while the parameter
+    and its state stay ``B`` there (the state would be sliced into the update and gathered
+    back every step), keep the same-shaped state on the update's shard instead; True if
+    any was moved. Only a state that the update alone reads, and reads on that shard."""
+    placed = _update_sbp(chain, shape)[axis]
+    if not placed.is_split or not _sbp(param)[axis].is_broadcast:
+        return False
+    inside, moved = set(chain), False
+    for state in states:
+        if tuple(state.meta["val"].shape) != shape or not _sbp(state)[axis].is_broadcast:
+            continue
+        reads = [x for user in state.users
+                 for x, a in zip(SHARDING(user).inputs if user in inside else [None], tensor_inputs(user))
+                 if a is state]
+        if reads and all(x is not None and x[axis] == placed for x in reads):
+            SHARDING.set(state, NdSignature((), (_sbp(state).replace(axis, placed),)))
+            moved = True
+    return moved
+
+
 def _gatherable(param: fx.Node, chain: list[fx.Node], axis: int, even: bool) -> bool:
     """Whether every reader of the parameter outside its update can take it from a shard
     (an all-gather); a reader wanting a partial sum (e.g. a bias added to a partial
@@ -264,6 +286,9 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
         shape = tuple(param.meta["val"].shape)
         chain, states = update_chain(gm, key)
         for axis in range(mesh.ndim):
+            if _shard_states_of_a_split_update(chain, states, param, axis, shape):
+                done.append(key)
+                continue
             arrives = _gradient_dim(chain, axis, shape)
             if mesh.shape[axis] == 1 or not _sbp(param)[axis].is_broadcast or arrives is False:
                 continue

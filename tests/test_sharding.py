@@ -232,8 +232,10 @@ def test_fixed_pins_inputs_and_rejects_bad_requests():
     assert _sbp(gm, "input0") == NdSBP((S(0),)) and _sbp(gm, "p_0_weight") == NdSBP((B,))
     with pytest.raises(ShardingError, match="not graph inputs"):
         shard(gm, mesh, fixed={"nonexistent": NdSBP((B,))})
-    with pytest.raises(ShardingError, match="does not divide"):
-        shard(gm, ddlc.Mesh((3,)), fixed={"input0": NdSBP((S(0),))})
+    shard(gm, ddlc.Mesh((3,)), fixed={"input0": NdSBP((S(0),))})  # 8 = 3 + 3 + 2: uneven, allowed
+    assert _sbp(gm, "input0") == NdSBP((S(0),))
+    with pytest.raises(ShardingError, match=r"cannot cut its shape \(8, 1024\).*non-empty pieces"):
+        shard(gm, ddlc.Mesh((6,)), fixed={"input0": NdSBP((S(0),))})  # 2, 2, 2, 2 and two empty
 
 
 def test_plan_is_identical_under_hash_seeds():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -35,7 +36,7 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 
 from ddlc.ir import NdSignature, Signature
-from ddlc.sbp import B, P, S, SBP, NdSBP
+from ddlc.sbp import B, P, S, SBP, NdSBP, fills_every_piece
 
 log = logging.getLogger("ddlc.rules")
 
@@ -355,15 +356,16 @@ def fallback_ops(gm: fx.GraphModule) -> list[str]:
 
 
 def signatures_nd(node: fx.Node, mesh_shape: Sequence[int], key: tuple | None = None) -> list[NdSignature]:
-    """One 1-D signature per mesh axis, every combination whose splits divide evenly.
-    ``key``: ``call_key(node)``, where the caller has it already."""
+    """One 1-D signature per mesh axis, every combination whose splits the tensors allow
+    (:func:`_fits`, :func:`_fits_nd`). ``key``: ``call_key(node)``, where the caller has it
+    already."""
     key = call_key(node) if key is None else key
     mesh_shape = tuple(int(p) for p in mesh_shape)
     cached = _ND_CACHE.get((key, mesh_shape))
     if cached is None:
         one_d = _signatures_1d(key, node)
         metas = _entry_shapes(node)
-        per_axis = [[s for s in one_d if _fits(s.inputs + s.outputs, metas, (p,))] for p in mesh_shape]
+        per_axis = [[s for s in one_d if _fits(s.inputs + s.outputs, metas, p)] for p in mesh_shape]
         cached = _remember(_ND_CACHE, (key, mesh_shape),
                            tuple(_nd(combo) for combo in itertools.product(*per_axis)
                                  if _fits_nd(combo, metas, mesh_shape)))
@@ -378,21 +380,33 @@ def _entry_shapes(node: fx.Node) -> list[Optional[tuple[int, ...]]]:
     return [tuple(_val(a).shape) for a in tensor_inputs(node)] + outs
 
 
-def _fits(entries: Sequence[Optional[SBP]], shapes, mesh_shape) -> bool:
-    return all(x is None or not x.is_split or shape[x.dim] % mesh_shape[0] == 0
-               for x, shape in zip(entries, shapes))
+def _fits(entries: Sequence[Optional[SBP]], shapes, parts: int) -> bool:
+    """Whether a 1-D signature can cut its tensors into ``parts``: each split divides its
+    dim, or, an uneven split, every split entry cuts a dim of one same size into
+    non-empty pieces. The signature's splits all come from one label (the module
+    docstring), so equal sizes mean the same ``torch.chunk`` bounds in every tensor: the
+    op on the local pieces computes the output's piece, as with even splits. Dims of
+    different sizes that split together evenly (a view merging the split dim with
+    another) are never cut unevenly."""
+    sizes = {shape[x.dim] for x, shape in zip(entries, shapes) if x is not None and x.is_split}
+    if all(n % parts == 0 for n in sizes):
+        return True
+    (n, *others) = sizes
+    return not others and fills_every_piece(n, parts)
 
 
 def _fits_nd(combo: Sequence[Signature], shapes, mesh_shape) -> bool:
+    """Whether the per-axis signatures combine: a dim that several axes split must divide
+    evenly at every step (an uneven dim is cut by one axis alone, :func:`ddlc.sbp.plannable`)."""
     for i, shape in enumerate(shapes):
         if shape is None:
             continue
-        factor: dict[int, int] = {}
+        axes: dict[int, list[int]] = {}
         for sig, p in zip(combo, mesh_shape):
             x = (sig.inputs + sig.outputs)[i]
             if x.is_split:
-                factor[x.dim] = factor.get(x.dim, 1) * p
-        if any(shape[d] % f for d, f in factor.items()):
+                axes.setdefault(x.dim, []).append(p)
+        if any(len(ps) > 1 and shape[d] % math.prod(ps) for d, ps in axes.items()):
             return False
     return True
 

@@ -47,7 +47,7 @@ from cost_models.compute import op_time
 from ddlc.errors import ShardingError
 from ddlc.ir import ORIGIN, ROLE, STEP, where
 from ddlc.mesh import Mesh
-from ddlc.sbp import B, NdSBP, S, divides, local_shape
+from ddlc.sbp import B, NdSBP, S, local_shape, plannable
 from passes.rules import NdSignature, call_key, selected_leaf, signatures_nd, tensor_inputs
 
 __all__ = ["Edge", "ShardingProblem", "build_problem", "compute_seconds", "fold_block", "reduce_problem",
@@ -148,10 +148,11 @@ def _tensor_vals(node: fx.Node) -> list:
 
 
 def _placement_candidates(shape: tuple[int, ...], mesh: Mesh) -> list[NdSBP]:
-    """Every B / S(d) combination over the mesh axes that divides ``shape``."""
+    """Every B / S(d) combination over the mesh axes that may place ``shape``
+    (:func:`ddlc.sbp.plannable`: even splits, and uneven ones on one axis)."""
     per_axis = [B] + [S(d) for d in range(len(shape))]
     sbps = [NdSBP(c) for c in itertools.product(per_axis, repeat=mesh.ndim)]
-    return [x for x in sbps if divides(shape, x, mesh.shape)]
+    return [x for x in sbps if plannable(shape, x, mesh.shape)]
 
 
 def _placeholder_signatures(node: fx.Node, mesh: Mesh,
@@ -159,9 +160,11 @@ def _placeholder_signatures(node: fx.Node, mesh: Mesh,
     (val,) = _tensor_vals(node)
     if node.name in fixed:
         sbps = [fixed[node.name]]
-        if not divides(tuple(val.shape), sbps[0], mesh.shape):
+        if not plannable(tuple(val.shape), sbps[0], mesh.shape):
             raise ShardingError(f"the requested placement {sbps[0]} of input {node.name!r} "
-                                f"does not divide its shape {tuple(val.shape)} on mesh {mesh}")
+                                f"cannot cut its shape {tuple(val.shape)} on mesh {mesh} (a dim "
+                                "that does not divide may be split by one mesh axis only, "
+                                "into non-empty pieces)")
     elif node.op == "get_attr":
         sbps = [NdSBP.broadcast(mesh.ndim)]
     else:
