@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Mapping, NamedTuple, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, NamedTuple, Optional, Sequence, TypeVar
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_unflatten
 
 if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run time
     from .sbp import SBP, NdSBP
@@ -44,7 +44,7 @@ __all__ = ["MetaKey", "Origin", "InputSpec", "OutputSpec", "StepSignature", "Sig
            "NdSignature", "CollectiveInfo", "Piece", "ROLES", "ORIGIN", "ROLE", "SHARDING",
            "COLLECTIVE", "PIECE", "FUSED", "GLOBAL_VAL", "STEP", "BUCKET_CAP", "PIECE_BYTES",
            "UPDATES", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait",
-           "collective_kind", "collective_sequence"]
+           "collective_kind", "collective_sequence", "is_scalar_valued", "output_scalars"]
 
 T = TypeVar("T")
 
@@ -345,3 +345,24 @@ def collective_sequence(gm: fx.GraphModule) -> list[tuple[str, int, int]]:
     """The ordered (kind, mesh axis, bytes) of every communicating collective in ``gm``."""
     return [(info.kind, info.axis, info.nbytes) for n in gm.graph.nodes
             if (info := COLLECTIVE.get(n)) is not None and info.communicates]
+
+
+def is_scalar_valued(node: fx.Node) -> bool:
+    """Whether every output of ``node`` is a tensor of at most one element."""
+    leaves = tree_leaves(node.meta.get("val"))
+    return bool(leaves) and all(isinstance(v, torch.Tensor) and v.numel() <= 1 for v in leaves)
+
+
+def output_scalars(graph: fx.Graph, among: Callable[[fx.Node], bool] = lambda node: True) -> set[fx.Node]:
+    """The scalar arithmetic that computes graph outputs alone: operator nodes whose
+    outputs are tensors of at most one element (:func:`is_scalar_valued`) and that only the
+    output or other such nodes read (the loss's ``sum / count``; an optimizer's step
+    count). A collective of a scalar that only these read can wait until the end of the
+    step, and so share a bucket with the gradients' (:mod:`passes.fuse`, priced so by
+    :mod:`passes.sharding.problem`). Only nodes ``among`` accepts count."""
+    found: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op == "call_function" and node.users and among(node) and is_scalar_valued(node) and \
+                all(u.op == "output" or u in found for u in node.users):
+            found.add(node)
+    return found

@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Sequence
+from typing import Collection, Sequence
 
 from .errors import MeshError
 
@@ -153,11 +153,14 @@ class Mesh:
             profile = "cpu-gloo" if device_mesh.device_type == "cpu" else "dgx-h100-ib"
         return Mesh(tuple(device_mesh.mesh.shape), names, profile)
 
-    def bucketed(self) -> "Mesh":
-        """This mesh with start-up-free links: the price of traffic whose collectives get
-        bucketed (a bucket's one start-up is shared by all its tensors)."""
+    def bucketed(self, axes: Collection[int] | None = None) -> "Mesh":
+        """This mesh with start-up-free links on ``axes`` (default: all): the price of
+        traffic whose collectives get bucketed (a bucket's one start-up is shared by all its
+        tensors)."""
+        axes = range(self.ndim) if axes is None else axes
         return Mesh(self.shape, self.axis_names, self.profile,
-                    links=tuple(LinkModel(0.0, link.bandwidth) for link in self.links))
+                    links=tuple(LinkModel(0.0, link.bandwidth) if a in axes else link
+                                for a, link in enumerate(self.links)))
 
     def with_(self, **kwargs) -> "Mesh":
         args = dict(shape=self.shape, axis_names=self.axis_names, profile=self.profile)

@@ -138,7 +138,7 @@ class Plan:
     def to_json(self) -> str:
         data = {"mesh_shape": list(self.mesh_shape), "axis_names": list(self.axis_names),
                 "profile": self.profile, "solver": self.solver, "objective": self.objective,
-                "stats": {k: v for k, v in self.stats.items() if isinstance(v, (int, float, str, bool))},
+                "stats": {k: v for k, v in self.stats.items() if _plain(v)},
                 "nodes": [asdict(n) for n in self.nodes]}
         return json.dumps(data, indent=1)
 
@@ -158,3 +158,9 @@ class Plan:
     def load(path: str) -> "Plan":
         with open(path) as f:
             return Plan.from_json(f.read())
+
+
+def _plain(value) -> bool:
+    """Whether a stats value is a JSON scalar or a list of them (what a plan file keeps)."""
+    scalar = (int, float, str, bool)
+    return isinstance(value, scalar) or (isinstance(value, list) and all(isinstance(x, scalar) for x in value))

@@ -5,6 +5,9 @@ count), so a data-parallel loss would force the logits to be gathered. Here
 ``nll_loss_forward(..., reduction=mean)`` becomes the sum-reduction loss divided
 by its ``total_weight`` output; ``mse_loss`` (and its backward) and ``mean.dim``
 become their sum forms divided by the static element count. All are exact.
+``ones_like`` / ``zeros_like`` of a scalar read its metadata from the earliest input
+that has the same (:func:`_rewrite_like_of_scalar`), so the loss's last arithmetic
+feeds only the output.
 """
 from __future__ import annotations
 
@@ -104,6 +107,27 @@ def _rewrite_mse_backward_mean(graph: fx.Graph, node: fx.Node) -> None:
     node.args = (scaled, x, y, SUM)
 
 
+def _rewrite_like_of_scalar(graph: fx.Graph, node: fx.Node) -> None:
+    """``ones_like(loss)`` (backward's seed) reads only the shape, dtype and device of a
+    scalar: take them from the first of its inputs that has the same ones, as far back
+    as that goes (the loss's ``sum`` rather than ``sum / count``). Then the arithmetic
+    after the loss's all-reduce feeds only the output (:func:`ddlc.ir.output_scalars`),
+    and the all-reduce can wait for a gradient bucket."""
+    x = node.args[0]
+
+    def same(a) -> bool:
+        va, vx = a.meta.get("val"), x.meta.get("val")
+        return isinstance(va, torch.Tensor) and va.shape == vx.shape and va.dtype == vx.dtype \
+            and va.device == vx.device
+
+    while isinstance(x, fx.Node) and x.op == "call_function" and x.meta["val"].dim() == 0:
+        source = next((a for a in x.all_input_nodes if same(a)), None)
+        if source is None:
+            break
+        x = source
+    node.args = (x, *node.args[1:])
+
+
 def _position(graph: fx.Graph, node: fx.Node) -> int:
     for i, n in enumerate(graph.nodes):
         if n is node:
@@ -116,6 +140,8 @@ REWRITES = {
     aten.mean.dim: _rewrite_mean_dim,
     aten.mse_loss.default: _rewrite_mse_mean,
     aten.mse_loss_backward.default: _rewrite_mse_backward_mean,
+    aten.ones_like.default: _rewrite_like_of_scalar,
+    aten.zeros_like.default: _rewrite_like_of_scalar,
 }
 
 

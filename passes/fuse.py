@@ -5,7 +5,10 @@ in graph order; other collectives may lie between them) when every member's
 input exists before any member's result is read (so no dependency is
 reordered) and the bucket stays under a byte cap; the local steps that only
 prepare a collective's input (dim moves, padding) are first moved up to just
-after their input, so that positions say when inputs exist:
+after their input, so that positions say when inputs exist, and the scalar arithmetic
+that reads a collective's result only for graph outputs (the loss's ``sum / count``) is
+moved down to the output, so that the loss's all-reduce can ride in a gradient bucket
+(:func:`_sink_scalar_tails`; the sharding search prices it so):
 
 - all-reduce: flatten and concatenate, one all-reduce, split back;
 - reduce-scatter (dim 0): each input viewed as ``(p, n_i / p)``, concatenated
@@ -48,7 +51,8 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from cost_models.collectives import repriced
 from cost_models.program import program_makespan
 from ddlc import comm
-from ddlc.ir import BUCKETABLE, COLLECTIVE, FUSED, collective_kind, collective_sequence
+from ddlc.ir import (BUCKETABLE, COLLECTIVE, FUSED, collective_kind, collective_sequence, is_wait,
+                     output_scalars)
 from ddlc.mesh import Mesh
 
 __all__ = ["fuse", "fuse_best", "fuse_search", "choose_by_timeline", "search_by_timeline", "Timed",
@@ -157,6 +161,25 @@ def _hoist_feeders(graph: fx.Graph) -> None:
                 source.append(node)
 
 
+def _sink_scalar_tails(graph: fx.Graph) -> None:
+    """Move the scalar arithmetic that reads collectives' results only to compute graph
+    outputs (:func:`ddlc.ir.output_scalars` downstream of a wait: the loss's ``sum /
+    count`` right after the all-reduce of both) to just before the output. Those
+    all-reduces are then read last, so they can share a bucket with the gradients' (one
+    start-up less per step) instead of being read, and so fused, alone. The graph is
+    functional, so moving a node later changes no value."""
+    nodes = list(graph.nodes)
+    output = next(n for n in reversed(nodes) if n.op == "output")
+    after_comm: set[fx.Node] = set()
+    for node in nodes:
+        if is_wait(node) or (node.op == "call_function" and any(a in after_comm for a in node.all_input_nodes)):
+            after_comm.add(node)
+    tail = output_scalars(graph, lambda n: n in after_comm and not is_wait(n) and not collective_kind(n))
+    for node in nodes:  # in graph order, so each stays after its inputs
+        if node in tail:
+            output.prepend(node)
+
+
 def fuse(gm: fx.GraphModule, mesh: Mesh, cap: float) -> fx.GraphModule:
     """Fuse the buckets :func:`_members` finds under ``cap`` bytes, in place (after
     :func:`_hoist_feeders`), one at a time in graph order: fusing a bucket moves its
@@ -175,6 +198,7 @@ def _fuse(gm: fx.GraphModule, mesh: Mesh, cap: float, values: FakeValues | None 
     refused: list[int] = []
     if cap:
         _hoist_feeders(gm.graph)
+        _sink_scalar_tails(gm.graph)
     candidates = _candidates(gm.graph.nodes)  # fusing a bucket adds only a fused collective
     while True:
         pos = {n: i for i, n in enumerate(gm.graph.nodes)}

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import ddlc
+from ddlc.ir import output_scalars
 from ddlc.printing import op_summary
 from ddlc.zoo import GPT, lm_loss
 from passes.canonicalize import canonicalize
@@ -53,3 +54,18 @@ def test_mean_dim_becomes_sum_div():
     for a, b in zip(before, _run(gm, model, (x, y))):
         torch.testing.assert_close(a, b)
     assert all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_the_backward_seed_reads_the_loss_sum_so_the_loss_division_feeds_only_the_output():
+    torch.manual_seed(0)
+    model = GPT(n_layers=1)
+    batch = (torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
+    gm = ddlc.trace(model, batch, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = _run(gm, model, batch)
+    canonicalize(gm)
+    (seed,) = [n for n in gm.graph.nodes if n.target == aten.ones_like.default]
+    (division,) = [n for n in gm.graph.nodes if n.target == aten.div.Tensor and n.meta["val"].dim() == 0]
+    assert seed.args[0] is division.args[0]  # the sum, not sum / count
+    assert output_scalars(gm.graph) == {division}
+    for a, b in zip(before, _run(gm, model, batch)):
+        torch.testing.assert_close(a, b)

@@ -63,6 +63,20 @@ def test_fused_buckets_train_like_single_device():
     assert_matches_reference({"losses": losses, "params": params}, reference("mlp", "adamw", batch=DP_BATCH))
 
 
+def test_the_loss_all_reduce_shares_the_gradients_bucket():
+    """The loss's all-reduce (the MLP's mse: its sum; the count is static) is read only by
+    ``sum / count`` and the output: that division moves to the end of the step, so the
+    all-reduce joins a bucket of gradients instead of running alone."""
+    gm, mesh, model, data = data_parallel_mlp("adamw")
+    replicate_updates(gm, mesh)
+    fused = lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=float("inf"))
+    reduced = [nbytes for kind, _, nbytes in collective_sequence(fused) if kind == "all_reduce"]
+    assert len(reduced) == 1 and reduced[0] > 4, reduced  # the loss (4 B) rode with gradients
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    losses, params, _, _ = simulate_steps(gm, mesh, params, {}, data, fuse=float("inf"))
+    assert_matches_reference({"losses": losses, "params": params}, reference("mlp", "adamw", batch=DP_BATCH))
+
+
 PIECE = 128  # bytes: splits the test MLP's collectives of weights and of a bias
 
 

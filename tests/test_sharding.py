@@ -16,7 +16,7 @@ import ddlc
 from cost_models.boxing import boxing_seconds
 from ddlc import B, NdSBP, S
 from ddlc.errors import ShardingError
-from ddlc.ir import SHARDING
+from ddlc.ir import SHARDING, output_scalars
 from ddlc.zoo import CNN, GPT, MLP, lm_loss
 from passes.canonicalize import canonicalize
 from passes.rules import NdSignature, selected_leaf, tensor_inputs
@@ -35,13 +35,17 @@ def _two_layer(batch: int, width: int, hidden: int):
     return _step(model, (x, x), F.mse_loss)
 
 
-def _recomputed_objective(gm, mesh) -> float:
+def _recomputed_objective(gm, mesh, lone=()) -> float:
     """The modeled step time of the signatures in ir.SHARDING, summed straight from
     the cost models: roofline compute of every op at its local shapes, the boxing on
     every edge, the loss gathered to B, and updated parameters back to their placement;
     parameter traffic (parameter reads, gradients entering the update, updated state) is
-    bucketed at run time, so it is priced without start-up latency."""
+    bucketed at run time, so it is priced without start-up latency, and so is the
+    arithmetic after the loss (``sum / count``, read by the output alone) except on the
+    ``lone`` axes, where no gradient all-reduce carries it."""
     bucketed = mesh.bucketed()
+    riding = mesh.bucketed(set(range(mesh.ndim)) - set(lone))
+    tail = output_scalars(gm.graph)
 
     def phase(node):
         return node.meta["ddlc_origin"].phase if "ddlc_origin" in node.meta else None
@@ -61,7 +65,7 @@ def _recomputed_objective(gm, mesh) -> float:
             traffic = (arg.op == "placeholder" and arg.meta["ddlc_role"] in ("param", "opt_state")
                        or (phase(arg), phase(n)) == ("backward", "optimizer"))
             total += boxing_seconds(tuple(val.shape), val.element_size(), out_sbp(arg, leaf),
-                                    sig.inputs[j], bucketed if traffic else mesh)
+                                    sig.inputs[j], bucketed if traffic else riding if n in tail else mesh)
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     step = gm.meta["ddlc_step"]
     name_of = {(i.role, i.key): i.name for i in step.inputs}
@@ -71,7 +75,7 @@ def _recomputed_objective(gm, mesh) -> float:
         loop = spec.role in ("param", "opt_state")
         dst = out_sbp(placeholders[name_of[(spec.role, spec.key)]]) if loop else NdSBP.broadcast(mesh.ndim)
         total += boxing_seconds(tuple(val.shape), val.element_size(), out_sbp(arg), dst,
-                                bucketed if loop else mesh)
+                                bucketed if loop else riding if val.numel() <= 1 else mesh)
     return total
 
 
@@ -88,7 +92,7 @@ def test_large_batch_small_weights_is_data_parallel():
     # every activation is split on the batch: the two forward matmuls read S0 rows
     assert _sbp(gm, "mm", "inputs", 0) == NdSBP((S(0),))
     assert _sbp(gm, "mm_1", "inputs", 0) == NdSBP((S(0),))
-    assert plan.objective == pytest.approx(_recomputed_objective(gm, mesh), rel=1e-9)
+    assert plan.objective == pytest.approx(_recomputed_objective(gm, mesh, plan.stats.get("lone_scalar_axes", ())), rel=1e-9)
     assert plan.objective == pytest.approx(shard(gm, mesh, solver="exact").objective, rel=1e-9)
     # the compute is split about 4 ways (the weight-sized ops are tiny)
     whole = NdSBP((B,))
@@ -105,7 +109,7 @@ def test_small_batch_large_weights_is_tensor_parallel():
     # both weights are split (Megatron: column then row, in some order of dims), none replicated
     assert _sbp(gm, "p_0_weight") != NdSBP((B,)) and _sbp(gm, "p_1_weight") != NdSBP((B,))
     assert _sbp(gm, "mm", "inputs", 1).per_axis[0].is_split
-    assert plan.objective == pytest.approx(_recomputed_objective(gm, mesh), rel=1e-9)
+    assert plan.objective == pytest.approx(_recomputed_objective(gm, mesh, plan.stats.get("lone_scalar_axes", ())), rel=1e-9)
     assert plan.objective == pytest.approx(shard(gm, mesh, solver="exact").objective, rel=1e-9)
     dp = shard(gm, mesh, fixed={"input0": NdSBP((S(0),)), "p_0_weight": NdSBP((B,)),
                                 "p_1_weight": NdSBP((B,))})
@@ -236,6 +240,27 @@ def test_fixed_pins_inputs_and_rejects_bad_requests():
     assert _sbp(gm, "input0") == NdSBP((S(0),))
     with pytest.raises(ShardingError, match=r"cannot cut its shape \(8, 1024\).*non-empty pieces"):
         shard(gm, ddlc.Mesh((6,)), fixed={"input0": NdSBP((S(0),))})  # 2, 2, 2, 2 and two empty
+
+
+def test_a_loss_with_no_gradient_all_reduce_to_ride_pays_its_start_ups():
+    """The loss's all-reduce is priced as riding in a gradient bucket. With every parameter
+    sharded the gradients are reduce-scattered: nothing to ride on axis 0, so the search
+    runs again with the start-ups priced, and the plan's objective includes them."""
+    model = MLP()
+    batch = (torch.randn(32, 32), torch.randn(32, 16))
+    gm = canonicalize(ddlc.trace(model, batch, F.mse_loss, torch.optim.AdamW(model.parameters())))
+    names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
+    mesh = ddlc.Mesh((4,))
+    fixed = {names[k]: NdSBP((S(0),)) for k in ("input0", "input1", "layers.0.weight", "layers.0.bias",
+                                                 "layers.1.weight", "layers.1.bias")}
+    plan = shard(gm, mesh, fixed=fixed)
+    assert plan.stats["lone_scalar_axes"] == [0]
+    latency = mesh.links[0].latency
+    assert plan.objective == pytest.approx(build_problem(gm, mesh, fixed, lone_scalars={0}).objective(plan.choice))
+    assert plan.objective - build_problem(gm, mesh, fixed).objective(plan.choice) >= 2 * 3 * latency * 0.99
+    # data parallel: the gradients' all-reduces carry the loss's
+    plan = shard(gm, mesh, fixed={names["input0"]: NdSBP((S(0),)), names["input1"]: NdSBP((S(0),))})
+    assert "lone_scalar_axes" not in plan.stats
 
 
 def test_plan_is_identical_under_hash_seeds():

@@ -26,7 +26,8 @@ from ddlc.sbp import NdSBP
 
 from .descent import SEEDS, coordinate_descent
 from .exact import smallest_footprint, solve_exact
-from .problem import FORBIDDEN, ShardingProblem, build_problem, compute_seconds, reduce_problem
+from .problem import (FORBIDDEN, ShardingProblem, build_problem, compute_seconds, lone_scalar_axes,
+                      reduce_problem)
 
 __all__ = ["shard", "make_plan", "coordinate_descent", "search_mesh_shapes", "mesh_shapes", "SEEDS",
            "build_problem", "compute_seconds", "ShardingProblem", "solve_exact"]
@@ -50,7 +51,7 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         _refuse_budget(budget, need, dominant)
     build_seconds = time.perf_counter() - start
 
-    def solve():
+    def solve(problem):
         core, expand, fixed_memory = reduce_problem(problem, budget)
         if solver == "cd":
             core_choice, stats = coordinate_descent(core, budget - fixed_memory)
@@ -59,7 +60,21 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         stats["core_variables"] = core.num_vars
         return expand(core_choice), stats
 
-    choice, stats = solve()
+    choice, stats = solve(problem)
+    # the loss's all-reduce was priced as riding in a gradient bucket; where the plan has
+    # none on that axis, price its start-ups and search again, keeping the better plan
+    lone: frozenset[int] = frozenset()
+    while True:
+        _annotate(problem, choice)
+        found = lone | lone_scalar_axes(gm, mesh)
+        if found == lone:
+            break
+        lone = found
+        problem = build_problem(gm, mesh, fixed, lone_scalars=lone)
+        other, other_stats = solve(problem)
+        stats["lone_scalar_axes"] = sorted(lone)
+        if problem.objective(other) < problem.objective(choice):
+            choice, stats = other, {**other_stats, "lone_scalar_axes": sorted(lone)}
     if problem.memory_of(choice) > budget:
         # the search stayed above the budget: the smallest footprint any plan without a
         # forbidden redistribution can have decides whether one fits
@@ -129,6 +144,12 @@ def search_mesh_shapes(gm: fx.GraphModule, world_size: int, *, profile="cpu-gloo
                             + "; ".join(f"{s}: {note}" for s, _, note in report))
     make_plan(best.problem, best.choice, best.solver, best.stats)  # re-annotate gm with the winner
     return best, report
+
+
+def _annotate(problem: ShardingProblem, choice: Sequence[int]) -> None:
+    """Record every node's chosen signature (``ir.SHARDING``)."""
+    for node in problem.nodes:
+        SHARDING.set(node, problem.candidates[problem.var_of[node]][choice[problem.var_of[node]]])
 
 
 def make_plan(problem: ShardingProblem, choice: list[int], solver: str, stats: dict) -> Plan:

@@ -35,7 +35,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -45,12 +45,12 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from cost_models.boxing import boxing_table
 from cost_models.compute import op_time
 from ddlc.errors import ShardingError
-from ddlc.ir import ORIGIN, ROLE, STEP, where
+from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, is_scalar_valued, output_scalars, where
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, local_shape, plannable
 from passes.rules import NdSignature, call_key, selected_leaf, signatures_nd, tensor_inputs
 
-__all__ = ["Edge", "ShardingProblem", "build_problem", "compute_seconds", "fold_block", "reduce_problem",
+__all__ = ["Edge", "ShardingProblem", "build_problem", "lone_scalar_axes", "compute_seconds", "fold_block", "reduce_problem",
            "reduce_costs", "FORBIDDEN"]
 
 #: Finite stand-in for an impossible redistribution (keeps the MILP numeric).
@@ -242,7 +242,7 @@ class PriceCache:
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
-        self.bucketed = mesh.bucketed()
+        self.meshes = {frozenset(): mesh}  # start-up-free axes -> the mesh pricing them
         self.kinds: dict = {}
         self.vectors: dict = {}
         self.nbytes: dict = {}
@@ -267,18 +267,21 @@ class PriceCache:
         return self.nbytes[key]
 
     def edge_matrix(self, val: torch.Tensor, src_sbps: Sequence[NdSBP],
-                    dst_sbps: Sequence[NdSBP], bucketed: bool = False) -> np.ndarray:
+                    dst_sbps: Sequence[NdSBP], bucketed: bool | frozenset[int] = False) -> np.ndarray:
         """Boxing seconds for every (src candidate, dst candidate), priced once per
         distinct pair (:func:`cost_models.boxing.boxing_table`); without start-up
-        latency when the collectives are ``bucketed``."""
+        latency when the collectives are ``bucketed`` (True: on every mesh axis; a set:
+        on those axes)."""
+        axes = frozenset(range(self.mesh.ndim) if bucketed is True else bucketed or ())
+        if axes not in self.meshes:
+            self.meshes[axes] = self.mesh.bucketed(axes)
         src_ids = {x: i for i, x in enumerate(dict.fromkeys(src_sbps))}
         dst_ids = {x: i for i, x in enumerate(dict.fromkeys(dst_sbps))}
         # tensors of one shape and dtype between the same SBPs share their table
-        key = (tuple(val.shape), val.element_size(), tuple(src_ids), tuple(dst_ids), bucketed)
+        key = (tuple(val.shape), val.element_size(), tuple(src_ids), tuple(dst_ids), axes)
         table = self.tables.get(key)
         if table is None:
-            table = boxing_table(key[0], key[1], list(src_ids), list(dst_ids),
-                                 self.bucketed if bucketed else self.mesh)
+            table = boxing_table(key[0], key[1], list(src_ids), list(dst_ids), self.meshes[axes])
             table[~np.isfinite(table)] = FORBIDDEN
             self.tables[key] = table
         return table[np.ix_([src_ids[x] for x in src_sbps], [dst_ids[x] for x in dst_sbps])]
@@ -305,11 +308,15 @@ def _hyperparameter_scalars(nodes: Sequence[fx.Node]) -> set[fx.Node]:
     return found
 
 
-def build_problem(gm: fx.GraphModule, mesh: Mesh,
-                  fixed: Mapping[str, NdSBP] | None = None) -> ShardingProblem:
+def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | None = None,
+                  lone_scalars: Collection[int] = ()) -> ShardingProblem:
     """Enumerate candidates and price them for every node of ``gm`` on ``mesh``.
 
     ``fixed`` pins placeholders (by node name) to one placement, e.g. the batch.
+    Scalars that only graph outputs read (:func:`ddlc.ir.output_scalars`: the loss) are
+    redistributed without start-up latency, as :mod:`passes.fuse` puts their all-reduce in
+    a gradient bucket, except on the mesh axes ``lone_scalars``, where there is no other
+    all-reduce to share one with (:func:`lone_scalar_axes`).
     """
     fixed = dict(fixed or {})
     sig = STEP.get(gm)
@@ -374,6 +381,8 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
 
     edges: list[Edge] = []
     sink = [np.zeros(len(c)) for c in candidates]
+    tail = output_scalars(gm.graph)
+    riding = frozenset(range(mesh.ndim)) - frozenset(lone_scalars)
     for n in nodes:
         if n.op != "call_function":
             continue
@@ -383,7 +392,7 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
             leaf = selected_leaf(n) if n.target is operator.getitem else None
             if leaf is not None and not isinstance(tree_leaves(arg.meta["val"])[leaf], torch.Tensor):
                 continue  # a getitem of a None output (e.g. an input gradient nobody needs)
-            bucketed = _parameter_traffic(arg, n)
+            bucketed = _parameter_traffic(arg, n) or (riding if n in tail else False)
             edges.append(Edge(u, v, prices.cached(
                 ("edge", kinds[u], leaf, kinds[v], j, bucketed),
                 lambda: _edge_matrix(arg, leaf, candidates[u], [c.inputs[j] for c in candidates[v]],
@@ -403,8 +412,9 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh,
                 lambda: _edge_matrix(arg, None, candidates[u], [c.outputs[0] for c in candidates[t]],
                                      prices, True)), f"{arg.name} -> next step's {target.name}"))
         else:
-            sink[u] = sink[u] + prices.cached(("sink", kinds[u]), lambda: _edge_matrix(
-                arg, None, candidates[u], [NdSBP.broadcast(mesh.ndim)], prices)[:, 0])
+            bucketed = riding if is_scalar_valued(arg) else False
+            sink[u] = sink[u] + prices.cached(("sink", kinds[u], bucketed), lambda: _edge_matrix(
+                arg, None, candidates[u], [NdSBP.broadcast(mesh.ndim)], prices, bucketed)[:, 0])
     return ShardingProblem(gm, mesh, nodes, var_of, members, candidates, compute, sink, memory, edges)
 
 
@@ -428,6 +438,35 @@ def _resident_bytes(group: list[fx.Node], cand: NdSignature, training: bool, pri
         factor = 2 if role == "param" and training else 1
         total += factor * sum(prices.tensor_bytes(t, x) for t, x in zip(_tensor_vals(n), outs))
     return total
+
+
+def lone_scalar_axes(gm: fx.GraphModule, mesh: Mesh) -> frozenset[int]:
+    """The mesh axes on which the annotated plan of ``gm`` all-reduces a scalar that only
+    outputs read (priced start-up free by :func:`build_problem`) while no other all-reduce
+    of that dtype on the axis is there to share its bucket: its start-ups are paid after
+    all. An all-reduce is a change from ``P`` to ``B`` on an edge (or at the output)."""
+    tail = output_scalars(gm.graph)
+    needs, rides = set(), set()
+
+    def reduced(src: NdSBP, dst: NdSBP) -> list[int]:
+        return [a for a, (x, y) in enumerate(zip(src, dst)) if x.is_partial and y.is_broadcast]
+
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            pairs = [(a, NdSBP.broadcast(mesh.ndim)) for a in tree_leaves(n.args[0])
+                     if isinstance(a, fx.Node) and is_scalar_valued(a) and SHARDING.has(a)]
+        elif n.op == "call_function" and SHARDING.has(n) and n.target is not operator.getitem:
+            pairs = list(zip(tensor_inputs(n), SHARDING(n).inputs))
+        else:
+            continue
+        for arg, dst in pairs:
+            outs = SHARDING(arg).outputs if SHARDING.has(arg) else ()
+            if dst is None or len(outs) != 1 or outs[0] is None:
+                continue
+            dtype = arg.meta["val"].dtype
+            lone = n.op == "output" or n in tail
+            (needs if lone else rides).update((a, dtype) for a in reduced(outs[0], dst))
+    return frozenset(a for a, dtype in needs if (a, dtype) not in rides)
 
 
 def _parameter_traffic(arg: fx.Node, user: fx.Node) -> bool:
