@@ -26,6 +26,9 @@ ddlc (4,)       (4,)   nothing pinned: the search places everything
 ddlc (2,2)      (2,2)  nothing pinned
 ==============  =====  ===================================================================
 
+``dp``, ``dp+decoupled`` and ``zero`` also pass ``move_activations=False``, so that only
+parameters, gradients and scalars move: they are those plans, not the search's nearest.
+
 ddlc's choice is the unpinned plan of the mesh shape whose lowered program has the least
 modeled step (what ``ddlc plan --mesh 4`` picks); it is marked ``*``.
 
@@ -176,7 +179,7 @@ def plan_options(name: str, model, batch, plan: str, world: int) -> tuple[tuple,
     note = ""
     if plan in ("dp", "dp+decoupled"):
         placements = {k: "(S0)" for k in keys} | {k: "(B)" for k in params}
-        return (world,), dict(placements=placements,
+        return (world,), dict(placements=placements, move_activations=False,
                               decouple=False if plan == "dp" else "always"), note
     if plan == "megatron":
         placements = {k: "(B)" for k in keys}
@@ -203,7 +206,7 @@ def plan_options(name: str, model, batch, plan: str, world: int) -> tuple[tuple,
         if whole:
             note = f"{len(whole)} parameter(s) kept (B), first dim not divisible by {world}: " \
                    + ", ".join(whole[:4]) + (" ..." if len(whole) > 4 else "")
-        return (world,), dict(placements=placements, decouple="always"), note
+        return (world,), dict(placements=placements, decouple="always", move_activations=False), note
     if plan == "ddlc (4,)":
         return (world,), {}, note
     if plan == "ddlc (2,2)":

@@ -16,7 +16,8 @@ backward, gradient communication, AdamW update) of
   ``nn.ModuleList`` and on the root (parameters resharded after forward, its default);
 - ``ddlc``: ``ddlc.compile`` with no placements: the plan the search picks;
 - ``ddlc-dp``: ``ddlc.compile`` pinned to data parallelism (batch inputs ``(S0)``, every
-  parameter ``(B)``); decoupling, fusion and scheduling as the cost model decides;
+  parameter ``(B)``, ``move_activations=False``: only gradients, parameters and scalars
+  move); decoupling, fusion and scheduling as the cost model decides;
 - ``ddlc-inductor``: ddlc's plan with ``backend="inductor"`` (each rank's program compiled
   by Inductor; needs a C++ compiler, else listed as not available).
 
@@ -185,7 +186,8 @@ def ddlc_variant(name, kwargs, batch0, pin_data_parallel, backend="eager"):
         placements.update({k: "(B)" for k, _ in model.named_parameters()})
     start = time.perf_counter()
     compiled = ddlc.compile(model, (dist.get_world_size(),), batch0, loss_fn, opt,
-                            placements=placements, profile=PROFILE, backend=backend)
+                            placements=placements, profile=PROFILE, backend=backend,
+                            move_activations=not pin_data_parallel)
     compile_s = time.perf_counter() - start
     seq = collective_sequence(compiled.gm)
     info = dict(compile_s=compile_s, collectives=dict(Counter(k for k, _, _ in seq)),

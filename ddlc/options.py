@@ -44,6 +44,11 @@ class CompileOptions:
     memory_budget: Union[float, None] = None
     #: pinned SBPs by parameter name or ``input<i>`` (e.g. ``"(S0, B)"``)
     placements: Mapping[str, Any] = field(default_factory=dict)
+    #: False: the plan redistributes no activation; only parameters and optimizer state
+    #: (read from their placement), gradients (into the update), outputs and scalars (the
+    #: loss, its count) move. With the batch pinned ``(S0)`` and parameters ``(B)`` that is
+    #: data parallelism; with parameters ``(S0)``, a fully sharded (ZeRO-3) plan
+    move_activations: bool = True
     #: ``step`` receives the global batch (each rank takes its part) or each rank's own
     batch: BatchMode = "global"
     #: hardware profile: name, JSON path or object (None: the mesh's, default ``cpu-gloo``)

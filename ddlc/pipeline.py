@@ -113,7 +113,8 @@ def plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
          fixed: Mapping[str, NdSBP]) -> Plan:
     """shard, decouple: annotate every node of ``gm`` with its signature; return the plan."""
     result = run_pass("shard", shard, gm, mesh, solver=options.solver,
-                      memory_budget=options.memory_budget, fixed=fixed)
+                      memory_budget=options.memory_budget, fixed=fixed,
+                      move_activations=options.move_activations)
     # invariant: every node but the output carries ir.SHARDING
     if options.decouple:
         decoupled = run_pass("decouple", decouple, gm, mesh, options.ag_placement, frozenset(fixed),

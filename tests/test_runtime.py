@@ -8,6 +8,7 @@ import torch
 
 from conftest import TOLERANCES, assert_matches_reference, reference
 from ddlc.launch import WorkerDiedAfterResults, WorkerError, spawn
+from ddlc.zoo import GPT, MLP
 from distributed_cases import compiled_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
@@ -21,16 +22,24 @@ MATMUL_2D_MLP = {"input0": "(S0, B)", "layers.0.weight": "(B, S0)", "layers.1.we
 MIXED_GPT = {"input0": "(S0, B)", "blocks.0.fc.weight": "(B, S0)", "blocks.0.out.weight": "(B, S1)",
              "blocks.1.attn.qkv.weight": "(S0, S1)", "tok.weight": "(B, S1)"}
 
+#: data parallelism and ZeRO-3, pinned: parameters (B) / (S0, S0), the batch split, no
+#: activation moved (``move_activations=False``)
+PURE_DP_GPT = {"input0": "(S0)", **{k: "(B)" for k, _ in GPT().named_parameters()}}
+ZERO_MLP = {"input0": "(S0, S0)", **{k: "(S0, S0)" for k, _ in MLP().named_parameters()}}
+PINNED = {"move_activations": False}
+
 JOBS = {
     (2, 2): [("mlp", "sgd", "train", None), ("gpt", "adamw", "train", None),
              ("cnn", "sgd", "train", None, FAST), ("mlp", "adamw", "train", MATMUL_2D_MLP, FAST),
              ("gpt", "sgd", "train", MIXED_GPT, FAST), ("mlp", None, "gradients", {"input0": "(S0, S0)"}),
              ("gpt", None, "forward", {"input0": "(S0, B)"}),
-             ("mlp", "sgd", "train", MATMUL_2D_MLP, {"schedule": False})],
+             ("mlp", "sgd", "train", MATMUL_2D_MLP, {"schedule": False}),
+             ("mlp", "adamw", "train", ZERO_MLP, PINNED)],
     (4,): [("mlp", "adamw", "train", None), ("gpt", "sgd", "train", None),
            ("cnn", "adamw", "train", {"input0": "(S0)"}, FAST),
            ("mlp", "sgd", "train", TENSOR_PARALLEL_MLP, FAST),
-           ("gpt", "adamw", "train", {"input0": "(S0)"}, {**FAST, "schedule": False, "fuse": False})],
+           ("gpt", "adamw", "train", {"input0": "(S0)"}, {**FAST, "schedule": False, "fuse": False}),
+           ("gpt", "adamw", "train", PURE_DP_GPT, {**PINNED, "decouple": False})],
     (1, 4): [("gpt", "adamw", "train", {"input0": "(B, S0)"}), ("cnn", "sgd", "train", None),
              ("mlp", "sgd", "train", {"input0": "(B, S0)"}, FAST)],
     (2,): [("mlp", "sgd", "train", None), ("gpt", "adamw", "train", {"input0": "(S0)"}, FAST),

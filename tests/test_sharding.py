@@ -361,3 +361,52 @@ def test_elimination_sums_like_plain_summation():
             edges.append(Edge(a, b, np.floor(rng.random((sizes[a], sizes[b])) * 3) * 0.1))
         order = [int(v) for v in rng.permutation(n)]
         assert solve_elimination(unary, edges, order) == _eliminate_plainly(unary, edges, order)
+
+
+def _pinned_plan(model, batch, loss_fn, params_sbp, mesh, **options):
+    """The plan of ``model`` with the batch split on dim 0 and every parameter placed
+    ``params_sbp`` (``(B)`` where that does not divide), moving no activation."""
+    from ddlc import pipeline
+    from ddlc.options import CompileOptions
+    placements = {f"input{i}": "(S0)" for i in range(len(batch))}
+    placements.update({k: params_sbp if p.shape[0] % mesh.shape[0] == 0 else "(B)"
+                       for k, p in model.named_parameters()})
+    options = CompileOptions.from_kwargs(placements=placements, move_activations=False, **options)
+    from conftest import optimizer
+    gm = pipeline.trace_step(model, batch, loss_fn, optimizer("adamw", model), options)
+    pipeline.plan(gm, mesh, options, pipeline.resolve_placements(gm, options.placements, mesh.ndim))
+    return gm
+
+
+@pytest.mark.parametrize("params_sbp,kinds", [("(B)", {"all_reduce"}),
+                                              ("(S0)", {"all_gather", "reduce_scatter", "all_reduce"})],
+                         ids=["data_parallel", "fully_sharded"])
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_plans_that_move_no_activation_are_data_parallel_or_fully_sharded(name, params_sbp, kinds):
+    """With ``move_activations=False`` only parameters, gradients and scalars move: pinned
+    ``(B)`` the step is data parallelism (all-reduces alone: the gradients' and the loss's),
+    pinned ``(S0)`` it is ZeRO-3 (parameters gathered, gradients reduce-scattered). The
+    numbers are single device's."""
+    import copy
+
+    from conftest import assert_matches_reference, batches, model_and_loss, train
+    from ddlc.ir import collective_sequence
+    from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
+    model, loss_fn = model_and_loss(name)
+    data, mesh = batches(name, 8), ddlc.Mesh((4,))
+    gm = _pinned_plan(model, data[0], loss_fn, params_sbp, mesh, decouple=False)
+    program = lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh))
+    assert {kind for kind, _, _ in collective_sequence(program)} == kinds
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    losses, params, state, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data)
+    want = train(model_and_loss(name)[0], loss_fn, "adamw", data)
+    assert_matches_reference({"losses": losses, "params": params, "opt_state": state}, want, name)
+
+
+def test_a_step_that_must_move_activations_is_refused_when_told_not_to():
+    from ddlc.zoo import resnet18
+    torch.manual_seed(0)
+    model = resnet18(num_classes=10, width=4)  # batch norm in training mode
+    batch = (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
+    with pytest.raises(ShardingError, match="without redistributing activations"):
+        _pinned_plan(model, batch, F.cross_entropy, "(B)", ddlc.Mesh((4,)))

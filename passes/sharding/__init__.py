@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 from torch import fx
 
 from ddlc.errors import OptionError, ShardingError
-from ddlc.ir import ORIGIN, SHARDING
+from ddlc.ir import ORIGIN, SHARDING, where
 from ddlc.mesh import Mesh
 from ddlc.plan import NodePlan, Plan
 from ddlc.printing import format_bytes, op_name
@@ -35,17 +35,19 @@ __all__ = ["shard", "make_plan", "coordinate_descent", "search_mesh_shapes", "me
 
 def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
           memory_budget: float | None = None, fixed: Mapping[str, NdSBP] | None = None,
-          time_limit: float = 60.0) -> Plan:
+          time_limit: float = 60.0, move_activations: bool = True) -> Plan:
     """Choose a signature for every node of ``gm`` on ``mesh``; annotate and return the plan.
 
     ``memory_budget`` (bytes per device) defaults to the profile's device memory;
-    ``fixed`` pins graph inputs by placeholder name.
+    ``fixed`` pins graph inputs by placeholder name; ``move_activations=False`` forbids
+    every collective but those of parameter traffic, outputs and scalars
+    (:func:`~passes.sharding.problem.build_problem`).
     """
     if solver not in ("cd", "exact"):
         raise OptionError(f"unknown solver {solver!r}; use 'cd' or 'exact'")
     start = time.perf_counter()
     budget = mesh.profile.memory_capacity if memory_budget is None else memory_budget
-    problem = build_problem(gm, mesh, fixed)
+    problem = build_problem(gm, mesh, fixed, move_activations=move_activations)
     need, dominant = problem.min_memory()
     if need > budget:
         _refuse_budget(budget, need, dominant)
@@ -70,7 +72,7 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         if found == lone:
             break
         lone = found
-        problem = build_problem(gm, mesh, fixed, lone_scalars=lone)
+        problem = build_problem(gm, mesh, fixed, lone_scalars=lone, move_activations=move_activations)
         other, other_stats = solve(problem)
         stats["lone_scalar_axes"] = sorted(lone)
         if problem.objective(other) < problem.objective(choice):
@@ -86,6 +88,14 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
     if problem.objective(choice) >= FORBIDDEN and stats.get("optimal") is False:
         raise ShardingError(f"the exact solver stopped ({stats['status']}) before finding a "
                             f"solution without forbidden redistributions; raise time_limit")
+    if problem.objective(choice) >= FORBIDDEN and not move_activations:
+        edge = next(e for e in problem.edges if e.cost[choice[e.src], choice[e.dst]] >= FORBIDDEN)
+        reader = problem.members[edge.dst][0]
+        raise ShardingError("no plan runs this step without redistributing activations "
+                            f"(move_activations=False) on mesh {mesh} with these placements: "
+                            f"{edge.what} needs a collective ({op_name(reader)} cannot run on the "
+                            "pieces its input has; e.g. batch-norm statistics over a split batch)",
+                            where=where(reader))
     if problem.objective(choice) >= FORBIDDEN:
         raise ShardingError("every sharding found needs a forbidden redistribution (S->P); "
                             "the rules are missing a signature for some operator")

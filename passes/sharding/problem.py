@@ -309,14 +309,16 @@ def _hyperparameter_scalars(nodes: Sequence[fx.Node]) -> set[fx.Node]:
 
 
 def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | None = None,
-                  lone_scalars: Collection[int] = ()) -> ShardingProblem:
+                  lone_scalars: Collection[int] = (), move_activations: bool = True) -> ShardingProblem:
     """Enumerate candidates and price them for every node of ``gm`` on ``mesh``.
 
     ``fixed`` pins placeholders (by node name) to one placement, e.g. the batch.
     Scalars that only graph outputs read (:func:`ddlc.ir.output_scalars`: the loss) are
     redistributed without start-up latency, as :mod:`passes.fuse` puts their all-reduce in
     a gradient bucket, except on the mesh axes ``lone_scalars``, where there is no other
-    all-reduce to share one with (:func:`lone_scalar_axes`).
+    all-reduce to share one with (:func:`lone_scalar_axes`). With ``move_activations=False``
+    an edge that is neither parameter traffic nor a scalar may only be redistributed by
+    local steps (a slice, keeping one copy): a collective on it costs :data:`FORBIDDEN`.
     """
     fixed = dict(fixed or {})
     sig = STEP.get(gm)
@@ -392,11 +394,14 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | N
             leaf = selected_leaf(n) if n.target is operator.getitem else None
             if leaf is not None and not isinstance(tree_leaves(arg.meta["val"])[leaf], torch.Tensor):
                 continue  # a getitem of a None output (e.g. an input gradient nobody needs)
-            bucketed = _parameter_traffic(arg, n) or (riding if n in tail else False)
+            traffic = _parameter_traffic(arg, n)
+            bucketed = traffic or (riding if n in tail else False)
+            pinned = not (move_activations or traffic or
+                          tree_leaves(arg.meta["val"])[leaf or 0].numel() <= 1)
             edges.append(Edge(u, v, prices.cached(
-                ("edge", kinds[u], leaf, kinds[v], j, bucketed),
-                lambda: _edge_matrix(arg, leaf, candidates[u], [c.inputs[j] for c in candidates[v]],
-                                     prices, bucketed)), f"{arg.name} -> {n.name}"))
+                ("edge", kinds[u], leaf, kinds[v], j, bucketed, pinned),
+                lambda: _local_only(_edge_matrix(arg, leaf, candidates[u], [c.inputs[j] for c in candidates[v]],
+                                                 prices, bucketed), pinned)), f"{arg.name} -> {n.name}"))
 
     output = next(n for n in gm.graph.nodes if n.op == "output")
     loop_target = {k: placeholders[name] for k, name in sig.loop_inputs().items()} if sig else {}
@@ -438,6 +443,12 @@ def _resident_bytes(group: list[fx.Node], cand: NdSignature, training: bool, pri
         factor = 2 if role == "param" and training else 1
         total += factor * sum(prices.tensor_bytes(t, x) for t, x in zip(_tensor_vals(n), outs))
     return total
+
+
+def _local_only(matrix: np.ndarray, pinned: bool) -> np.ndarray:
+    """``matrix`` with every redistribution that costs time (a collective) forbidden, when
+    ``pinned``: what stays is the same placement or a local step, which are free."""
+    return np.where(matrix > 0, FORBIDDEN, matrix) if pinned else matrix
 
 
 def lone_scalar_axes(gm: fx.GraphModule, mesh: Mesh) -> frozenset[int]:
