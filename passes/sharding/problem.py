@@ -452,10 +452,12 @@ def _local_only(matrix: np.ndarray, pinned: bool) -> np.ndarray:
 
 
 def lone_scalar_axes(gm: fx.GraphModule, mesh: Mesh) -> frozenset[int]:
-    """The mesh axes on which the annotated plan of ``gm`` all-reduces a scalar that only
-    outputs read (priced start-up free by :func:`build_problem`) while no other all-reduce
-    of that dtype on the axis is there to share its bucket: its start-ups are paid after
-    all. An all-reduce is a change from ``P`` to ``B`` on an edge (or at the output)."""
+    """Where the annotated plan of ``gm`` all-reduces a scalar that only outputs read
+    (priced start-up free by :func:`build_problem`) on a mesh axis with no other
+    all-reduce of that dtype to share its bucket (its start-ups are paid after all): every
+    mesh axis that has no such all-reduce, since a search priced so may move the scalar to
+    any of them; else nothing. An all-reduce is a change from ``P`` to ``B`` on an edge
+    (or at the output)."""
     tail = output_scalars(gm.graph)
     needs, rides = set(), set()
 
@@ -477,7 +479,10 @@ def lone_scalar_axes(gm: fx.GraphModule, mesh: Mesh) -> frozenset[int]:
             dtype = arg.meta["val"].dtype
             lone = n.op == "output" or n in tail
             (needs if lone else rides).update((a, dtype) for a in reduced(outs[0], dst))
-    return frozenset(a for a, dtype in needs if (a, dtype) not in rides)
+    if all((a, dtype) in rides for a, dtype in needs):
+        return frozenset()
+    # the search may move the loss to another axis: every axis without a ride counts
+    return frozenset(range(mesh.ndim)) - {a for a, dtype in rides if any(d == dtype for _, d in needs)}
 
 
 def _parameter_traffic(arg: fx.Node, user: fx.Node) -> bool:
