@@ -53,10 +53,14 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         _refuse_budget(budget, need, dominant)
     build_seconds = time.perf_counter() - start
 
-    def solve(problem):
+    def solve(problem, start=None):
+        """(choice, stats); coordinate descent from ``start`` (a choice of an earlier
+        problem of the same variables) instead of the seeds, where given."""
         core, expand, fixed_memory = reduce_problem(problem, budget)
         if solver == "cd":
-            core_choice, stats = coordinate_descent(core, budget - fixed_memory)
+            warm = None if start is None else [start[problem.var_of[m[0]]] for m in core.members]
+            core_choice, stats = coordinate_descent(core, budget - fixed_memory, start=warm,
+                                                    group_moves=start is None)
         else:
             core_choice, stats = solve_exact(core, budget - fixed_memory, time_limit)
         stats["core_variables"] = core.num_vars
@@ -64,7 +68,9 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
 
     choice, stats = solve(problem)
     # the loss's all-reduce was priced as riding in a gradient bucket; where the plan has
-    # none on that axis, price its start-ups and search again, keeping the better plan
+    # none on that axis, price its start-ups and repair the plan (coordinate descent's
+    # path and single-variable moves from it; the exact solver starts afresh), keeping
+    # the better plan
     lone: frozenset[int] = frozenset()
     while True:
         _annotate(problem, choice)
@@ -73,7 +79,7 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
             break
         lone = found
         problem = build_problem(gm, mesh, fixed, lone_scalars=lone, move_activations=move_activations)
-        other, other_stats = solve(problem)
+        other, other_stats = solve(problem, start=choice)
         stats["lone_scalar_axes"] = sorted(lone)
         if problem.objective(other) < problem.objective(choice):
             choice, stats = other, {**other_stats, "lone_scalar_axes": sorted(lone)}

@@ -275,16 +275,21 @@ def _descend(problem: ShardingProblem, choice: list[int], budget: float,
 
 
 def coordinate_descent(problem: ShardingProblem, memory_budget: float = float("inf"),
-                       max_sweeps: int = 20, group_moves: bool = True) -> tuple[list[int], dict]:
+                       max_sweeps: int = 20, group_moves: bool = True,
+                       start: list[int] | None = None) -> tuple[list[int], dict]:
     """AutoDDL's coordinate descent (see the module docstring); returns (choice, stats).
 
     Every seed is descended with the cheap moves (paths, single variables); the best
-    result is then descended again with block moves added (:func:`_regions`)."""
+    result is then descended again with block moves added (:func:`_regions`). ``start``
+    (a choice: the plan of a search under prices that differ in a few edges) replaces the
+    seeds and the axis permutations: a local repair, with block moves where
+    ``group_moves``."""
     paths = _path_blocks(problem)
     results = []
-    for name, seed in SEEDS.items():
-        start = _initial(problem, seed, memory_budget)
-        choice, _ = _descend(problem, start, memory_budget, paths, [], max_sweeps)
+    seeds = {"start": lambda: list(start)} if start is not None else \
+        {name: (lambda seed=seed: _initial(problem, seed, memory_budget)) for name, seed in SEEDS.items()}
+    for name, initial in seeds.items():
+        choice, _ = _descend(problem, initial(), memory_budget, paths, [], max_sweeps)
         results.append((problem.memory_of(choice) > memory_budget, problem.objective(choice), name, choice))
     if all(over for over, *_ in results):
         # no uniform scheme fits: start from the smallest footprint (memory is separable,
@@ -296,7 +301,7 @@ def coordinate_descent(problem: ShardingProblem, memory_budget: float = float("i
     regions = _regions(problem, memory_budget) if group_moves else []
     choice, sweeps = _descend(problem, choice, memory_budget, paths, regions, max_sweeps)
     permuted = 0
-    for order in _axis_permutations(problem.mesh):
+    for order in _axis_permutations(problem.mesh) if start is None else ():
         start = _permuted(problem, choice, order)
         if start is None or problem.memory_of(start) > memory_budget:
             continue
