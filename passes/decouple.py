@@ -223,10 +223,11 @@ def _shard_states_of_a_split_update(chain: list[fx.Node], states: list[fx.Node],
     for state in states:
         if tuple(state.meta["val"].shape) != shape or not _sbp(state)[axis].is_broadcast:
             continue
-        reads = [x for user in state.users
-                 for x, a in zip(SHARDING(user).inputs if user in inside else [None], tensor_inputs(user))
+        if not state.users or any(user not in inside for user in state.users):
+            continue
+        reads = [x for user in state.users for x, a in zip(SHARDING(user).inputs, tensor_inputs(user))
                  if a is state]
-        if reads and all(x is not None and x[axis] == placed for x in reads):
+        if all(x is not None and x[axis] == placed for x in reads):
             SHARDING.set(state, NdSignature((), (_sbp(state).replace(axis, placed),)))
             moved = True
     return moved
