@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import operator
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -36,7 +35,7 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 
 from ddlc.ir import NdSignature, Signature
-from ddlc.sbp import B, P, S, SBP, NdSBP, fills_every_piece
+from ddlc.sbp import B, P, S, SBP, NdSBP, fills_every_piece, plannable
 
 log = logging.getLogger("ddlc.rules")
 
@@ -396,19 +395,11 @@ def _fits(entries: Sequence[Optional[SBP]], shapes, parts: int) -> bool:
 
 
 def _fits_nd(combo: Sequence[Signature], shapes, mesh_shape) -> bool:
-    """Whether the per-axis signatures combine: a dim that several axes split must divide
-    evenly at every step (an uneven dim is cut by one axis alone, :func:`ddlc.sbp.plannable`)."""
-    for i, shape in enumerate(shapes):
-        if shape is None:
-            continue
-        axes: dict[int, list[int]] = {}
-        for sig, p in zip(combo, mesh_shape):
-            x = (sig.inputs + sig.outputs)[i]
-            if x.is_split:
-                axes.setdefault(x.dim, []).append(p)
-        if any(len(ps) > 1 and shape[d] % math.prod(ps) for d, ps in axes.items()):
-            return False
-    return True
+    """Whether the per-axis signatures combine: every entry's n-D placement is one the
+    search may take (:func:`ddlc.sbp.plannable`: a dim that several axes split divides)."""
+    return all(shape is None or plannable(shape, NdSBP(tuple((sig.inputs + sig.outputs)[i] for sig in combo)),
+                                          mesh_shape)
+               for i, shape in enumerate(shapes))
 
 
 @lru_cache(maxsize=MAX_CACHED_CALLS)
