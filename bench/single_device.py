@@ -10,7 +10,8 @@ backward, AdamW update) of
 - ``eager``: the model itself;
 - ``ddlc``: ``ddlc.compile`` on the mesh ``(1,)``: the per-rank program of a plan with no
   collectives, so what is measured is the program itself (views run as views; the
-  functional update allocates its results; the step's flattening around the graph);
+  optimizer update in place, ``passes/inplace.py``; the step's flattening around the graph);
+- ``ddlc-functional``: the same with ``inplace=False``: the update allocates every result;
 - ``ddlc-inductor``: the same program compiled by Inductor (needs a C++ compiler).
 
 The variants step in turn on the same batches (the order rotating every round), so
@@ -39,11 +40,13 @@ def _variants(name: str, kwargs: dict, batch0) -> dict:
     model, loss_fn = build(name, kwargs)
     opt = make_optimizer(model)
     steps = {"eager": lambda batch: eager_step(model, loss_fn, opt, batch)}
-    for variant, backend in (("ddlc", "eager"), ("ddlc-inductor", "inductor")):
+    for variant, backend, inplace in (("ddlc", "eager", True), ("ddlc-functional", "eager", False),
+                                      ("ddlc-inductor", "inductor", True)):
         if backend == "inductor" and not has_compiler():
             continue
         model_c, loss_c = build(name, kwargs)
-        compiled = ddlc.compile(model_c, (1,), batch0, loss_c, make_optimizer(model_c), backend=backend)
+        compiled = ddlc.compile(model_c, (1,), batch0, loss_c, make_optimizer(model_c), backend=backend,
+                                inplace=inplace)
         steps[variant] = (lambda c: (lambda batch: c.step(batch) if isinstance(batch, dict)
                                      else c.step(*batch)))(compiled)
     return steps

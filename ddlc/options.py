@@ -78,6 +78,10 @@ class CompileOptions:
     #: how each rank runs its program: the torch.fx graph as it is, or compiled by
     #: Inductor (ddlc/inductor.py; checked to keep the planned collective order)
     backend: Backend = "eager"
+    #: the optimizer update writes into its parameters, state and temporaries where
+    #: nothing reads them later (passes/inplace.py; the eager backend: Inductor reinplaces
+    #: on its own)
+    inplace: bool = True
 
     def __post_init__(self):
         hints = typing.get_type_hints(CompileOptions)

@@ -21,6 +21,8 @@
                      check that every collective is read only through its wait
       views          view copies run as views (strided tensors made contiguous only for
                      the readers that need it)
+      inplace        the optimizer update writes into its inputs and temporaries where
+                     nothing reads them later (eager backend)
 
 Each pass runs through :func:`run_pass`, which times it and logs one line under the
 ``ddlc.pipeline`` logger. This is the only module of ``ddlc`` that imports ``passes``.
@@ -42,6 +44,7 @@ from passes.canonicalize import canonicalize
 from passes.collectives import insert_collectives
 from passes.decouple import decouple
 from passes.fuse import adopt, fuse, fuse_search
+from passes.inplace import update_in_place
 from passes.localize import localize
 from passes.partition import partition, partition_search
 from passes.random import draw_globally
@@ -64,7 +67,7 @@ log = logging.getLogger("ddlc.pipeline")
 
 #: The passes, in the order they run.
 PLANNING = ("trace", "canonicalize", "shard", "decouple")
-LOWERING = ("collectives", "localize", "random", "fuse", "partition", "schedule")
+LOWERING = ("collectives", "localize", "random", "fuse", "partition", "schedule", "views", "inplace")
 
 
 def run_pass(name: str, fn: Callable, *args, **kwargs) -> Any:
@@ -152,7 +155,7 @@ def _splits_evenly(gm: fx.GraphModule, mesh: Mesh) -> bool:
 def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],
           options: CompileOptions,
           choices: LoweringChoices | Callable[[], LoweringChoices] | None = None) -> LoweringChoices:
-    """collectives, localize, random, fuse, partition, schedule: the program of the rank at
+    """collectives, localize, random, fuse, partition, schedule, views, inplace: the program of the rank at
     mesh coordinate ``coord`` whose per-axis process groups are named ``groups``, in place;
     returns the choices it was lowered with. Needs no process group, so tests can lower
     every rank in one process.
@@ -219,7 +222,9 @@ def _lower_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: 
         run_pass("schedule", *reorder)
     check_waits(gm)  # invariant: every collective's output is read only through its wait
     chosen = LoweringChoices(cap, size, tuple(n.name for n in gm.graph.nodes) if options.schedule else None)
-    run_pass("views", views_as_views, gm)  # last: the choices name the nodes before it
+    run_pass("views", views_as_views, gm)  # after the choices, which name the nodes before it
+    if options.inplace and options.backend == "eager":
+        run_pass("inplace", update_in_place, gm)
     return chosen
 
 

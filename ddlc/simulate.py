@@ -132,8 +132,10 @@ def simulate_steps(gm: fx.GraphModule, mesh: Mesh, params: dict, buffers: dict, 
     losses = []
     for batch in batches:
         full = sig.flatten(state["param"], state["buffer"], state["opt_state"], batch)
-        pieces = [[t[local_slices(tuple(t.shape), sbp[i.name], mesh.shape, c)].contiguous()
-                   for t, i in zip(full, sig.inputs)] for c in coords]
+        # every rank its own copies: a program may overwrite its state inputs (passes/inplace.py)
+        pieces = [[t[local_slices(tuple(t.shape), sbp[i.name], mesh.shape, c)].clone(
+                       memory_format=torch.contiguous_format) for t, i in zip(full, sig.inputs)]
+                  for c in coords]
         outs = run_ranks(graphs, mesh, pieces)
         if any(float(o[0]) != float(outs[0][0]) for o in outs):
             raise AssertionError(f"ranks disagree on the loss: {[float(o[0]) for o in outs]}")
