@@ -28,7 +28,8 @@ when
 
 The walk is one pass in program order: the storages of a node follow from those of its
 inputs (a view, ``wait_tensor``, ``getitem`` or in-place operator aliases its input; a
-Python function may alias any of its inputs; any other operator makes a fresh tensor),
+Python function or a composite operator such as ``to`` may return any of its inputs;
+any other operator makes a fresh tensor),
 so a decision at a node sees every earlier decision. Values are unchanged; the node
 order, the collective sequence and every node's meta are those of the scheduled
 program. The loop-carried outputs (new parameters, buffers and optimizer state) are the
@@ -36,12 +37,12 @@ next step's donated inputs, so no two may overlap: one that would gets a clone o
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
 from torch import fx
 from torch._ops import OpOverload
-from torch.utils._pytree import tree_leaves
 
 from ddlc.ir import ORIGIN, STEP, is_collective, is_wait
 from passes.fuse import unpack
@@ -113,8 +114,8 @@ class _Storages:
         if node.op == "call_function" and _aliases_first_input(node):
             found = self.of.get(node.args[0], frozenset()) if isinstance(node.args[0], fx.Node) \
                 else frozenset()
-        elif node.op == "call_function" and not isinstance(node.target, OpOverload):
-            found = frozenset({node}).union(*(self.of[a] for a in inputs))   # may alias any input
+        elif node.op == "call_function" and _may_return_an_input(node):
+            found = frozenset({node}).union(*(self.of[a] for a in inputs))
         else:
             found = frozenset({node})
         self.of[node] = found
@@ -126,7 +127,7 @@ class _Storages:
         a donated input."""
         if storage.op == "placeholder":
             return storage.name in self.donated
-        return storage.op == "call_function" and isinstance(storage.target, OpOverload) \
+        return storage.op == "call_function" and not _may_return_an_input(storage) \
             and not _aliases_first_input(storage)
 
     def last_read(self, reader: fx.Node) -> int:
@@ -211,6 +212,19 @@ def _aliases_first_input(node: fx.Node) -> bool:
     return isinstance(target, OpOverload) and (
         target.is_view or target._schema.is_mutable
         or target in (_aten.reshape.default, _aten._unsafe_view.default))
+
+
+def _may_return_an_input(node: fx.Node) -> bool:
+    """Whether ``node``'s value may be one of its inputs, or a view of one: a Python
+    function (``ddlc.comm``'s pieces, ``fuse.unpack``), or an aten operator implemented
+    by composition (``to``, ``contiguous``, ``type_as`` return their input unchanged
+    where there is nothing to do)."""
+    return not isinstance(node.target, OpOverload) or _composite(node.target)
+
+
+@functools.lru_cache(maxsize=None)
+def _composite(target: OpOverload) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd")
 
 
 def _mutates(node: fx.Node) -> bool:

@@ -112,6 +112,15 @@ def test_a_view_read_later_keeps_its_memory_unwritten():
     _check(*_update_graph(build))
 
 
+def test_a_composite_operator_may_return_its_input():
+    def build(g, x, expected):
+        t = g.call_function(aten.mul.Tensor, (x, 2.0))
+        same = g.call_function(aten.to.dtype, (t, torch.float32))   # returns t itself
+        u = g.call_function(aten.add.Tensor, (t, 1.0))            # `same` is read after: a copy
+        return [u, same]
+    _check(*_update_graph(build))
+
+
 def test_an_argument_in_the_same_memory_is_not_written_while_read():
     def build(g, x, expected):
         t = g.call_function(aten.mul.Tensor, (x, 2.0))
