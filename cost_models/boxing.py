@@ -45,7 +45,7 @@ from ddlc.errors import SBPError
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, P, S, SBP, NdSBP, divides, local_shape, padded_shape
 
-from .collectives import COLLECTIVES, cheapest_algorithm, collective_expr, collective_time
+from .collectives import COLLECTIVES, cheapest_algorithm, collective_expr, collective_time, priced_as
 
 __all__ = ["STEP_KINDS", "BoxingStep", "BoxingPlan", "boxing_cost", "boxing_seconds", "boxing_table"]
 
@@ -138,8 +138,8 @@ def _step(shape: tuple[int, ...], itemsize: int, mesh: Mesh, before: NdSBP, axis
     nbytes = itemsize * math.prod(local_shape(shape, before.replace(axis, B), mesh.shape))
     algo, seconds, runs_as = None, 0.0, None
     if kind in COLLECTIVES:
-        group, link = mesh.shape[axis], mesh.links[axis]
-        priced = mesh.profile.runs_as(kind)
+        group = mesh.shape[axis]
+        priced, link = priced_as(kind, mesh, axis)
         runs_as = priced if priced != kind else None
         if algorithm == "auto":
             algo, seconds = cheapest_algorithm(priced, nbytes, group, link)

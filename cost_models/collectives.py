@@ -36,7 +36,7 @@ from ddlc.ir import CollectiveInfo
 from ddlc.mesh import LinkModel, Mesh
 
 __all__ = ["COLLECTIVES", "ALGORITHMS", "SYMBOLS", "ceil_log2", "collective_expr",
-           "collective_time", "cheapest_algorithm", "affine_fit", "axis_time", "repriced"]
+           "collective_time", "cheapest_algorithm", "affine_fit", "axis_time", "priced_as", "repriced"]
 
 n, p, alpha, beta = SYMBOLS = sympy.symbols("n p alpha beta", positive=True)
 
@@ -107,11 +107,19 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: LinkModel,
     return float(f(nbytes, group_size, link.latency, link.beta))
 
 
+def priced_as(kind: str, mesh: Mesh, axis: int) -> tuple[str, LinkModel]:
+    """The collective the backend runs for ``kind`` on mesh ``axis`` and the link it runs
+    on, as the profile measured them (``emulated_collectives``: gloo runs a reduce-scatter
+    as an all-reduce; ``collective_factors``: that kind's measured fit against the link's)."""
+    runs = mesh.profile.runs_as(kind)
+    return runs, mesh.profile.link_for(runs, mesh.links[axis])
+
+
 def axis_time(kind: str, nbytes: float, mesh: Mesh, axis: int, algorithm: str = "ring") -> float:
     """Seconds of ``kind`` over ``nbytes`` on mesh ``axis``, priced as the backend runs it
-    (a profile's ``emulated_collectives``: gloo runs a reduce-scatter as an all-reduce)."""
-    return collective_time(mesh.profile.runs_as(kind), nbytes, mesh.shape[axis], mesh.links[axis],
-                           algorithm)
+    (:func:`priced_as`)."""
+    runs, link = priced_as(kind, mesh, axis)
+    return collective_time(runs, nbytes, mesh.shape[axis], link, algorithm)
 
 
 def repriced(info: CollectiveInfo, nbytes: int, mesh: Mesh) -> CollectiveInfo:

@@ -2,9 +2,13 @@
 
 Per device: achievable float32 matmul FLOP/s (one thread per rank, as the
 workers run), memory bandwidth (a 64 MiB copy) and cache bandwidth (a copy
-whose working set is CACHE_BYTES, which the roofline uses for ops that small). Per link: an all-reduce of
-sizes from 4 KiB to 16 MiB on ``world_size`` local gloo processes, fitted by
-non-negative least squares (relative error) to the ring model ``t = 2(p-1)·α + 2(p-1)/p · n/bandwidth``.
+whose working set is CACHE_BYTES, which the roofline uses for ops that small). Per link: all-reduce, all-gather, reduce-scatter and all-to-all of
+sizes from 4 KiB to 16 MiB on ``world_size`` local gloo processes, each fitted by
+non-negative least squares (relative error) to its ring model (:data:`RING`; the
+all-reduce's ``t = 2(p-1)·α + 2(p-1)/p · n/bandwidth`` gives the links, every other
+kind's fit is stored as its factors against it: ``collective_factors``, which the cost
+models apply to that kind on every link; gloo's reduce-scatter, an all-reduce plus a
+chunk, is measured as what it is).
 Prints the profile as JSON (``--out`` writes it), ready for ``Mesh(...,
 profile=path)``, with the fit's relative error at every measured size (``fit``; also a
 table on stderr); rank 0 shows a progress bar over the sizes on a terminal. Timings are medians over repeats; the result is only as good
@@ -24,8 +28,8 @@ from tqdm import tqdm
 
 from .launch import spawn
 
-__all__ = ["measure_compute", "measure_link", "fit_ring_all_reduce", "fit_errors", "calibrate",
-           "calibrated_profile"]
+__all__ = ["RING", "measure_compute", "measure_link", "fit_ring", "fit_ring_all_reduce", "fit_errors",
+           "calibrate", "calibrated_profile"]
 
 SIZES = [2**12, 2**16, 2**20, 2**22, 2**24]  # bytes
 
@@ -60,63 +64,99 @@ def measure_compute(n: int = 512) -> tuple[float, float, float]:
     return flops, _copy_bandwidth(2**24), _copy_bandwidth(CACHE_BYTES // 8, repeats=50)
 
 
-def _all_reduce_times(rank: int, repeats: int = 10) -> list:
+#: collective -> (start-ups, bandwidth passes) of its ring on p ranks: ``t = a(p)·α + b(p)·n/bandwidth``
+RING = {"all_reduce": lambda p: (2 * (p - 1), 2 * (p - 1) / p),
+        "all_gather": lambda p: (p - 1, (p - 1) / p),
+        "reduce_scatter": lambda p: (p - 1, (p - 1) / p),
+        "all_to_all": lambda p: (p - 1, (p - 1) / p**2)}
+
+
+def _run_collective(kind: str, nbytes: int):
+    """A function that runs one ``kind`` over ``nbytes`` (the whole tensor on the group:
+    the gathered result, the reduced input, the exchanged total) on the default group."""
+    p = dist.get_world_size()
+    whole, piece = torch.ones(nbytes // 4), torch.ones(max(nbytes // 4 // p, 1))
+    out = torch.empty_like(whole)
+    return {"all_reduce": lambda: dist.all_reduce(whole),
+            "all_gather": lambda: dist.all_gather_into_tensor(out[:piece.numel() * p], piece),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(piece, whole[:piece.numel() * p]),
+            "all_to_all": lambda: dist.all_to_all_single(out, whole)}[kind]
+
+
+def _collective_times(rank: int, repeats: int = 10) -> list:
     torch.set_num_threads(1)
-    times = []
+    times = {}
     quiet = rank != 0 or not sys.stderr.isatty()
-    for nbytes in tqdm(SIZES, desc="all-reduce sizes", unit="size", file=sys.stderr, disable=quiet):
-        t = torch.ones(nbytes // 4)
+    cases = [(kind, n) for kind in RING for n in SIZES]
+    for kind, nbytes in tqdm(cases, desc="collectives", unit="size", file=sys.stderr, disable=quiet):
+        one = _run_collective(kind, nbytes)
 
         def run():
             for _ in range(repeats):
-                dist.all_reduce(t)
+                one()
         dist.barrier()
-        times.append(_median_seconds(run, 3) / repeats)
+        times.setdefault(kind, []).append(_median_seconds(run, 3) / repeats)
     return [times, *measure_compute()]
 
 
-def fit_ring_all_reduce(sizes, times, p: int) -> tuple[float, float]:
-    """(α, bandwidth) of ``t = 2(p-1)·α + 2(p-1)/p · n/bandwidth`` fitted to all-reduce
-    times of ``sizes`` bytes by non-negative least squares in relative error."""
-    rows = [[2.0 * (p - 1) / t, 2.0 * (p - 1) / p * n / t] for n, t in zip(sizes, times)]
+def fit_ring(kind: str, sizes, times, p: int) -> tuple[float, float]:
+    """(α, bandwidth) of ``kind``'s ring model (:data:`RING`) fitted to its times over
+    ``sizes`` bytes by non-negative least squares in relative error."""
+    a, b = RING[kind](p)
+    rows = [[a / t, b * n / t] for n, t in zip(sizes, times)]
     (alpha, beta), _ = nnls(rows, [1.0] * len(sizes))
     return max(alpha, 1e-9), 1.0 / max(beta, 1e-15)
 
 
-def fit_errors(sizes, times, p: int, alpha: float, bandwidth: float) -> list[dict]:
-    """Per size: bytes, measured and modeled seconds of the ring fit, and the relative error
-    (model / measured - 1)."""
+def fit_ring_all_reduce(sizes, times, p: int) -> tuple[float, float]:
+    """:func:`fit_ring` of the all-reduce, whose fit the profile's links hold."""
+    return fit_ring("all_reduce", sizes, times, p)
+
+
+def fit_errors(sizes, times, p: int, alpha: float, bandwidth: float,
+               kind: str = "all_reduce") -> list[dict]:
+    """Per size: bytes, measured and modeled seconds of ``kind``'s ring fit, and the
+    relative error (model / measured - 1)."""
+    a, b = RING[kind](p)
     rows = []
     for n, t in zip(sizes, times):
-        model = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bandwidth
+        model = a * alpha + b * n / bandwidth
         rows.append({"bytes": n, "measured": t, "model": model, "error": model / t - 1})
     return rows
 
 
-def measure_link(world_size: int) -> tuple[float, float, float, float, float, list[dict]]:
-    """(α seconds, bandwidth bytes/s, FLOP/s, memory and cache bytes/s, fit errors) from
-    ``world_size`` gloo ranks measuring at the same time."""
-    results = spawn(_all_reduce_times, world_size, timeout=120, deadline=600)
-    times = [max(r[0][i] for r in results) for i in range(len(SIZES))]
-    alpha, bandwidth = fit_ring_all_reduce(SIZES, times, world_size)
+def measure_link(world_size: int) -> tuple[float, float, float, float, float, dict, dict]:
+    """(α seconds, bandwidth bytes/s of the all-reduce ring, FLOP/s, memory and cache
+    bytes/s, per other collective its (latency, bandwidth) factors against the all-reduce's
+    fit, per collective its fit errors) from ``world_size`` gloo ranks measuring at once
+    (each size's time: the slowest rank's)."""
+    results = spawn(_collective_times, world_size, timeout=120, deadline=900)
+    fits, errors = {}, {}
+    for kind in RING:
+        times = [max(r[0][kind][i] for r in results) for i in range(len(SIZES))]
+        fits[kind] = fit_ring(kind, SIZES, times, world_size)
+        errors[kind] = fit_errors(SIZES, times, world_size, *fits[kind], kind=kind)
+    alpha, bandwidth = fits["all_reduce"]
+    factors = {kind: {"latency": a / alpha, "bandwidth": bw / bandwidth}
+               for kind, (a, bw) in fits.items() if kind != "all_reduce"}
     flops, memory, cache = (statistics.median(r[i] for r in results) for i in (1, 2, 3))
-    return alpha, bandwidth, flops, memory, cache, fit_errors(SIZES, times, world_size, alpha, bandwidth)
+    return alpha, bandwidth, flops, memory, cache, factors, errors
 
 
 def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
-    alpha, bandwidth, flops, memory, cache, errors = measure_link(world_size)
+    alpha, bandwidth, flops, memory, cache, factors, errors = measure_link(world_size)
     link = {"latency": alpha, "bandwidth": bandwidth}
     return {"name": name,
             "description": f"measured by `python -m ddlc calibrate` with {world_size} local gloo "
                            "processes, one thread each",
-            "source": "ddlc.calibrate: median timings, ring all-reduce fit by least squares",
+            "source": "ddlc.calibrate: median timings, ring fits per collective by least squares",
             "devices_per_node": 64, "flops": {"float32": flops, "bfloat16": flops / 2,
                                                "float16": flops / 2},
             "memory_bandwidth": memory, "memory_capacity": 8.0e9,
             "cache": {"bytes": CACHE_BYTES, "bandwidth": cache},
-            "emulated_collectives": {"reduce_scatter": "all_reduce"},  # gloo: all-reduce + chunk
             "links": {"intra_node": link, "inter_node": link},
-            "fit": {"all_reduce": errors}}
+            "collective_factors": factors,
+            "fit": errors}
 
 
 def calibrated_profile(world_size: int = 4, refresh: bool = False) -> str:
@@ -146,8 +186,9 @@ def format_fit(profile: dict) -> str:
     link = profile["links"]["intra_node"]
     lines = []
     for kind, rows in profile["fit"].items():
-        lines += [f"{kind} ring fit: latency {link['latency'] * 1e6:.1f} us, bandwidth "
-                  f"{link['bandwidth'] / 1e9:.3g} GB/s",
+        factor = profile.get("collective_factors", {}).get(kind, {"latency": 1.0, "bandwidth": 1.0})
+        lines += [f"{kind} ring fit: latency {link['latency'] * factor['latency'] * 1e6:.1f} us, "
+                  f"bandwidth {link['bandwidth'] * factor['bandwidth'] / 1e9:.3g} GB/s",
                   f"{'bytes':>10}  {'measured ms':>11}  {'model ms':>9}  {'error':>7}"]
         lines += [f"{r['bytes']:>10}  {r['measured'] * 1e3:>11.3f}  {r['model'] * 1e3:>9.3f}  "
                   f"{r['error']:>+7.1%}" for r in rows]

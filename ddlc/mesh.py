@@ -9,6 +9,7 @@ as in ``torch.distributed.device_mesh.DeviceMesh``.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -55,11 +56,21 @@ class HardwareProfile:
     emulated: tuple[tuple[str, str], ...] = ()  # collective -> the one the backend runs instead
     compute: str = "roofline"                 # operator times: "roofline", or "measured" here
     source: str = field(default="", compare=False)
+    #: collective -> (latency factor, bandwidth factor) on every link: what a measured
+    #: profile found that kind's ring fit to be against the all-reduce's (which the links hold)
+    collective_factors: tuple[tuple[str, tuple[float, float]], ...] = ()
 
     def runs_as(self, collective: str) -> str:
         """The collective the backend really runs for ``collective`` (gloo runs a
         reduce-scatter as an all-reduce and keeps its chunk)."""
         return dict(self.emulated).get(collective, collective)
+
+    def link_for(self, collective: str, link: LinkModel) -> LinkModel:
+        """``link`` as ``collective`` runs on it: its start-up and bandwidth scaled by the
+        profile's measured factors for that kind (gloo's all-gather and all-to-all run
+        slower than the all-reduce ring of the same link predicts), else as it is."""
+        factors = dict(self.collective_factors).get(collective)
+        return link if factors is None else _scaled(link, *factors)
 
     def flops_for(self, dtype: str) -> float:
         table = dict(self.flops)
@@ -79,9 +90,17 @@ class HardwareProfile:
                 cache_bytes=float(d.get("cache", {}).get("bytes", 0.0)),
                 cache_bandwidth=float(d.get("cache", {}).get("bandwidth", 0.0)),
                 emulated=tuple(sorted(d.get("emulated_collectives", {}).items())),
-                compute=d.get("compute", "roofline"))
+                compute=d.get("compute", "roofline"),
+                collective_factors=tuple(sorted(
+                    (kind, (float(f["latency"]), float(f["bandwidth"])))
+                    for kind, f in d.get("collective_factors", {}).items())))
         except (KeyError, TypeError) as e:
             raise MeshError(f"hardware profile is missing or mistypes field {e}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _scaled(link: LinkModel, latency: float, bandwidth: float) -> LinkModel:
+    return LinkModel(link.latency * latency, link.bandwidth * bandwidth)
 
 
 def available_profiles() -> list[str]:

@@ -1,10 +1,11 @@
-"""The calibration fit recovers a known link, and the measured profile loads as a Mesh."""
+"""The calibration fits recover known links per collective, and the measured profile loads
+as a Mesh whose collectives it prices."""
 import json
 
 import pytest
 
 import ddlc
-from ddlc.calibrate import SIZES, fit_ring_all_reduce, measure_compute
+from ddlc.calibrate import RING, SIZES, fit_ring, fit_ring_all_reduce, measure_compute
 
 
 def test_fit_recovers_alpha_and_bandwidth_from_ring_times():
@@ -13,6 +14,35 @@ def test_fit_recovers_alpha_and_bandwidth_from_ring_times():
     fitted_alpha, fitted_bandwidth = fit_ring_all_reduce(SIZES, times, p)
     assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
     assert fitted_bandwidth == pytest.approx(bandwidth, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", sorted(RING))
+def test_each_collectives_fit_recovers_its_own_ring(kind):
+    alpha, bandwidth, p = 2e-3, 4e8, 4
+    a, b = RING[kind](p)
+    times = [a * alpha + b * n / bandwidth for n in SIZES]
+    fitted_alpha, fitted_bandwidth = fit_ring(kind, SIZES, times, p)
+    assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
+    assert fitted_bandwidth == pytest.approx(bandwidth, rel=1e-6)
+
+
+def test_a_calibrated_profiles_factors_price_its_collectives(tmp_path):
+    """What ``calibrate`` writes (the all-reduce's fit as the links, every other kind as
+    factors against it) prices each kind as its own fit."""
+    from cost_models.collectives import axis_time
+    link = {"latency": 1e-3, "bandwidth": 7e8}
+    profile = {"name": "here", "devices_per_node": 64, "flops": {"float32": 1e10},
+               "memory_bandwidth": 3e9, "memory_capacity": 8e9,
+               "links": {"intra_node": link, "inter_node": link},
+               "collective_factors": {"all_gather": {"latency": 2.0, "bandwidth": 0.5}}}
+    path = tmp_path / "here.json"
+    path.write_text(json.dumps(profile))
+    mesh = ddlc.Mesh((4,), profile=str(path))
+    n = 2**20
+    a, b = RING["all_gather"](4)
+    assert axis_time("all_gather", n, mesh, 0) == pytest.approx(a * 2e-3 + b * n / 3.5e8)
+    a, b = RING["all_reduce"](4)
+    assert axis_time("all_reduce", n, mesh, 0) == pytest.approx(a * 1e-3 + b * n / 7e8)
 
 
 def test_measured_compute_is_positive_and_profile_loads(tmp_path):

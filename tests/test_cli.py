@@ -40,8 +40,8 @@ def _commands(tmp: Path) -> dict[str, tuple[list[str], str]]:
     """name -> (arguments of ``python -m ddlc``, PYTHONHASHSEED)."""
     (tmp / "raising.py").write_text(RAISING)
     (tmp / "fast.json").write_text(json.dumps(FAST_GLOO_DICT))  # a link the MLP's dp pays on
-    full = ["plan", f"{FACTORIES}:mlp_deep", "--mesh", "2x2", "--graph", "--json", str(tmp / "plan.json"),
-            "--svg", str(tmp / "plan.svg"), "--html", str(tmp / "plan.html")]
+    full = ["plan", f"{FACTORIES}:mlp_deep", "--mesh", "2x2", "--profile", str(tmp / "fast.json"), "--graph",
+            "--json", str(tmp / "plan.json"), "--svg", str(tmp / "plan.svg"), "--html", str(tmp / "plan.html")]
     return {
         "plan": (full, "1"),
         "plan_other_seed": ([*full[:-6], "--json", str(tmp / "plan2.json")], "12345"),
@@ -80,7 +80,7 @@ def test_plan_prints_the_report(runs):
     out = _result(runs, "plan")
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert text.startswith("plan on mesh 2x2(dp,tp), profile cpu-gloo, solver cd")
+    assert text.startswith("plan on mesh 2x2(dp,tp), profile fast-gloo, solver cd")
     assert "layers.[1-3]" in text  # the identical hidden layers share one row
     for part in ("module", "parameters", "activation", "modeled step", "communication exposed",
                  "communication hidden", "peak memory per device", "collectives per step",

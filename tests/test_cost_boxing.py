@@ -45,13 +45,37 @@ def test_each_one_axis_transition_is_one_step_priced_by_hand(src, dst, kind):
 
 
 def test_an_emulated_collective_is_priced_as_what_the_backend_runs():
-    """Gloo runs a reduce-scatter as an all-reduce (keeping its chunk): cpu-gloo says so."""
-    plan = cost((8, 16), "P", "S1", mesh(4, profile="cpu-gloo"))
+    """A profile may say its backend runs a reduce-scatter as an all-reduce (gloo keeps the
+    chunk): it is priced as one."""
+    from conftest import FAST_GLOO
+    plan = cost((8, 16), "P", "S1", mesh(4, profile=FAST_GLOO))
     (step,) = plan.steps
     assert (step.kind, step.runs_as) == ("reduce_scatter", "all_reduce")
     assert plan.seconds == pytest.approx(ring("all_reduce", N, 4), rel=1e-12)
     assert "reduce_scatter[ring] as all_reduce" in str(step)
     assert step.formula == collective_expr("all_reduce", "ring")
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_to_all", "all_reduce"])
+def test_a_measured_collective_runs_on_its_own_fit(kind):
+    """cpu-gloo holds each collective's measured ring fit as factors on the all-reduce's
+    link: a kind is priced with its start-up and bandwidth scaled so (the all-reduce, which
+    the link holds, as it is)."""
+    from cost_models.collectives import axis_time
+    m = mesh(4, profile="cpu-gloo")
+    link = m.links[0]
+    latency, bandwidth = dict(m.profile.collective_factors).get(kind, (1.0, 1.0))
+    scaled = LinkModel(link.latency * latency, link.bandwidth * bandwidth)
+    assert axis_time(kind, N, m, 0) == pytest.approx(ring(kind, N, 4, scaled), rel=1e-12)
+    if kind != "all_reduce":
+        assert axis_time(kind, N, m, 0) > ring(kind, N, 4)
+
+
+def test_gloos_reduce_scatter_loses_to_an_all_reduce_and_a_slice():
+    """Measured on gloo, a reduce-scatter costs more than the all-reduce it runs inside:
+    P -> S goes as all-reduce, then each rank's slice."""
+    plan = cost((8, 16), "P", "S1", mesh(4, profile="cpu-gloo"))
+    assert [s.kind for s in plan.steps] == ["all_reduce", "slice"]
 
 
 def test_no_change_costs_nothing():
