@@ -8,7 +8,7 @@ non-negative least squares (relative error) to its ring model (:data:`RING`; the
 all-reduce's ``t = 2(p-1)·α + 2(p-1)/p · n/bandwidth`` gives the links, every other
 kind's fit is stored as its factors against it: ``collective_factors``, which the cost
 models apply to that kind on every link; gloo's reduce-scatter, an all-reduce plus a
-chunk, is measured as what it is).
+chunk, is measured and reported, and priced as the all-reduce it runs: :data:`EMULATED`).
 Prints the profile as JSON (``--out`` writes it), ready for ``Mesh(...,
 profile=path)``, with the fit's relative error at every measured size (``fit``; also a
 table on stderr); rank 0 shows a progress bar over the sizes on a terminal. Timings are medians over repeats; the result is only as good
@@ -71,6 +71,13 @@ RING = {"all_reduce": lambda p: (2 * (p - 1), 2 * (p - 1) / p),
         "all_to_all": lambda p: (p - 1, (p - 1) / p**2)}
 
 
+#: what gloo runs instead: a reduce-scatter is an all-reduce whose chunk each rank keeps.
+#: Its own fit is measured and reported, but it is priced as an all-reduce (its fit is
+#: about 1.4x an all-reduce on 4 ranks sharing 2 cores): priced on its fit, a 2-D plan's
+#: gradients go as all-reduce + slice, whose all-reduces passes/fuse.py does not bucket.
+EMULATED = {"reduce_scatter": "all_reduce"}
+
+
 def _run_collective(kind: str, nbytes: int):
     """A function that runs one ``kind`` over ``nbytes`` (the whole tensor on the group:
     the gathered result, the reduced input, the exchanged total) on the default group."""
@@ -125,11 +132,12 @@ def fit_errors(sizes, times, p: int, alpha: float, bandwidth: float,
     return rows
 
 
-def measure_link(world_size: int) -> tuple[float, float, float, float, float, dict, dict]:
+def measure_link(world_size: int) -> tuple[float, float, float, float, float, dict, dict, dict]:
     """(α seconds, bandwidth bytes/s of the all-reduce ring, FLOP/s, memory and cache
-    bytes/s, per other collective its (latency, bandwidth) factors against the all-reduce's
-    fit, per collective its fit errors) from ``world_size`` gloo ranks measuring at once
-    (each size's time: the slowest rank's)."""
+    bytes/s, per other collective that is not :data:`EMULATED` its (latency, bandwidth)
+    factors against the all-reduce's fit, per collective its fitted latency and bandwidth,
+    and its fit errors) from ``world_size`` gloo ranks measuring at once (each size's
+    time: the slowest rank's)."""
     results = spawn(_collective_times, world_size, timeout=120, deadline=900)
     fits, errors = {}, {}
     for kind in RING:
@@ -138,13 +146,14 @@ def measure_link(world_size: int) -> tuple[float, float, float, float, float, di
         errors[kind] = fit_errors(SIZES, times, world_size, *fits[kind], kind=kind)
     alpha, bandwidth = fits["all_reduce"]
     factors = {kind: {"latency": a / alpha, "bandwidth": bw / bandwidth}
-               for kind, (a, bw) in fits.items() if kind != "all_reduce"}
+               for kind, (a, bw) in fits.items() if kind not in ("all_reduce", *EMULATED)}
     flops, memory, cache = (statistics.median(r[i] for r in results) for i in (1, 2, 3))
-    return alpha, bandwidth, flops, memory, cache, factors, errors
+    fitted = {kind: {"latency": a, "bandwidth": bw} for kind, (a, bw) in fits.items()}
+    return alpha, bandwidth, flops, memory, cache, factors, fitted, errors
 
 
 def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
-    alpha, bandwidth, flops, memory, cache, factors, errors = measure_link(world_size)
+    alpha, bandwidth, flops, memory, cache, factors, fitted, errors = measure_link(world_size)
     link = {"latency": alpha, "bandwidth": bandwidth}
     return {"name": name,
             "description": f"measured by `python -m ddlc calibrate` with {world_size} local gloo "
@@ -154,8 +163,10 @@ def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
                                                "float16": flops / 2},
             "memory_bandwidth": memory, "memory_capacity": 8.0e9,
             "cache": {"bytes": CACHE_BYTES, "bandwidth": cache},
+            "emulated_collectives": EMULATED,
             "links": {"intra_node": link, "inter_node": link},
             "collective_factors": factors,
+            "fits": fitted,
             "fit": errors}
 
 
@@ -186,9 +197,11 @@ def format_fit(profile: dict) -> str:
     link = profile["links"]["intra_node"]
     lines = []
     for kind, rows in profile["fit"].items():
-        factor = profile.get("collective_factors", {}).get(kind, {"latency": 1.0, "bandwidth": 1.0})
-        lines += [f"{kind} ring fit: latency {link['latency'] * factor['latency'] * 1e6:.1f} us, "
-                  f"bandwidth {link['bandwidth'] * factor['bandwidth'] / 1e9:.3g} GB/s",
+        fit = profile.get("fits", {}).get(kind, link)
+        priced = profile.get("emulated_collectives", {}).get(kind)
+        lines += [f"{kind} ring fit: latency {fit['latency'] * 1e6:.1f} us, "
+                  f"bandwidth {fit['bandwidth'] / 1e9:.3g} GB/s"
+                  + (f" (priced as {priced}, which the backend runs)" if priced else ""),
                   f"{'bytes':>10}  {'measured ms':>11}  {'model ms':>9}  {'error':>7}"]
         lines += [f"{r['bytes']:>10}  {r['measured'] * 1e3:>11.3f}  {r['model'] * 1e3:>9.3f}  "
                   f"{r['error']:>+7.1%}" for r in rows]
