@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from .launch import spawn
 
-__all__ = ["RING", "measure_compute", "measure_link", "fit_ring", "fit_ring_all_reduce", "fit_errors",
+__all__ = ["RING", "measure_compute", "measure_link", "fit_ring", "fit_errors",
            "calibrate", "calibrated_profile"]
 
 SIZES = [2**12, 2**16, 2**20, 2**22, 2**24]  # bytes
@@ -113,11 +113,6 @@ def fit_ring(kind: str, sizes, times, p: int) -> tuple[float, float]:
     rows = [[a / t, b * n / t] for n, t in zip(sizes, times)]
     (alpha, beta), _ = nnls(rows, [1.0] * len(sizes))
     return max(alpha, 1e-9), 1.0 / max(beta, 1e-15)
-
-
-def fit_ring_all_reduce(sizes, times, p: int) -> tuple[float, float]:
-    """:func:`fit_ring` of the all-reduce, whose fit the profile's links hold."""
-    return fit_ring("all_reduce", sizes, times, p)
 
 
 def fit_errors(sizes, times, p: int, alpha: float, bandwidth: float,

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, NamedTuple, O
 
 import torch
 from torch import fx
+from torch._ops import OpOverload
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
 if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run time
@@ -43,7 +44,7 @@ if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run 
 __all__ = ["MetaKey", "Origin", "InputSpec", "OutputSpec", "StepSignature", "Signature",
            "NdSignature", "CollectiveInfo", "Piece", "ROLES", "ORIGIN", "ROLE", "SHARDING",
            "COLLECTIVE", "PIECE", "FUSED", "GLOBAL_VAL", "STEP", "BUCKET_CAP", "PIECE_BYTES",
-           "UPDATES", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait",
+           "UPDATES", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait", "is_mutating", "in_update",
            "collective_kind", "collective_sequence", "is_scalar_valued", "output_scalars"]
 
 T = TypeVar("T")
@@ -303,6 +304,12 @@ PIECE_BYTES: MetaKey[float] = MetaKey("ddlc_piece_bytes", (int, float))
 UPDATES: MetaKey[str] = MetaKey("ddlc_updates", str)
 
 
+def in_update(node: fx.Node) -> bool:
+    """Whether ``node`` is an operator of the optimizer update (its ``ORIGIN`` phase)."""
+    origin = ORIGIN.get(node)
+    return origin is not None and origin.phase == "optimizer"
+
+
 def where(node: fx.Node) -> str:
     """How errors point at ``node``: its name, module and user source line when known."""
     origin = ORIGIN.get(node)
@@ -335,6 +342,12 @@ def is_wait(node: fx.Node) -> bool:
 def collective_kind(node: fx.Node) -> str | None:
     """The kind of the collective ``node`` issues, or None."""
     return COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
+
+
+def is_mutating(node: fx.Node) -> bool:
+    """Whether ``node`` calls an operator that writes one of its inputs (``mul_``, ...)."""
+    return node.op == "call_function" and isinstance(node.target, OpOverload) \
+        and node.target._schema.is_mutable
 
 
 def is_getitem(node: fx.Node) -> bool:

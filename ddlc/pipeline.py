@@ -222,9 +222,10 @@ def _lower_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: 
         run_pass("schedule", *reorder)
     check_waits(gm)  # invariant: every collective's output is read only through its wait
     chosen = LoweringChoices(cap, size, tuple(n.name for n in gm.graph.nodes) if options.schedule else None)
-    run_pass("views", views_as_views, gm)  # after the choices, which name the nodes before it
-    if options.inplace and options.backend == "eager":
-        run_pass("inplace", update_in_place, gm)
+    with _Deferred(gm):  # after the choices, which name the nodes before them; code once
+        run_pass("views", views_as_views, gm)
+        if options.inplace and options.backend == "eager":
+            run_pass("inplace", update_in_place, gm)
     return chosen
 
 

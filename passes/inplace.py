@@ -44,7 +44,7 @@ import torch
 from torch import fx
 from torch._ops import OpOverload
 
-from ddlc.ir import ORIGIN, STEP, is_collective, is_wait
+from ddlc.ir import ORIGIN, STEP, in_update, is_collective, is_mutating, is_wait
 from passes.fuse import unpack
 
 __all__ = ["DONATED_ROLES", "inplace_form", "update_in_place"]
@@ -60,6 +60,7 @@ _SPLITTERS = frozenset({unpack, _aten.split.Tensor, _aten.split_with_sizes.defau
 DONATED_ROLES = frozenset({"param", "buffer", "opt_state"})
 
 
+@functools.cache
 def inplace_form(target) -> OpOverload | None:
     """The in-place overload of a pointwise aten operator (``aten.mul.Tensor`` ->
     ``aten.mul_.Tensor``) with the same arguments, or None."""
@@ -79,14 +80,14 @@ def inplace_form(target) -> OpOverload | None:
 def update_in_place(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``gm``'s update operators in place (see the module docstring); returns ``gm``."""
     graph = gm.graph
-    if any(_mutates(n) for n in graph.nodes):
+    if any(is_mutating(n) for n in graph.nodes):
         return gm   # a graph that mutates already is left as it is
     signature = STEP.get(gm)
     donated = frozenset() if signature is None else frozenset(
         i.name for i in signature.inputs if i.role in DONATED_ROLES)
     storages = _Storages(graph, donated)
     for node in graph.nodes:
-        form = inplace_form(node.target) if node.op == "call_function" and _in_update(node) else None
+        form = inplace_form(node.target) if node.op == "call_function" and in_update(node) else None
         if form is not None and storages.can_overwrite_first_argument(node):
             node.target = form
         storages.visit(node)
@@ -222,16 +223,6 @@ def _may_return_an_input(node: fx.Node) -> bool:
     return not isinstance(node.target, OpOverload) or _composite(node.target)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _composite(target: OpOverload) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd")
-
-
-def _mutates(node: fx.Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, OpOverload) \
-        and node.target._schema.is_mutable
-
-
-def _in_update(node: fx.Node) -> bool:
-    origin = ORIGIN.get(node)
-    return origin is not None and origin.phase == "optimizer"

@@ -35,7 +35,7 @@ from torch import fx
 from torch._ops import OpOverload
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ddlc.ir import ORIGIN
+from ddlc.ir import ORIGIN, in_update, is_mutating
 
 __all__ = ["VIEW_FORMS", "views_as_views"]
 
@@ -73,7 +73,7 @@ _CONTIGUOUS_READERS = (_aten.native_layer_norm_backward.default,)
 def views_as_views(gm: fx.GraphModule) -> fx.GraphModule:
     """Turn ``gm``'s view copies into views in place (see the module docstring)."""
     graph = gm.graph
-    if any(_mutates(n) for n in graph.nodes):
+    if any(is_mutating(n) for n in graph.nodes):
         return gm
     walk = _Walk(graph)
     for node in list(graph.nodes):
@@ -145,7 +145,7 @@ class _Walk:
                     clone = self.graph.call_function(_aten.clone.default, (arg,),
                                                      {"memory_format": torch.contiguous_format})
                 clone.meta = {k: arg.meta[k] for k in _COPIED_META if k in arg.meta}
-                if _in_update(reader):  # it runs with the update, wherever that is scheduled
+                if in_update(reader):  # it runs with the update, wherever that is scheduled
                     ORIGIN.set(clone, ORIGIN(reader))
                 if "val" in clone.meta and not clone.meta["val"].is_contiguous():
                     self.layout[clone] = torch.empty(value.shape, dtype=value.dtype, device="meta")
@@ -154,10 +154,6 @@ class _Walk:
 
         reader.args = tuple(tree_map(fix, list(reader.args)))
         reader.kwargs = {k: tree_map(fix, v) for k, v in reader.kwargs.items()}
-
-
-def _mutates(node: fx.Node) -> bool:
-    return isinstance(node.target, OpOverload) and node.target._schema.is_mutable
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -176,13 +172,9 @@ def _needs_contiguous(node: fx.Node) -> bool:
     # the update reads each gradient in its parameter's (contiguous) layout, as autograd's
     # AccumulateGrad makes it: a transposed weight gradient read by the ten or so
     # elementwise operators of an AdamW update costs each of them 15x (1M floats on CPU)
-    return _in_update(node) and not target.is_view
+    return in_update(node) and not target.is_view
 
 
-def _in_update(node: fx.Node) -> bool:
-    """Whether ``node`` is an operator of the optimizer update."""
-    origin = ORIGIN.get(node)
-    return origin is not None and origin.phase == "optimizer"
 
 def _meta(value):
     """Meta tensors with ``value``'s shapes, dtypes and strides."""

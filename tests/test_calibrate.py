@@ -5,13 +5,13 @@ import json
 import pytest
 
 import ddlc
-from ddlc.calibrate import RING, SIZES, fit_ring, fit_ring_all_reduce, measure_compute
+from ddlc.calibrate import RING, SIZES, fit_ring, measure_compute
 
 
 def test_fit_recovers_alpha_and_bandwidth_from_ring_times():
     alpha, bandwidth, p = 30e-6, 3e9, 4
     times = [2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bandwidth for n in SIZES]
-    fitted_alpha, fitted_bandwidth = fit_ring_all_reduce(SIZES, times, p)
+    fitted_alpha, fitted_bandwidth = fit_ring("all_reduce", SIZES, times, p)
     assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
     assert fitted_bandwidth == pytest.approx(bandwidth, rel=1e-6)
 

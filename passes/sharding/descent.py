@@ -302,10 +302,10 @@ def coordinate_descent(problem: ShardingProblem, memory_budget: float = float("i
     choice, sweeps = _descend(problem, choice, memory_budget, paths, regions, max_sweeps)
     permuted = 0
     for order in _axis_permutations(problem.mesh) if start is None else ():
-        start = _permuted(problem, choice, order)
-        if start is None or problem.memory_of(start) > memory_budget:
+        permuted_choice = _permuted(problem, choice, order)
+        if permuted_choice is None or problem.memory_of(permuted_choice) > memory_budget:
             continue
-        other, _ = _descend(problem, start, memory_budget, paths, [], max_sweeps)
+        other, _ = _descend(problem, permuted_choice, memory_budget, paths, [], max_sweeps)
         if not _lower(problem, other, choice, memory_budget):
             continue  # the cheap moves do not get below the incumbent: not worth the blocks
         other, _ = _descend(problem, other, memory_budget, paths, regions, max_sweeps)
