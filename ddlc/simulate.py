@@ -68,7 +68,9 @@ def _simulated(node: fx.Node) -> bool:
 
 
 def run_ranks(graphs: Sequence[fx.GraphModule], mesh: Mesh, inputs: Sequence[Sequence]) -> list:
-    """Run ``graphs[r]`` on ``inputs[r]`` for every rank ``r``; returns each rank's outputs."""
+    """Run ``graphs[r]`` on ``inputs[r]`` for every rank ``r``; returns each rank's outputs.
+    A program may overwrite its parameter, buffer and optimizer-state inputs
+    (:mod:`passes.inplace`): give every rank, and every run, tensors of its own."""
     node_lists = [list(g.graph.nodes) for g in graphs]
     envs = [dict() for _ in graphs]
     feeds = [iter(x) for x in inputs]
