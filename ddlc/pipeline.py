@@ -2,7 +2,7 @@
 
 ::
 
-    planning  (every rank traces; rank 0 plans, see ddlc.runtime)
+    planning  (rank 0 traces and plans, see ddlc.runtime)
       trace          model + inputs + loss + optimizer -> one functional aten graph (ddlc.tracing)
       canonicalize   mean reductions -> sum / count, so batch splits give partial sums
       shard          every node's SBP signature (AutoDDL): ir.SHARDING on every node

@@ -1,7 +1,9 @@
 """``ddlc.compile`` and the distributed glue around the pipeline.
 
 Every rank of an initialised process group calls :func:`compile` with the same
-model, inputs and mesh. Each rank traces the same graph; rank 0 plans it and
+model, inputs and mesh; the ranks first check that they were given the same (in kind and
+shape). Rank 0 traces the step and sends the graph to the others (:mod:`ddlc.portable`:
+on one host, ranks that all traced would share its cores); rank 0 plans it and
 broadcasts every node's decision (so even a time-limited solver gives one
 plan); rank 0 lowers it and broadcasts lowering's choices (bucket cap, piece size,
 node order), with which each other rank lowers it for its own mesh coordinate; each
@@ -18,6 +20,7 @@ from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 import torch.distributed.checkpoint as dcp
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -32,6 +35,7 @@ from .mesh import Mesh
 from .optim import hyperparameter_values, structure as optimizer_structure
 from .options import CompileOptions
 from .plan import Plan
+from .portable import from_portable, to_portable
 from .printing import format_graph
 from .sbp import NdSBP, local_shape, local_slices
 
@@ -80,6 +84,62 @@ def _on_rank0(what: str, decide):
     if isinstance(message[0], Exception):
         raise message[0]
     return message[0]
+
+
+def _given(model: nn.Module, example_inputs, loss_fn, optimizer, mesh: Mesh,
+           options: CompileOptions) -> list[str]:
+    """What this rank was given to compile, in kind and shape (no values), one line per
+    item: parameters, buffers, example inputs, loss function, optimizer structure, mesh
+    and options. Every rank runs the program rank 0 traces and plans, so these must agree."""
+    def plain(x) -> str:  # without memory addresses, which differ by process
+        return repr(x) if isinstance(x, (int, float, bool, str, type(None))) else type(x).__name__
+
+    lines = [f"parameter {k}: {tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen")
+             for k, p in model.named_parameters()]
+    lines += [f"buffer {k}: {tuple(b.shape)} {b.dtype}" for k, b in model.named_buffers()]
+    leaves, spec = pytree.tree_flatten(example_inputs)
+    lines.append(f"example inputs structured as {spec}")
+    lines += [f"example input {i}: " + (f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor)
+                                        else plain(x)) for i, x in enumerate(leaves)]
+    lines.append(f"loss_fn {getattr(loss_fn, '__qualname__', plain(loss_fn))}")
+    if optimizer is not None:
+        try:
+            lines.append(f"optimizer {type(optimizer).__name__} {optimizer_structure(optimizer)}")
+        except DDLCError:  # unsupported: rank 0's trace says so
+            lines.append(f"optimizer {type(optimizer).__name__}")
+    lines.append(f"mesh {mesh.shape} {mesh.axis_names} profile {mesh.profile.name}")
+    lines.append(f"options {options}")
+    return lines
+
+
+def _check_given(given: list[str]) -> None:
+    """Raise on every rank, naming the first difference, unless every rank's
+    :func:`_given` equals rank 0's."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, given)
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs != everyone[0]:
+            first = next(i for i, (a, b) in enumerate(zip(everyone[0] + [""], theirs + [""])) if a != b)
+            line = lambda lines: lines[first] if first < len(lines) else "nothing more"  # noqa: E731
+            raise RuntimeMismatchError(
+                f"rank {rank} was given {line(theirs)} where rank 0 was given {line(everyone[0])}: "
+                "every rank must call ddlc.compile with the same model, example input shapes, "
+                "loss, optimizer and options (rank 0 traces and plans for all)")
+
+
+def _trace_on_rank0(model: nn.Module, example_inputs, loss_fn, optimizer,
+                    options: CompileOptions) -> fx.GraphModule:
+    """Rank 0 traces the step; every other rank receives its graph (:mod:`ddlc.portable`)
+    instead of tracing it again. Rank 0's tracing error is raised on every rank."""
+    traced = None
+
+    def trace():
+        nonlocal traced
+        traced = pipeline.trace_step(model, example_inputs, loss_fn, optimizer, options)
+        return to_portable(traced)
+
+    shipped = _on_rank0("tracing", trace)
+    return traced if traced is not None else pipeline.run_pass("receive trace", from_portable, shipped)
 
 
 def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> Plan:
@@ -173,7 +233,8 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
         raise RuntimeMismatchError("ddlc.compile needs an initialised process group: launch the "
                                    "script with torchrun, or use ddlc.spawn for local workers")
     mesh, device_mesh, device_type = _mesh_for_world(mesh, options)
-    gm = pipeline.trace_step(model, example_inputs, loss_fn, optimizer, options)
+    _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options))
+    gm = _trace_on_rank0(model, example_inputs, loss_fn, optimizer, options)
     fixed = pipeline.resolve_placements(gm, options.placements, mesh.ndim)
     plan = _plan_on_rank0(gm, lambda: pipeline.plan(gm, mesh, options, fixed))
     coord = tuple(device_mesh.get_coordinate())

@@ -1,0 +1,160 @@
+"""A traced step graph as a picklable value, so that one rank traces and the others
+receive the graph instead of tracing it again (``ddlc.compile``).
+
+A ``GraphModule`` pickles as its generated code, which drops every node's ``meta``; the
+passes need it (fake values, roles, origins, phases). :func:`to_portable` records each
+node as (op, name, target, args, kwargs, meta) with node references by name and
+operator overloads by name, the graph
+module's ``meta`` and the tensors its ``get_attr`` nodes read. Fake tensors become
+:class:`FakeSpec` records (shape, stride, storage offset, dtype, device); :func:`from_portable`
+rebuilds them as fake tensors of one new ``FakeTensorMode`` (as one trace gives), so the
+rebuilt graph has the same nodes, names, values and meta as the traced one. A value shared
+by several nodes stays shared. The graph's namespace travels too (the names given, and the
+counters): a pass that adds a node then names it as it would in the traced graph, so every rank's program names its
+nodes alike (lowering's choices refer to nodes by name).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+
+__all__ = ["FakeSpec", "PortableGraph", "to_portable", "from_portable"]
+
+
+@dataclass(frozen=True)
+class FakeSpec:
+    """What a fake tensor is: its layout, dtype and device (no data)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    def fake(self, mode: FakeTensorMode) -> FakeTensor:
+        with unset_fake_temporarily():
+            span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) if all(self.shape) else 0
+            meta = torch.empty(self.offset + span, dtype=self.dtype, device="meta")
+            meta = meta.as_strided(self.shape, self.stride, self.offset)
+            fake = FakeTensor(mode, meta, self.device)
+        return fake.requires_grad_(self.requires_grad) if self.requires_grad else fake
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A reference to the node of this name (in args, kwargs and meta)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class _Op:
+    """An aten (or other ``torch.ops``) operator overload by name: they do not pickle."""
+
+    namespace: str
+    name: str
+    overload: str
+
+    @classmethod
+    def of(cls, op: torch._ops.OpOverload) -> "_Op":
+        return cls(op.namespace, op._opname, op._overloadname)
+
+    def resolve(self) -> torch._ops.OpOverload:
+        return getattr(getattr(getattr(torch.ops, self.namespace), self.name), self.overload)
+
+
+@dataclass
+class PortableGraph:
+    """A graph module as plain picklable data (see the module docstring)."""
+
+    nodes: list[tuple[str, str, Any, Any, Any, dict]]
+    meta: dict
+    attributes: dict[str, torch.Tensor]
+    codegen: fx.graph.CodeGen
+    #: the graph's namespace (torch.fx's: every name given, erased nodes' included, and the
+    #: last number given to each base name), so that passes name new nodes alike on every rank
+    used_names: set[str]
+    name_counters: dict[str, int]
+
+
+def _mapped(x, on_tensor, on_node, memo: dict):
+    """``x`` with fake tensors mapped by ``on_tensor`` (each object once: ``memo``) and nodes by
+    ``on_node``, through lists, tuples (named tuples too), dicts and ``torch.Size``."""
+    if isinstance(x, (FakeTensor, FakeSpec)):
+        if id(x) not in memo:
+            memo[id(x)] = (x, on_tensor(x))
+        return memo[id(x)][1]
+    if isinstance(x, (fx.Node, _Ref)):
+        return on_node(x)
+    if isinstance(x, torch._ops.OpOverload):
+        return _Op.of(x)
+    if isinstance(x, _Op):
+        return x.resolve()
+    if isinstance(x, torch.Size):
+        return x
+    if isinstance(x, (list, tuple)):
+        items = [_mapped(i, on_tensor, on_node, memo) for i in x]
+        if hasattr(x, "_fields"):  # a named tuple
+            return type(x)(*items)
+        return type(x)(items)
+    if isinstance(x, dict):
+        return type(x)((k, _mapped(v, on_tensor, on_node, memo)) for k, v in x.items())
+    return x
+
+
+def _spec(t: FakeTensor) -> FakeSpec:
+    return FakeSpec(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device,
+                    t.requires_grad)
+
+
+def to_portable(gm: fx.GraphModule) -> PortableGraph:
+    """``gm`` as a :class:`PortableGraph`. Raises TypeError if a value in it is a tensor that
+    is neither fake nor read by a ``get_attr`` node (nothing else is shipped)."""
+    memo: dict = {}
+
+    def node_ref(n: fx.Node) -> _Ref:
+        return _Ref(n.name)
+
+    nodes = [(n.op, n.name, _mapped(n.target, _spec, node_ref, memo), _mapped(n.args, _spec, node_ref, memo),
+              _mapped(n.kwargs, _spec, node_ref, memo),
+              _mapped(dict(n.meta), _spec, node_ref, memo)) for n in gm.graph.nodes]
+    attributes = {n.target: functools.reduce(getattr, n.target.split("."), gm)
+                  for n in gm.graph.nodes if n.op == "get_attr"}
+    return PortableGraph(nodes, _mapped(dict(gm.meta), _spec, node_ref, memo), attributes,
+                         gm.graph._codegen, set(gm.graph._graph_namespace._used_names),
+                         dict(gm.graph._graph_namespace._base_count))
+
+
+def from_portable(portable: PortableGraph) -> fx.GraphModule:
+    """The graph module :func:`to_portable` recorded: the same nodes (names, targets,
+    arguments, meta) in the same order, its fake values in one new ``FakeTensorMode``."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    graph = fx.Graph()
+    graph._codegen = portable.codegen
+    made: dict[str, fx.Node] = {}
+    memo: dict = {}
+
+    def fake(spec: FakeSpec) -> FakeTensor:
+        return spec.fake(mode)
+
+    def node(ref: _Ref) -> fx.Node:
+        return made[ref.name]
+
+    for op, name, target, args, kwargs, meta in portable.nodes:
+        new = graph.create_node(op, _mapped(target, fake, node, memo), _mapped(args, fake, node, memo),
+                                _mapped(kwargs, fake, node, memo), name=name)
+        if new.name != name:
+            raise ValueError(f"node {name!r} was renamed {new.name!r} on rebuilding")
+        made[name] = new
+        new.meta.update(_mapped(meta, fake, node, memo))
+    graph._graph_namespace._used_names.update(portable.used_names)
+    graph._graph_namespace._base_count.update(portable.name_counters)
+    gm = fx.GraphModule(dict(portable.attributes), graph)
+    gm.meta.update(_mapped(portable.meta, fake, node, memo))
+    return gm

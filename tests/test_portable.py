@@ -1,0 +1,109 @@
+"""One rank traces, the others receive the graph: a traced step survives pickling with its
+nodes, names, meta and fake values, lowers to the same program as the traced graph, and
+ranks given different models or inputs are told so instead of running rank 0's program."""
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+
+import ddlc
+from conftest import MODELS, batches, model_and_loss, optimizer
+from ddlc import pipeline
+from ddlc.errors import RuntimeMismatchError
+from ddlc.launch import WorkerError, spawn
+from ddlc.options import CompileOptions
+from ddlc.portable import from_portable, to_portable
+
+
+def _traced(case: str, opt_name: str | None = "adamw"):
+    model, loss_fn = model_and_loss(case)
+    return pipeline.trace_step(model, batches(case)[0], loss_fn, optimizer(opt_name, model), CompileOptions())
+
+
+def _shipped(gm):
+    return from_portable(pickle.loads(pickle.dumps(to_portable(gm))))
+
+
+def _layout(value):
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device)
+    if isinstance(value, (list, tuple)):
+        return [_layout(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", None])
+@pytest.mark.parametrize("case", MODELS)
+def test_a_shipped_trace_has_the_same_nodes_meta_and_values(case, opt_name):
+    gm = _traced(case, opt_name)
+    got = _shipped(gm)
+    assert got.code == gm.code
+    assert got.meta.keys() == gm.meta.keys() and repr(got.meta) == repr(gm.meta)
+    modes = set()
+    for a, b in zip(gm.graph.nodes, got.graph.nodes, strict=True):
+        assert (a.op, a.name, a.target) == (b.op, b.name, b.target)
+        assert a.meta.keys() == b.meta.keys(), a.name
+        for key in a.meta:
+            if key == "val":
+                assert _layout(b.meta[key]) == _layout(a.meta[key]), a.name
+            elif key == "original_aten":  # the same operator (torch made another object of it)
+                assert str(b.meta[key]) == str(a.meta[key]), a.name
+            elif key != "tensor_meta":  # tensor_meta compares by value below
+                assert b.meta[key] == a.meta[key], (a.name, key)
+        assert b.meta.get("tensor_meta") == a.meta.get("tensor_meta"), a.name
+        if isinstance(b.meta.get("val"), FakeTensor):
+            modes.add(id(b.meta["val"].fake_mode))
+    assert len(modes) == 1  # one fake mode, as one trace has
+    # the names passes give new nodes: every name given before (erased nodes' too), counters
+    for namespace in ("_used_names", "_base_count"):
+        assert getattr(got.graph._graph_namespace, namespace) == getattr(gm.graph._graph_namespace, namespace)
+
+
+@pytest.mark.parametrize("case", ["gpt_tied", "resnet"])
+def test_a_shipped_trace_lowers_to_the_same_program(case):
+    if case == "resnet":  # BatchNorm: the trace erased nodes whose names new nodes must not take
+        torch.manual_seed(0)
+        model = ddlc.zoo.resnet18(width=4)
+        gm = pipeline.trace_step(model, (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))),
+                                 F.cross_entropy, optimizer("sgd", model), CompileOptions())
+    else:
+        gm = _traced(case)
+    got = _shipped(gm)
+    mesh = ddlc.Mesh((2, 2))
+    programs = []
+    for graph in (gm, got):
+        options = CompileOptions()
+        pipeline.plan(graph, mesh, options, {})
+        pipeline.lower(graph, mesh, (1, 0), ["axis0", "axis1"], options)
+        programs.append(graph.code)
+    assert programs[0] == programs[1]
+    assert "all_reduce" in programs[0] or "all_gather" in programs[0]
+
+
+def test_a_hugging_face_trace_ships():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    ids = torch.randint(0, 64, (4, 8))
+    gm = pipeline.trace_step(model, {"input_ids": ids, "labels": ids}, None,
+                             torch.optim.AdamW(model.parameters()), CompileOptions())
+    assert _shipped(gm).code == gm.code
+
+
+def _compile_other_widths(rank):
+    from conftest import MLP
+    import torch.nn.functional as F
+    model = MLP(d_hidden=64 if rank == 1 else 48)
+    ddlc.compile(model, (2,), (torch.randn(8, 32), torch.randn(8, 16)), F.mse_loss,
+                 torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_ranks_given_different_models_are_told_so():
+    with pytest.raises(WorkerError, match=r"rank 1 was given .*parameter .*64.*rank 0.*48") as caught:
+        spawn(_compile_other_widths, 2, timeout=30, deadline=90)
+    assert RuntimeMismatchError.__name__ in str(caught.value)
