@@ -37,12 +37,15 @@ class FakeSpec:
     device: torch.device
     requires_grad: bool
 
-    def fake(self, mode: FakeTensorMode) -> FakeTensor:
+    def fake(self, mode: FakeTensorMode, device: torch.device | None = None) -> FakeTensor:
+        """A fake tensor of this layout in ``mode``, on ``device`` where that is a device of
+        the same type (another GPU of the receiving rank), else on this spec's device."""
+        device = device if device is not None and device.type == self.device.type else self.device
         with unset_fake_temporarily():
             span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) if all(self.shape) else 0
             meta = torch.empty(self.offset + span, dtype=self.dtype, device="meta")
             meta = meta.as_strided(self.shape, self.stride, self.offset)
-            fake = FakeTensor(mode, meta, self.device)
+            fake = FakeTensor(mode, meta, device)
         return fake.requires_grad_(self.requires_grad) if self.requires_grad else fake
 
 
@@ -131,9 +134,11 @@ def to_portable(gm: fx.GraphModule) -> PortableGraph:
                          dict(gm.graph._graph_namespace._base_count))
 
 
-def from_portable(portable: PortableGraph) -> fx.GraphModule:
+def from_portable(portable: PortableGraph, device: torch.device | None = None) -> fx.GraphModule:
     """The graph module :func:`to_portable` recorded: the same nodes (names, targets,
-    arguments, meta) in the same order, its fake values in one new ``FakeTensorMode``."""
+    arguments, meta) in the same order, its fake values in one new ``FakeTensorMode``;
+    values on a device of ``device``'s type are put on ``device`` (the receiving rank's
+    GPU where the sender's was another)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     graph = fx.Graph()
     graph._codegen = portable.codegen
@@ -141,7 +146,7 @@ def from_portable(portable: PortableGraph) -> fx.GraphModule:
     memo: dict = {}
 
     def fake(spec: FakeSpec) -> FakeTensor:
-        return spec.fake(mode)
+        return spec.fake(mode, device)
 
     def node(ref: _Ref) -> fx.Node:
         return made[ref.name]

@@ -139,7 +139,10 @@ def _trace_on_rank0(model: nn.Module, example_inputs, loss_fn, optimizer,
         return to_portable(traced)
 
     shipped = _on_rank0("tracing", trace)
-    return traced if traced is not None else pipeline.run_pass("receive trace", from_portable, shipped)
+    if traced is not None:
+        return traced
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))  # this rank's GPU
+    return pipeline.run_pass("receive trace", from_portable, shipped, device)
 
 
 def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> Plan:
