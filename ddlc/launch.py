@@ -6,8 +6,8 @@ order, re-raises the first worker failure with its traceback, and never hangs:
 collectives time out after ``timeout`` seconds and the whole job is killed at
 ``deadline`` seconds.
 
-Workers are forked from a fork server that has imported torch and ddlc once (about 3 s of
-CPU a process otherwise), where the platform has one, else started fresh ("spawn"). Either
+Workers are forked from a fork server that has imported torch, ddlc and the caller's script
+once (about 3 s of CPU a process otherwise), where the platform has one, else started fresh ("spawn"). Either
 way a worker starts from a clean interpreter state with the parent's ``sys.path``, main
 module and environment as they are at the call: it imports ``fn``'s module itself, and
 takes ``os.environ`` from the parent, not from the fork server.
@@ -57,7 +57,9 @@ def _free_port() -> int:
 
 
 #: What every worker imports: the fork server imports it once, before forking any.
-PRELOAD = ["torch", "torch.distributed", "ddlc"]
+#: "__main__": the caller's script, where it was run as a file (as every spawned worker
+#: imports it anyway), with what it imports (say, transformers).
+PRELOAD = ["__main__", "torch", "torch.distributed", "ddlc"]
 
 
 def _start_method() -> str:
