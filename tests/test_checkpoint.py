@@ -1,6 +1,6 @@
 """Checkpoints: the sharded training state saved with torch.distributed.checkpoint and
-loaded in a fresh process group, on the same or another mesh shape and world size, continues
-exactly as an uninterrupted run; state_dict() has exactly the model's state_dict keys."""
+loaded in a fresh process group on another mesh shape and world size (saved on (2, 2), loaded
+on (2,)) continues exactly as an uninterrupted run; state_dict() has exactly the model's state_dict keys."""
 import pytest
 import torch
 
@@ -54,16 +54,14 @@ def _close(a, b, what):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
 
 
-def test_resume_on_the_same_and_on_other_meshes(tmp_path):
+def test_resume_on_another_mesh_and_world_size(tmp_path):
     path = str(tmp_path / "ckpt")
     losses, state, opt_state, keys = spawn(_uninterrupted_and_saved, 4, (2, 2), path,
                                            timeout=120, deadline=300)[0]
     model, _, _ = _setup()
     assert keys == list(model.state_dict())  # the tied embedding under both of its names
-    for mesh in [(4,), (2,)]:  # another mesh shape; another world size
-        world = 1
-        for p in mesh:
-            world *= p
+    for mesh in [(2,)]:  # another mesh shape and world size: both mesh axes reshard
+        world = mesh[0]
         loss, got, got_opt, steps_done = spawn(_resumed, world, mesh, path, timeout=120,
                                                deadline=300)[0]
         assert steps_done == 2

@@ -6,7 +6,7 @@ axis cuts the dim, every piece is non-empty, and every tensor a signature splits
 same size at its split dim, so all pieces share bounds. Collectives on such pieces run
 padded and are priced at the padded bytes; an all-to-all never takes them. The gold test
 is numerics: a GPT with a vocabulary of 67 and a batch of 7 trains like single device on
-(4,) and (2, 2), simulated in one process and on gloo processes.
+(4,) and (2, 2) simulated in one process, and on (2, 2) gloo processes.
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def _compiled_gpt(rank, shape):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("shape", [(4,), (2, 2)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(2, 2)], ids=lambda s: "x".join(map(str, s)))
 def test_uneven_plans_train_like_single_device_on_gloo(shape):
     per_rank = spawn(_compiled_gpt, 4, shape, timeout=150, deadline=220)
     want = train(_model(), lm_loss, "adamw", _batches())
