@@ -3,15 +3,15 @@ receive the graph instead of tracing it again (``ddlc.compile``).
 
 A ``GraphModule`` pickles as its generated code, which drops every node's ``meta``; the
 passes need it (fake values, roles, origins, phases). :func:`to_portable` records each
-node as (op, name, target, args, kwargs, meta) with node references by name and
-operator overloads by name, the graph
-module's ``meta`` and the tensors its ``get_attr`` nodes read. Fake tensors become
-:class:`FakeSpec` records (shape, stride, storage offset, dtype, device); :func:`from_portable`
-rebuilds them as fake tensors of one new ``FakeTensorMode`` (as one trace gives), so the
-rebuilt graph has the same nodes, names, values and meta as the traced one. A value shared
-by several nodes stays shared. The graph's namespace travels too (the names given, and the
-counters): a pass that adds a node then names it as it would in the traced graph, so every rank's program names its
-nodes alike (lowering's choices refer to nodes by name).
+node as (op, name, target, args, kwargs, meta), with node references and operator
+overloads by name, plus the graph module's ``meta`` and the tensors its ``get_attr`` nodes
+read. Fake tensors become :class:`FakeSpec` records (shape, stride, storage offset, dtype,
+device); :func:`from_portable` rebuilds them as fake tensors of one new ``FakeTensorMode``
+(as one trace gives), so the rebuilt graph has the same nodes, names, values and meta as
+the traced one. A value shared by several nodes stays shared. The graph's namespace
+travels too (the names given, and the counters): a pass that adds a node then names it as
+it would in the traced graph, so every rank's program names its nodes alike (lowering's
+choices refer to nodes by name).
 """
 from __future__ import annotations
 
@@ -117,19 +117,19 @@ def _spec(t: FakeTensor) -> FakeSpec:
 
 
 def to_portable(gm: fx.GraphModule) -> PortableGraph:
-    """``gm`` as a :class:`PortableGraph`. Raises TypeError if a value in it is a tensor that
-    is neither fake nor read by a ``get_attr`` node (nothing else is shipped)."""
+    """``gm`` as a :class:`PortableGraph` (its values fake; see the module docstring)."""
     memo: dict = {}
 
     def node_ref(n: fx.Node) -> _Ref:
         return _Ref(n.name)
 
-    nodes = [(n.op, n.name, _mapped(n.target, _spec, node_ref, memo), _mapped(n.args, _spec, node_ref, memo),
-              _mapped(n.kwargs, _spec, node_ref, memo),
-              _mapped(dict(n.meta), _spec, node_ref, memo)) for n in gm.graph.nodes]
+    def portable(x):
+        return _mapped(x, _spec, node_ref, memo)
+    nodes = [(n.op, n.name, portable(n.target), portable(n.args), portable(n.kwargs), portable(dict(n.meta)))
+             for n in gm.graph.nodes]
     attributes = {n.target: functools.reduce(getattr, n.target.split("."), gm)
                   for n in gm.graph.nodes if n.op == "get_attr"}
-    return PortableGraph(nodes, _mapped(dict(gm.meta), _spec, node_ref, memo), attributes,
+    return PortableGraph(nodes, portable(dict(gm.meta)), attributes,
                          gm.graph._codegen, set(gm.graph._graph_namespace._used_names),
                          dict(gm.graph._graph_namespace._base_count))
 
@@ -151,15 +151,17 @@ def from_portable(portable: PortableGraph, device: torch.device | None = None) -
     def node(ref: _Ref) -> fx.Node:
         return made[ref.name]
 
+    def rebuilt(x):
+        return _mapped(x, fake, node, memo)
+
     for op, name, target, args, kwargs, meta in portable.nodes:
-        new = graph.create_node(op, _mapped(target, fake, node, memo), _mapped(args, fake, node, memo),
-                                _mapped(kwargs, fake, node, memo), name=name)
+        new = graph.create_node(op, rebuilt(target), rebuilt(args), rebuilt(kwargs), name=name)
         if new.name != name:
             raise ValueError(f"node {name!r} was renamed {new.name!r} on rebuilding")
         made[name] = new
-        new.meta.update(_mapped(meta, fake, node, memo))
+        new.meta.update(rebuilt(meta))
     graph._graph_namespace._used_names.update(portable.used_names)
     graph._graph_namespace._base_count.update(portable.name_counters)
     gm = fx.GraphModule(dict(portable.attributes), graph)
-    gm.meta.update(_mapped(portable.meta, fake, node, memo))
+    gm.meta.update(rebuilt(portable.meta))
     return gm

@@ -20,8 +20,8 @@ from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 import torch.distributed.checkpoint as dcp
+import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -94,6 +94,8 @@ def _given(model: nn.Module, example_inputs, loss_fn, optimizer, mesh: Mesh,
     def plain(x) -> str:  # without memory addresses, which differ by process
         return repr(x) if isinstance(x, (int, float, bool, str, type(None))) else type(x).__name__
 
+    if not isinstance(model, nn.Module):  # rank 0's trace says what is wrong
+        return [f"model {type(model).__name__}"]
     lines = [f"parameter {k}: {tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen")
              for k, p in model.named_parameters()]
     lines += [f"buffer {k}: {tuple(b.shape)} {b.dtype}" for k, b in model.named_buffers()]
@@ -117,12 +119,13 @@ def _check_given(given: list[str]) -> None:
     :func:`_given` equals rank 0's."""
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, given)
+    first_rank = everyone[0] + ["nothing more"]
     for rank, theirs in enumerate(everyone[1:], start=1):
         if theirs != everyone[0]:
-            first = next(i for i, (a, b) in enumerate(zip(everyone[0] + [""], theirs + [""])) if a != b)
-            line = lambda lines: lines[first] if first < len(lines) else "nothing more"  # noqa: E731
+            theirs = theirs + ["nothing more"]
+            i = next(i for i, (a, b) in enumerate(zip(first_rank, theirs)) if a != b)
             raise RuntimeMismatchError(
-                f"rank {rank} was given {line(theirs)} where rank 0 was given {line(everyone[0])}: "
+                f"rank {rank} was given {theirs[i]} where rank 0 was given {first_rank[i]}: "
                 "every rank must call ddlc.compile with the same model, example input shapes, "
                 "loss, optimizer and options (rank 0 traces and plans for all)")
 
