@@ -690,14 +690,14 @@ def test_unknown_op_falls_back_to_all_b_and_logs_once():
     assert fallback_ops(torch.fx.GraphModule({}, node.graph)) == ["aten.flip.default"]
 
 
-def test_enumeration_is_repeatable_on_a_12_layer_gpt():
+def test_enumeration_is_repeatable_on_a_6_layer_gpt():
     """A second enumeration (from the caches) gives the first's signatures. Its speed, cold
-    and warm, is measured by ``bench/rules.py``."""
-    model = GPT(vocab=128, d_model=64, n_heads=4, n_layers=12, seq_len=32)
+    and warm, is measured by ``bench/rules.py`` (on 12 layers)."""
+    model = GPT(vocab=128, d_model=64, n_heads=4, n_layers=6, seq_len=32)
     batch = (torch.randint(0, 128, (8, 32)),) * 2
     gm = ddlc.trace(model, batch, lm_loss, torch.optim.AdamW(model.parameters()))
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    assert len(nodes) > 3000
+    assert len(nodes) > 1500
     first = [signatures_nd(n, (2, 4)) for n in nodes]
     assert [signatures_nd(n, (2, 4)) for n in nodes] == first
 

@@ -40,7 +40,7 @@ JOBS = {
            ("mlp", "sgd", "train", TENSOR_PARALLEL_MLP, FAST),
            ("gpt", "adamw", "train", {"input0": "(S0)"}, {**FAST, "schedule": False, "fuse": False}),
            ("gpt", "adamw", "train", PURE_DP_GPT, {**PINNED, "decouple": False})],
-    (1, 4): [("gpt", "adamw", "train", {"input0": "(B, S0)"}), ("cnn", "sgd", "train", None),
+    (1, 4): [("gpt", "adamw", "train", {"input0": "(B, S0)"}),
              ("mlp", "sgd", "train", {"input0": "(B, S0)"}, FAST)],
     (2,): [("mlp", "sgd", "train", None), ("gpt", "adamw", "train", {"input0": "(S0)"}, FAST),
            ("cnn", "adamw", "train", None)],
