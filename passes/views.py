@@ -175,7 +175,6 @@ def _needs_contiguous(node: fx.Node) -> bool:
     return in_update(node) and not target.is_view
 
 
-
 def _meta(value):
     """Meta tensors with ``value``'s shapes, dtypes and strides."""
     def one(v):

@@ -70,15 +70,18 @@ def optimizer(name: str | None, model):
     return OPTIMIZERS[name](model.parameters()) if name else None
 
 
-def train(model, loss_fn, opt_name: str, data):
+def train(model, loss_fn, opt_name: str, data, clip_grad_norm: float | None = None):
     """Eager single-device steps of ``model`` (trained in place) with optimizer ``opt_name``
-    on ``data`` (batches whose last entry is the target): losses, final parameters and
-    optimizer state ("<param>:<state>", float32)."""
+    on ``data`` (batches whose last entry is the target), gradients clipped to a global norm
+    of ``clip_grad_norm`` by ``torch.nn.utils.clip_grad_norm_`` if given: losses, final
+    parameters and optimizer state ("<param>:<state>", float32)."""
     opt, losses = optimizer(opt_name, model), []
     for b in data:
         opt.zero_grad()
         loss = loss_fn(model(*b[:-1]), b[-1])
         loss.backward()
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         opt.step()
         losses.append(loss.detach())
     state = {f"{k}:{s}": v.to(torch.float32) for k, p in model.named_parameters()

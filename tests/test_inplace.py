@@ -10,7 +10,7 @@ from torch import fx
 
 import ddlc
 from ddlc import pipeline
-from conftest import OPTIMIZERS, assert_matches_reference, batches, model_and_loss
+from conftest import OPTIMIZERS, assert_matches_reference, batches, model_and_loss, train
 from ddlc.ir import ORIGIN, STEP, Origin
 from ddlc.options import CompileOptions
 from ddlc.simulate import lower_ranks, simulate_steps
@@ -187,25 +187,7 @@ def test_in_place_updates_give_the_functional_numbers(model_name, mesh, optimize
     for k in state0:
         torch.testing.assert_close(state1[k], state0[k], rtol=0, atol=0)
     assert_matches_reference({"losses": losses1, "params": params1, "opt_state": state1},
-                             _clipped_single_device(model_name, optimizer, 0.5), model_name)
-
-
-def _clipped_single_device(model_name: str, optimizer: str, max_norm: float) -> dict:
-    """Eager steps of the single-device model on the test batches, gradients clipped by
-    ``torch.nn.utils.clip_grad_norm_``: losses, parameters and optimizer state."""
-    model, loss_fn = model_and_loss(model_name)
-    opt, losses = OPTIMIZERS[optimizer](model.parameters()), []
-    for *inputs, target in batches(model_name):
-        opt.zero_grad()
-        loss = loss_fn(model(*inputs), target)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step()
-        losses.append(loss.detach())
-    state = {f"{k}:{name}": v.to(torch.float32) for k, p in model.named_parameters()
-             for name, v in opt.state[p].items()}
-    return {"losses": losses, "params": {k: p.detach() for k, p in model.named_parameters()},
-            "opt_state": state}
+                             train(*model_and_loss(model_name), optimizer, batches(model_name), 0.5), model_name)
 
 
 def _state_graph(build) -> fx.GraphModule:

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import ddlc
 from conftest import MODELS, batches, model_and_loss, optimizer
@@ -14,7 +14,8 @@ from ddlc import pipeline
 from ddlc.errors import RuntimeMismatchError
 from ddlc.launch import WorkerError, spawn
 from ddlc.options import CompileOptions
-from ddlc.portable import from_portable, to_portable
+from ddlc.portable import FakeSpec, from_portable, to_portable
+from ddlc.zoo import MLP
 
 
 def _traced(case: str, opt_name: str | None = "adamw"):
@@ -84,9 +85,8 @@ def test_values_move_to_the_receiving_ranks_device_of_the_same_type():
     gm = _traced("mlp")
     shipped = pickle.loads(pickle.dumps(to_portable(gm)))
     meta_device = from_portable(shipped, torch.device("meta"))  # another type: kept on the CPU
-    assert {n.meta["val"].device.type for n in meta_device.graph.nodes if isinstance(n.meta.get("val"), FakeTensor)} == {"cpu"}
-    from ddlc.portable import FakeSpec
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    fakes = [n.meta["val"] for n in meta_device.graph.nodes if isinstance(n.meta.get("val"), FakeTensor)]
+    assert {v.device.type for v in fakes} == {"cpu"}
     on_gpu0 = FakeSpec((2, 3), (3, 1), 0, torch.float32, torch.device("cuda", 0), False)
     assert on_gpu0.fake(FakeTensorMode(), torch.device("cuda", 1)).device == torch.device("cuda", 1)
     assert on_gpu0.fake(FakeTensorMode(), torch.device("cpu")).device == torch.device("cuda", 0)
@@ -104,8 +104,6 @@ def test_a_hugging_face_trace_ships():
 
 
 def _compile_other_widths(rank):
-    from conftest import MLP
-    import torch.nn.functional as F
     model = MLP(d_hidden=64 if rank == 1 else 48)
     ddlc.compile(model, (2,), (torch.randn(8, 32), torch.randn(8, 16)), F.mse_loss,
                  torch.optim.SGD(model.parameters(), lr=0.1))
