@@ -2,7 +2,7 @@
 
 Every rank of an initialised process group calls :func:`compile` with the same
 model, inputs and mesh; the ranks first check that they were given the same (in kind and
-shape). Rank 0 traces the step and sends the graph to the others (:mod:`ddlc.portable`:
+shape) and take rank 0's parameter and buffer values. Rank 0 traces the step and sends the graph to the others (:mod:`ddlc.portable`:
 on one host, ranks that all traced would share its cores); rank 0 plans it and
 broadcasts every node's decision (so even a time-limited solver gives one
 plan); rank 0 lowers it and broadcasts lowering's choices (bucket cap, piece size,
@@ -130,6 +130,21 @@ def _check_given(given: list[str]) -> None:
                 "loss, optimizer and options (rank 0 traces and plans for all)")
 
 
+def _take_rank0_state(model: nn.Module) -> None:
+    """Overwrite every rank's parameters and buffers with rank 0's, in place (as
+    ``DistributedDataParallel`` does): ranks that initialised their models differently (no
+    common seed) would otherwise each shard their own values, and replicated parameters
+    would differ between ranks."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_contiguous():
+                dist.broadcast(tensor, src=0)
+            else:
+                dense = tensor.contiguous()
+                dist.broadcast(dense, src=0)
+                tensor.copy_(dense)
+
+
 def _trace_on_rank0(model: nn.Module, example_inputs, loss_fn, optimizer,
                     options: CompileOptions) -> fx.GraphModule:
     """Rank 0 traces the step; every other rank receives its graph (:mod:`ddlc.portable`)
@@ -240,6 +255,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
                                    "script with torchrun, or use ddlc.spawn for local workers")
     mesh, device_mesh, device_type = _mesh_for_world(mesh, options)
     _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options))
+    _take_rank0_state(model)
     gm = _trace_on_rank0(model, example_inputs, loss_fn, optimizer, options)
     fixed = pipeline.resolve_placements(gm, options.placements, mesh.ndim)
     plan = _plan_on_rank0(gm, lambda: pipeline.plan(gm, mesh, options, fixed))

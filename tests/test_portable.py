@@ -115,3 +115,25 @@ def test_ranks_given_different_models_are_told_so():
     with pytest.raises(WorkerError, match=r"rank 1 was given .*parameter .*64.*rank 0.*48") as caught:
         spawn(_compile_other_widths, 2, timeout=30, deadline=90)
     assert RuntimeMismatchError.__name__ in str(caught.value)
+
+
+def _trained_from_other_seeds(rank):
+    from conftest import batches, model_and_loss, optimizer
+    model, loss_fn = model_and_loss("mlp")  # seed 0 ...
+    if rank == 1:
+        torch.manual_seed(7)  # ... but rank 1 initialises its model otherwise
+        model = MLP()
+    data = batches("mlp")
+    step = ddlc.compile(model, (2,), data[0], loss_fn, optimizer("sgd", model))
+    losses = [step.step(*b) for b in data]
+    return {"losses": losses, "params": step.state_dict(), "opt_state": step.optimizer_state()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_ranks_that_initialised_other_weights_train_from_rank_0s():
+    from conftest import assert_matches_reference, train
+    got = spawn(_trained_from_other_seeds, 2, timeout=30, deadline=90)[0]
+    model, loss_fn = model_and_loss("mlp")
+    assert_matches_reference(got, train(model, loss_fn, "sgd", batches("mlp")), "mlp from rank 0's weights",
+                             **dict.fromkeys(("losses", "params", "opt_state"), (1e-4, 1e-5)))
