@@ -44,11 +44,14 @@ Before the ranks start, this process traces, plans and lowers rank 0's program o
 plan once with the same options, so that measured mode (``compute="measured"``,
 :mod:`cost_models.measured`) times every operator here, alone, on one thread, and the
 ranks read the cache instead of measuring while their peers compute. Ranks sharing cores
-(4 ranks on 2) are accounted by :func:`cost_models.measured.sharing`.
+(4 ranks on 2) are accounted by the profile's measured contention where it has one for
+``--world-size`` local ranks (:class:`ddlc.mesh.Contention`: operators and collectives
+slower by the factors ``ddlc calibrate`` fitted, collectives not overlapping compute),
+else by operators ``ranks / cores`` times slower (:func:`cost_models.measured.sharing`).
 
 Attribution: after the timed steps every rank runs its program once more under a
 node-timing interpreter: seconds in compute nodes against seconds in collectives and
-their waits; the table sets the modeled compute (the compute stream's busy time) beside
+their waits; the table sets the modeled compute (the compute tasks' total time) beside
 the measured compute, and the modeled exposed communication beside the rest. The
 interpreter adds a few microseconds per node, so its compute is an upper bound.
 
@@ -287,7 +290,7 @@ def bench_model(rank, name, kwargs, global_batch, warmup, steps, common):
         from ddlc.ir import collective_sequence
         seq = collective_sequence(c.gm)
         info[plan] = dict(note=note, compile_s=time.perf_counter() - start, mesh=list(c.mesh.shape),
-                          modeled=tl.makespan, modeled_compute=tl.busy("compute"),
+                          modeled=tl.makespan, modeled_compute=tl.compute_time,
                           objective=c.plan.objective,
                           collectives=dict(Counter(k for k, _, _ in seq)),
                           comm_bytes=sum(b for _, _, b in seq))
@@ -480,13 +483,19 @@ def main(argv=None) -> int:
         print(f"calibrated profile {args.profile}")
     if args.profile:
         common["profile"] = args.profile
-    # the ranks' sharing of cores, also for this process's planning (the same plans)
-    os.environ.setdefault("DDLC_SHARING", str(max(1.0, world / (os.cpu_count() or 1))))
+    contention = ddlc.Mesh((world,), profile=args.profile or "cpu-gloo").profile.contention
+    if os.environ.get("DDLC_SHARING"):
+        cores = f"operators x{os.environ['DDLC_SHARING']} ($DDLC_SHARING)"
+    elif args.compute == "measured" and contention and contention.local_ranks == world:
+        cores = (f"the profile's contention: operators x{contention.compute:.2f}, collectives "
+                 f"x{contention.communication:.2f}, not overlapping")
+    else:
+        cores = f"operators x{max(1.0, world / (os.cpu_count() or 1)):.2f} (ranks / cores)"
     print(f"ddlc cost-model fidelity{' (--quick)' if args.quick else ''}: torch {torch.__version__}, "
           f"gloo, {world} local ranks (1 thread each) on {os.cpu_count()} cores, compute "
-          f"{args.compute}, profile {args.profile or 'cpu-gloo'}, sharing "
-          f"{os.environ['DDLC_SHARING']}; {warmup} warm-up + {steps} timed steps per plan, "
-          f"interleaved; step = slowest rank; median over steps")
+          f"{args.compute}, profile {args.profile or 'cpu-gloo'}; sharing the cores: {cores}; "
+          f"{warmup} warm-up + {steps} timed steps per plan, interleaved; step = slowest rank; "
+          f"median over steps")
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     start = time.perf_counter()
     if args.compute == "measured" and args.prewarm:

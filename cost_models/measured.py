@@ -25,10 +25,13 @@ made-up values, and once this process has spent :data:`BUDGET` seconds measuring
 (``$DDLC_MEASURE_BUDGET``).
 
 Ranks that share cores: when ``n`` local gloo processes run on ``c < n`` cores, every
-rank's compute runs about ``n / c`` times slower than alone. Measured times (taken alone)
-are multiplied by :func:`sharing` = ``max(1, local ranks / cores)`` (``$DDLC_SHARING``
-overrides it); the roofline's profile numbers are left alone (a calibrated profile
-measured its FLOP/s with every rank running).
+rank's compute runs slower than alone. Measured times (taken alone) are multiplied by
+:func:`sharing`: the profile's measured contention factor where it has one for this many
+local ranks (``ddlc calibrate`` fits it to training steps run with every local rank at
+once; :class:`ddlc.mesh.Contention`, whose per-operator overhead is added to every
+operator that costs anything), else ``max(1, local ranks / cores)`` (``$DDLC_SHARING``
+overrides the factor); the roofline's profile numbers are left alone (a calibrated
+profile measured its FLOP/s with every rank running).
 
 In a process group only rank 0 measures (it plans; its peers would measure while the
 others compute, which inflates the times): the other ranks read what rank 0 has saved and
@@ -63,7 +66,7 @@ from torch.utils._pytree import tree_map
 from ddlc.mesh import HardwareProfile
 
 __all__ = ["REPEATS", "MIN_SAMPLE", "BUDGET", "cache_dir", "cache_path", "base_profile",
-           "measured_profile", "sharing", "cpu_name", "op_key", "measure_op", "MeasuredTable", "table_for",
+           "measured_profile", "local_gloo_ranks", "sharing", "cpu_name", "op_key", "measure_op", "MeasuredTable", "table_for",
            "measured_time", "flush_all"]
 
 REPEATS = 5          # samples per op; the median is kept
@@ -108,7 +111,7 @@ def cache_path(profile: HardwareProfile, threads: int | None = None) -> Path:
     threads (default: this process's)."""
     base = base_profile(profile)
     numbers = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)
-               if f.name not in ("description", "source")}
+               if f.name not in ("description", "source", "contention")}
     threads = torch.get_num_threads() if threads is None else threads
     ident = json.dumps([repr(numbers), torch.__version__, cpu_name(), os.cpu_count(), threads])
     digest = hashlib.sha256(ident.encode()).hexdigest()[:12]
@@ -116,25 +119,26 @@ def cache_path(profile: HardwareProfile, threads: int | None = None) -> Path:
     return cache_dir() / f"measured-{safe}-{digest}.json"
 
 
-_SHARING: list[float] = []   # this process's value once its process group is up
+def local_gloo_ranks() -> int | None:
+    """How many ranks of this process's gloo process group run on this host
+    (``$LOCAL_WORLD_SIZE``, else the world size); None without a gloo process group."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
+        return None
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
 
 
-def sharing() -> float:
-    """How many ranks share each core: ``$DDLC_SHARING``, else for a gloo process group on
-    this machine ``max(1, local ranks / cores)``, else 1."""
+def sharing(profile: HardwareProfile | None = None) -> float:
+    """How much slower an operator runs inside the step than alone: ``$DDLC_SHARING``, else
+    ``profile``'s measured contention (``HardwareProfile.shared_cores``), else for a gloo
+    process group on this machine ``max(1, local ranks / cores)`` (ranks sharing cores),
+    else 1."""
     if os.environ.get("DDLC_SHARING"):
         return float(os.environ["DDLC_SHARING"])
-    if _SHARING:
-        return _SHARING[0]
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1.0
-    value = 1.0
-    if dist.get_backend() == "gloo":
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        value = max(1.0, local / (os.cpu_count() or 1))
-    _SHARING.append(value)
-    return value
+    if profile is not None and profile.shared_cores is not None:
+        return profile.shared_cores.compute
+    local = local_gloo_ranks()
+    return 1.0 if local is None else max(1.0, local / (os.cpu_count() or 1))
 
 
 # -- keys and real tensors -------------------------------------------------------------
@@ -357,6 +361,10 @@ def measured_time(target, args, kwargs, out, profile: HardwareProfile, roofline_
     prices the call on the base profile: 0 there (views, non-operators, no tensor output)
     stays 0."""
     roofline = roofline_time(target, args, kwargs, out, base_profile(profile))
-    if roofline == 0.0 or not isinstance(target, OpOverload) or target.namespace != "aten":
-        return roofline   # only aten ops run alone: never a collective (it would wait for peers)
-    return table_for(profile).seconds(target, args, kwargs, roofline) * sharing()
+    if roofline == 0.0:
+        return 0.0
+    shared = profile.shared_cores
+    overhead = shared.per_operator if shared is not None else 0.0
+    if not isinstance(target, OpOverload) or target.namespace != "aten":
+        return roofline + overhead   # only aten ops run alone: never a collective (it would wait for peers)
+    return table_for(profile).seconds(target, args, kwargs, roofline) * sharing(profile) + overhead

@@ -9,7 +9,10 @@ it in program order has ended (its issue point: NCCL's stream waits for the
 compute stream when a collective is launched, and gloo runs on the issuing
 thread), so where the scheduler issues a collective matters. Its
 ``wait_tensor`` is an empty compute task that ends when the collective does:
-the compute stream stalls there if the collective has not finished.
+the compute stream stalls there if the collective has not finished. Where the ranks
+share cores (a profile in measured mode with a measured contention, ``shared_cores``),
+collectives run on the compute stream instead: they need the cores the compute needs, so
+nothing overlaps.
 
 Memory: every operator and collective allocates its output when it starts; a
 buffer is released when the last task reading it (directly or through an
@@ -129,6 +132,15 @@ class NodeCosts:
             self._channel[node] = f"axis{info.axis}:{info.axis_name}" if communicates else None
         return self._channel[node]
 
+    def stream(self, node: fx.Node) -> str:
+        """The stream ``node``'s task runs on: its channel, or the compute stream for compute
+        and, where the ranks share cores (``profile.shared_cores``), for collectives too:
+        there they take the cores the compute needs, so they do not overlap it."""
+        channel = self.channel(node)
+        if channel is None or self.profile.shared_cores is not None:
+            return COMPUTE
+        return channel
+
     def seconds(self, node: fx.Node) -> float:
         """The modeled seconds of ``node``: a collective's ``CollectiveInfo.seconds``, 0 for a
         wait, else :func:`cost_models.compute.op_time` at its local shapes."""
@@ -200,9 +212,10 @@ class ProgramClock:
         if channel is not None and self.issue_point is not None:
             deps.add(self.issue_point)
         free = sum(costs.alloc(b) for b in self.released.get(node, ()))
-        task = self.timeline.add(node.name, channel or COMPUTE, costs.seconds(node), sorted(deps),
+        task = self.timeline.add(node.name, costs.stream(node), costs.seconds(node), sorted(deps),
                                  alloc=costs.alloc(node), free=free,
-                                 category=COLLECTIVE(node).kind if channel else "compute")
+                                 category=COLLECTIVE(node).kind if channel else "compute",
+                                 communication=channel is not None)
         self.task_of[node] = task
         if channel is None:
             self.issue_point = task
@@ -245,7 +258,7 @@ def order_makespan(nodes: list[fx.Node], profile: HardwareProfile, costs: NodeCo
         if node.op != "call_function":
             continue
         channel = costs.channel(node)
-        stream = channel or COMPUTE
+        stream = costs.stream(node)
         duration = costs.seconds(node)
         if not (math.isfinite(duration) and duration >= 0):
             raise ValueError(f"task {node.name!r}: duration must be a finite number >= 0, got {duration}")

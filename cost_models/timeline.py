@@ -36,6 +36,7 @@ class Task:
     alloc: int = 0
     free: int = 0
     category: str = ""
+    communication: bool = False   # a collective (on a channel, or on the compute stream)
 
 
 @dataclass
@@ -48,9 +49,10 @@ class Timeline:
     _free: dict[str, float] = field(default_factory=dict, repr=False)
 
     def add(self, label: str, stream: str, duration: float, deps=(), *,
-            alloc: int = 0, free: int = 0, category: str = "") -> int:
+            alloc: int = 0, free: int = 0, category: str = "", communication: bool | None = None) -> int:
         """Issue a task after all previously issued ones; returns its id for later ``deps``.
-        It starts at max(end of its stream's previous task, end of its dependencies)."""
+        It starts at max(end of its stream's previous task, end of its dependencies).
+        ``communication``: whether it is a collective (default: whether it is on a channel)."""
         task_id = len(self.tasks)
         if not (math.isfinite(duration) and duration >= 0):
             raise ValueError(f"task {label!r}: duration must be a finite number >= 0, got {duration}")
@@ -60,7 +62,9 @@ class Timeline:
         for d in deps:
             if not 0 <= d < task_id:
                 raise ValueError(f"task {label!r}: dependency {d} is not an earlier task id")
-        self.tasks.append(Task(label, stream, float(duration), deps, alloc, free, category))
+        if communication is None:
+            communication = stream != COMPUTE
+        self.tasks.append(Task(label, stream, float(duration), deps, alloc, free, category, communication))
         t = max([self.free_at(stream)] + [self.end[d] for d in deps])
         self.start.append(t)
         self.end.append(t + float(duration))
@@ -98,9 +102,20 @@ class TimelineResult:
         return sum(t.duration for t in self.tasks if t.stream == stream)
 
     @property
+    def compute_time(self) -> float:
+        """Total duration of the tasks that are not communication."""
+        return sum(t.duration for t in self.tasks if not t.communication)
+
+    @property
+    def communication_time(self) -> float:
+        """Total duration of the communication tasks, on whatever stream they ran."""
+        return sum(t.duration for t in self.tasks if t.communication)
+
+    @property
     def exposed_communication(self) -> float:
-        """Time the compute stream is not computing within the makespan: waiting on channels."""
-        return self.makespan - self.busy(COMPUTE)
+        """Time within the makespan that is not compute: waiting on channels, or running
+        collectives on the compute stream."""
+        return self.makespan - self.compute_time
 
     @property
     def lower_bound(self) -> float:

@@ -9,6 +9,11 @@ all-reduce's ``t = 2(p-1)·α + 2(p-1)/p · n/bandwidth`` gives the links, every
 kind's fit is stored as its factors against it: ``collective_factors``, which the cost
 models apply to that kind on every link; gloo's reduce-scatter, an all-reduce plus a
 chunk, is measured and reported, and priced as the all-reduce it runs: :data:`EMULATED`).
+Per host: the ranks' contention for its cores (:func:`measure_contention`): three
+reference training steps (:data:`REFERENCE`) run on every rank at once and are fitted by
+a factor on their modeled compute (operators timed alone) and one on their modeled
+communication, the two not overlapping (``contention``, which measured mode applies:
+:class:`ddlc.mesh.Contention`).
 Prints the profile as JSON (``--out`` writes it), ready for ``Mesh(...,
 profile=path)``, with the fit's relative error at every measured size (``fit``; also a
 table on stderr); rank 0 shows a progress bar over the sizes on a terminal. Timings are medians over repeats; the result is only as good
@@ -28,8 +33,8 @@ from tqdm import tqdm
 
 from .launch import spawn
 
-__all__ = ["RING", "measure_compute", "measure_link", "fit_ring", "fit_errors",
-           "calibrate", "calibrated_profile"]
+__all__ = ["RING", "REFERENCE", "measure_compute", "measure_link", "measure_contention", "fit_ring",
+           "fit_errors", "fit_contention", "calibrate", "calibrated_profile"]
 
 SIZES = [2**12, 2**16, 2**20, 2**22, 2**24]  # bytes
 
@@ -85,7 +90,7 @@ def _run_collective(kind: str, nbytes: int):
     whole, piece = torch.ones(nbytes // 4), torch.ones(max(nbytes // 4 // p, 1))
     out = torch.empty_like(whole)
     return {"all_reduce": lambda: dist.all_reduce(whole),
-            "all_gather": lambda: dist.all_gather_into_tensor(out[:piece.numel() * p], piece),
+            "all_gather": lambda: dist.all_gather_single(out[:piece.numel() * p], piece),
             "reduce_scatter": lambda: dist.reduce_scatter_tensor(piece, whole[:piece.numel() * p]),
             "all_to_all": lambda: dist.all_to_all_single(out, whole)}[kind]
 
@@ -147,10 +152,117 @@ def measure_link(world_size: int) -> tuple[float, float, float, float, float, di
     return alpha, bandwidth, flops, memory, cache, factors, fitted, errors
 
 
+#: The training steps the contention is fitted to: (label, zoo MLP sizes, global batch,
+#: plan), with AdamW: compute-heavy and communication-heavy data-parallel steps, a deep
+#: narrow one (many small operators) and a fully sharded one (parameters gathered where used).
+WIDE = dict(d_in=128, d_hidden=512, d_out=16, depth=6)
+NARROW = dict(d_in=64, d_hidden=64, d_out=8, depth=24)
+REFERENCE = (("mlp 6x512 dp, batch 4096", WIDE, 4096, "dp"),
+             ("mlp 6x512 dp, batch 64", WIDE, 64, "dp"),
+             ("mlp 24x64 dp, batch 64", NARROW, 64, "dp"),
+             ("mlp 6x512 fully sharded, batch 256", WIDE, 256, "zero"))
+
+
+def _reference_step(sizes: dict, batch: int, plan: str, world: int, profile: str):
+    """``ddlc.compile`` of one :data:`REFERENCE` step and its batch (seed 0)."""
+    import torch.nn.functional as F
+
+    from .runtime import compile
+    from .zoo import MLP
+    torch.manual_seed(0)
+    model = MLP(**sizes)
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randn(batch, sizes["d_in"], generator=g), torch.randn(batch, sizes["d_out"], generator=g))
+    placements = {"input0": "(S0)", "input1": "(S0)"}
+    for key, param in model.named_parameters():
+        placements[key] = "(S0)" if plan == "zero" and param.shape[0] % world == 0 else "(B)"
+    step = compile(model, (world,), inputs, F.mse_loss, torch.optim.AdamW(model.parameters()),
+                   placements=placements, move_activations=False, profile=profile,
+                   decouple="always" if plan == "zero" else False)
+    return step, inputs
+
+
+def _modeled_parts(gm, profile) -> tuple[float, int, float]:
+    """(compute seconds, operators that cost anything, communication seconds) of a lowered
+    program on ``profile``."""
+    from cost_models.program import NodeCosts, program_timeline
+    timeline = program_timeline(gm, profile)
+    costs = NodeCosts(profile)
+    operators = sum(1 for n in gm.graph.nodes if n.op == "call_function"
+                    and costs.channel(n) is None and costs.seconds(n) > 0)
+    return timeline.compute_time, operators, timeline.communication_time
+
+
+def _reference_times(rank: int, profile: str, warmup: int = 3, steps: int = 10) -> list:
+    """Per :data:`REFERENCE` step: :func:`_modeled_parts` of this rank's program, its
+    operators measured alone (rank 0, while its peers wait; no contention), and this
+    rank's step times with every rank stepping (interleaved, after a barrier)."""
+    import dataclasses
+    import os
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    compiled = [_reference_step(sizes, batch, plan, world, profile) for _, sizes, batch, plan in REFERENCE]
+    os.environ["DDLC_SHARING"] = "1"    # operator times as measured alone
+    modeled = []
+    for step, _ in compiled:
+        dist.barrier()
+        if rank == 0:
+            alone = dataclasses.replace(step.mesh.profile, compute="measured", contention=None)
+            modeled.append(_modeled_parts(step.gm, alone))
+    dist.barrier()
+    times = [[] for _ in compiled]
+    for i in range(warmup + steps):
+        for k in range(len(compiled)):
+            step, inputs = compiled[(k + i) % len(compiled)]
+            dist.barrier()
+            start = time.perf_counter()
+            step.step(*inputs)
+            if i >= warmup:
+                times[(k + i) % len(compiled)].append(time.perf_counter() - start)
+    return [modeled, times]
+
+
+def measure_contention(world_size: int, profile: dict) -> dict:
+    """The :class:`ddlc.mesh.Contention` of ``world_size`` local gloo ranks on this host:
+    the :data:`REFERENCE` steps run on every rank at once (measured: per step the slowest
+    rank, median over steps) and are modeled on ``profile`` (this calibration's links) with
+    operators timed alone; the factors are fitted by :func:`fit_contention`, collectives
+    not overlapping compute. Returns the profile's ``contention`` entry, with the fit per
+    reference step."""
+    import os
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "profile.json")
+        with open(path, "w") as f:
+            json.dump(profile, f)
+        results = spawn(_reference_times, world_size, path, timeout=300, deadline=900)
+    modeled, steps = results[0][0], len(results[0][1][0])
+    measured = [statistics.median(max(r[1][k][i] for r in results) for i in range(steps))
+                for k in range(len(REFERENCE))]
+    compute, per_operator, communication = fit_contention(modeled, measured)
+    fit = []
+    for (label, *_), (c, n, k), t in zip(REFERENCE, modeled, measured):
+        model = compute * c + per_operator * n + communication * k
+        fit.append({"step": label, "measured": t, "compute": c, "operators": n, "communication": k,
+                    "model": model, "error": model / t - 1})
+    return {"local_ranks": world_size, "compute": compute, "per_operator": per_operator,
+            "communication": communication, "fit": fit}
+
+
+def fit_contention(modeled, measured) -> tuple[float, float, float]:
+    """(compute factor, seconds per operator, communication factor), all ``>= 0``, with
+    ``a·C + o·N + b·K`` closest to each measured step time in relative error (non-negative
+    least squares), for ``modeled`` triples (C modeled compute, N operators, K modeled
+    communication) of those steps."""
+    rows = [[c / t, n / t, k / t] for (c, n, k), t in zip(modeled, measured)]
+    (compute, per_operator, communication), _ = nnls(rows, [1.0] * len(rows))
+    return float(compute), float(per_operator), float(communication)
+
+
 def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
     alpha, bandwidth, flops, memory, cache, factors, fitted, errors = measure_link(world_size)
     link = {"latency": alpha, "bandwidth": bandwidth}
-    return {"name": name,
+    profile = {"name": name,
             "description": f"measured by `python -m ddlc calibrate` with {world_size} local gloo "
                            "processes, one thread each",
             "source": "ddlc.calibrate: median timings, ring fits per collective by least squares",
@@ -163,6 +275,8 @@ def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
             "collective_factors": factors,
             "fits": fitted,
             "fit": errors}
+    profile["contention"] = measure_contention(world_size, profile)
+    return profile
 
 
 def calibrated_profile(world_size: int = 4, refresh: bool = False) -> str:
@@ -200,6 +314,14 @@ def format_fit(profile: dict) -> str:
                   f"{'bytes':>10}  {'measured ms':>11}  {'model ms':>9}  {'error':>7}"]
         lines += [f"{r['bytes']:>10}  {r['measured'] * 1e3:>11.3f}  {r['model'] * 1e3:>9.3f}  "
                   f"{r['error']:>+7.1%}" for r in rows]
+    contention = profile.get("contention")
+    if contention:
+        lines += [f"contention of {contention['local_ranks']} local ranks: operators "
+                  f"{contention['compute']:.2f}x their time alone + {contention['per_operator'] * 1e6:.1f} us, collectives "
+                  f"{contention['communication']:.2f}x the links, not overlapping compute",
+                  f"{'reference step':>36}  {'measured ms':>11}  {'model ms':>9}  {'error':>7}"]
+        lines += [f"{r['step']:>36}  {r['measured'] * 1e3:>11.3f}  {r['model'] * 1e3:>9.3f}  "
+                  f"{r['error']:>+7.1%}" for r in contention["fit"]]
     return "\n".join(lines)
 
 

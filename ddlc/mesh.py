@@ -19,7 +19,7 @@ from typing import Collection, Sequence
 
 from .errors import MeshError
 
-__all__ = ["LinkModel", "HardwareProfile", "Mesh", "load_profile", "available_profiles"]
+__all__ = ["LinkModel", "Contention", "HardwareProfile", "Mesh", "load_profile", "available_profiles"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,22 @@ class LinkModel:
     def beta(self) -> float:
         """Seconds per byte."""
         return 1.0 / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Contention:
+    """How a training step runs when its ``local_ranks`` local processes share the host's
+    cores (gloo ranks on one CPU host), measured by ``ddlc calibrate``: an operator inside
+    the step takes ``compute`` times its time measured alone plus ``per_operator`` seconds
+    (what a call loses to the other ranks' use of the caches and the scheduler, which
+    small operators feel most), a collective ``communication`` times what the links give,
+    and collectives do not overlap compute (they need the same cores). Used in measured
+    mode only (``HardwareProfile.shared_cores``)."""
+
+    local_ranks: int
+    compute: float
+    per_operator: float
+    communication: float
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,13 @@ class HardwareProfile:
     #: collective -> (latency factor, bandwidth factor) on every link: what a measured
     #: profile found that kind's ring fit to be against the all-reduce's (which the links hold)
     collective_factors: tuple[tuple[str, tuple[float, float]], ...] = ()
+    #: measured with that many local ranks sharing the cores; see :class:`Contention`
+    contention: Contention | None = None
+
+    @property
+    def shared_cores(self) -> Contention | None:
+        """The contention the cost models apply: the measured one, in measured mode."""
+        return self.contention if self.compute == "measured" else None
 
     def runs_as(self, collective: str) -> str:
         """The collective the backend really runs for ``collective`` (gloo runs a
@@ -68,9 +91,15 @@ class HardwareProfile:
     def link_for(self, collective: str, link: LinkModel) -> LinkModel:
         """``link`` as ``collective`` runs on it: its start-up and bandwidth scaled by the
         profile's measured factors for that kind (gloo's all-gather and all-to-all run
-        slower than the all-reduce ring of the same link predicts), else as it is."""
+        slower than the all-reduce ring of the same link predicts), and by the contention's
+        ``communication`` factor where ranks share cores (:attr:`shared_cores`)."""
         factors = dict(self.collective_factors).get(collective)
-        return link if factors is None else _scaled(link, *factors)
+        if factors is not None:
+            link = _scaled(link, *factors)
+        shared = self.shared_cores
+        if shared is not None:
+            link = _scaled(link, shared.communication, 1 / shared.communication)
+        return link
 
     def flops_for(self, dtype: str) -> float:
         table = dict(self.flops)
@@ -93,9 +122,17 @@ class HardwareProfile:
                 compute=d.get("compute", "roofline"),
                 collective_factors=tuple(sorted(
                     (kind, (float(f["latency"]), float(f["bandwidth"])))
-                    for kind, f in d.get("collective_factors", {}).items())))
+                    for kind, f in d.get("collective_factors", {}).items())),
+                contention=_contention(d.get("contention")))
         except (KeyError, TypeError) as e:
             raise MeshError(f"hardware profile is missing or mistypes field {e}") from None
+
+
+def _contention(d: dict | None) -> Contention | None:
+    if not d:
+        return None
+    return Contention(int(d["local_ranks"]), float(d["compute"]), float(d["per_operator"]),
+                      float(d["communication"]))
 
 
 @functools.lru_cache(maxsize=1024)

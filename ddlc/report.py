@@ -181,9 +181,9 @@ def step_breakdown(plan: Plan, program: fx.GraphModule, mesh: Mesh, budget: floa
     compute stream's busy time, exposed communication the rest of the makespan, hidden
     communication the channels' busy time that the compute stream did not wait for."""
     result = program_timeline(program, mesh.profile)
-    busy = sum(result.busy(s) for s in result.streams if s != COMPUTE)
     exposed = result.exposed_communication
-    return StepBreakdown(result.makespan, result.busy(COMPUTE), exposed, max(busy - exposed, 0.0),
+    return StepBreakdown(result.makespan, result.compute_time, exposed,
+                         max(result.communication_time - exposed, 0.0),
                          result.peak_memory, budget, plan.objective)
 
 
@@ -302,9 +302,8 @@ def scheduled_collectives(program: fx.GraphModule, mesh: Mesh) -> tuple[list[Sch
 
 def format_schedule(rows: list[ScheduledCollective], result) -> str:
     """The timeline summary and the collectives in issue order."""
-    busy = sum(result.busy(s) for s in result.streams if s != COMPUTE)
-    lines = [f"modeled step {result.makespan * 1e3:.3f} ms: compute {result.busy(COMPUTE) * 1e3:.3f} ms, "
-             f"communication {busy * 1e3:.3f} ms of which exposed {result.exposed_communication * 1e3:.3f} ms; "
+    lines = [f"modeled step {result.makespan * 1e3:.3f} ms: compute {result.compute_time * 1e3:.3f} ms, "
+             f"communication {result.communication_time * 1e3:.3f} ms of which exposed {result.exposed_communication * 1e3:.3f} ms; "
              f"lower bound {result.lower_bound * 1e3:.3f} ms; peak memory {format_bytes(result.peak_memory)}", ""]
     table = [("#", "start ms", "end ms", "stall ms", "kind", "axis", "bytes", "phase", "module")]
     table += [(str(r.order), f"{r.start * 1e3:.3f}", f"{r.end * 1e3:.3f}", f"{r.stall * 1e3:.3f}", r.kind,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import logging
 from typing import Mapping, Sequence
 
 import torch
@@ -26,6 +27,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from cost_models.measured import local_gloo_ranks
 from cost_models.program import program_timeline
 
 from . import inductor, pipeline
@@ -38,6 +40,8 @@ from .plan import Plan
 from .portable import from_portable, to_portable
 from .printing import format_graph
 from .sbp import NdSBP, local_shape, local_slices
+
+log = logging.getLogger("ddlc.runtime")
 
 __all__ = ["compile", "CompiledStep"]
 
@@ -232,6 +236,11 @@ def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh, st
     mesh = Mesh.of(mesh, **({"profile": options.profile} if options.profile else {}))
     if options.compute != mesh.profile.compute:
         mesh = mesh.with_(profile=dataclasses.replace(mesh.profile, compute=options.compute))
+    shared = mesh.profile.shared_cores
+    if shared is not None and local_gloo_ranks() != shared.local_ranks:
+        log.info("profile %s: its contention was measured for %d local gloo ranks, not this "
+                 "process group's; pricing without it", mesh.profile.name, shared.local_ranks)
+        mesh = mesh.with_(profile=dataclasses.replace(mesh.profile, contention=None))
     mesh.check_world_size(dist.get_world_size())
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if device_mesh is None:

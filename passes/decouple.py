@@ -35,8 +35,11 @@ Where the parameter's all-gather goes is decided per parameter:
 Only signatures that the rules list for an operator are used; a parameter whose
 update cannot run on a shard (or a 0-d one) keeps its all-reduce, and so does one
 whose reduce-scatter and all-gather are modeled slower than its all-reduce plus the
-update compute saved (on backends that run a reduce-scatter as an all-reduce, such
-as gloo: the profile's ``emulated_collectives``).
+update compute saved (the update priced whole minus priced on the shard), with its
+share of the start-up of the bucket of all-gathers that decoupling adds (on backends
+that run a reduce-scatter as an all-reduce, such as gloo: the profile's
+``emulated_collectives``; and where the per-operator cost of a small update does not
+shrink on a shard).
 """
 from __future__ import annotations
 
@@ -249,21 +252,51 @@ def _gatherable(param: fx.Node, chain: list[fx.Node], axis: int, even: bool) -> 
     return True
 
 
-def _decoupling_pays(chain: list[fx.Node], param: fx.Node, placed: NdSBP, axis: int, mesh: Mesh) -> bool:
-    """Whether a reduce-scatter and an all-gather, priced as the backend runs them (gloo
-    runs a reduce-scatter as an all-reduce), cost no more than the all-reduce they replace
-    plus the update compute that running on a shard saves ((p-1)/p of it). Bandwidth
-    terms only: gradient collectives are bucketed, so start-ups are shared (as in the
-    sharding cost model)."""
-    p, bucketed = mesh.shape[axis], mesh.bucketed()
+def _local_bytes(param: fx.Node, placed: NdSBP, axis: int, mesh: Mesh) -> int:
+    """Bytes of ``param``'s piece with the update placed ``placed`` but whole on ``axis``."""
     val = param.meta["val"]
-    nbytes = val.element_size() * math.prod(local_shape(tuple(val.shape), placed.replace(axis, B), mesh.shape))
+    return val.element_size() * math.prod(local_shape(tuple(val.shape), placed.replace(axis, B), mesh.shape))
+
+
+def _decoupling_pays(chain: list[fx.Node], new: dict, nbytes: int, share: float, axis: int,
+                     mesh: Mesh) -> bool:
+    """Whether the update compute that running on a shard saves (the chain priced at its
+    current signatures minus at ``new``, the sharded ones) covers the traffic it adds: a
+    reduce-scatter and an all-gather, priced as the backend runs them (gloo runs a
+    reduce-scatter as an all-reduce), against the all-reduce they replace, bandwidth
+    terms for ``nbytes`` (gradient collectives are bucketed, so start-ups are shared, as
+    in the sharding cost model), plus ``share`` of one all-gather start-up (this
+    parameter's part of the bucket of gathers that decoupling adds: :func:`_startup_shares`)."""
+    bucketed = mesh.bucketed()
 
     def seconds(kind: str) -> float:
         return axis_time(kind, nbytes, bucketed, axis)
 
-    update = sum(compute_seconds(n, SHARDING(n), mesh) for n in chain)
-    return seconds("reduce_scatter") + seconds("all_gather") <= seconds("all_reduce") + update * (p - 1) / p
+    saved = sum(compute_seconds(n, SHARDING(n), mesh) - compute_seconds(n, new[n], mesh) for n in chain)
+    startup = axis_time("all_gather", 0, mesh, axis)
+    return seconds("reduce_scatter") + seconds("all_gather") + share * startup <= seconds("all_reduce") + saved
+
+
+def _startup_shares(chains: dict, placeholders: dict, mesh: Mesh) -> list[float]:
+    """Per mesh axis, the share of one all-gather start-up that decoupling charges per byte
+    of a parameter whose gradient arrives as a partial sum there: 1 / the bytes of all
+    such parameters (the gathers decoupling adds go in one bucket, whose start-up they
+    share), or 0 where some update is fed a gradient already split on that axis (its
+    all-gather comes anyway, and the others join its bucket)."""
+    shares = []
+    for axis in range(mesh.ndim):
+        total, free = 0, False
+        for key, (chain, _) in chains.items():
+            param = placeholders[key]
+            shape = tuple(param.meta["val"].shape)
+            if mesh.shape[axis] == 1 or not _sbp(param)[axis].is_broadcast:
+                continue
+            arrives = _gradient_dim(chain, axis, shape)
+            free = free or (arrives is not None and arrives is not False)
+            if arrives is None:
+                total += _local_bytes(param, _update_sbp(chain, shape), axis, mesh)
+        shares.append(0.0 if free or total == 0 else 1.0 / total)
+    return shares
 
 
 def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward",
@@ -281,11 +314,13 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
         ag_placement = auto_placement(gm, mesh)
     by_name = {n.name: n for n in gm.graph.nodes}
     placeholders = {i.key: by_name[i.name] for i in sig.inputs}
+    chains = {key: update_chain(gm, key) for key, _ in sig.optimizer}
+    startup_shares = _startup_shares(chains, placeholders, mesh)
     done = []
     for key, _ in sig.optimizer:
         param = placeholders[key]
         shape = tuple(param.meta["val"].shape)
-        chain, states = update_chain(gm, key)
+        chain, states = chains[key]
         for axis in range(mesh.ndim):
             if _shard_states_of_a_split_update(chain, states, param, axis, shape):
                 done.append(key)
@@ -294,15 +329,17 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
             if mesh.shape[axis] == 1 or not _sbp(param)[axis].is_broadcast or arrives is False:
                 continue
             placed = _update_sbp(chain, shape)
-            if arrives is None and not always and not _decoupling_pays(chain, param, placed, axis, mesh):
-                log.info("parameter %s keeps its all-reduce on axis %d (reduce-scatter + "
-                         "all-gather modeled slower on this backend)", key, axis)
-                continue
             d = _split_dim(shape, placed, axis, mesh, prefer=arrives)
             even = d is not None and divides(shape, placed.replace(axis, S(d)), mesh.shape)
             new = {n: _reannotate(n, shape, axis, d, mesh, even) for n in chain} if d is not None else {}
             if d is None or any(v is None for v in new.values()):
                 log.info("parameter %s keeps its all-reduce on axis %d (no shardable update)", key, axis)
+                continue
+            nbytes = _local_bytes(param, placed, axis, mesh)
+            if arrives is None and not always and not _decoupling_pays(
+                    chain, new, nbytes, startup_shares[axis] * nbytes, axis, mesh):
+                log.info("parameter %s keeps its all-reduce on axis %d (reduce-scatter + "
+                         "all-gather modeled slower on this backend)", key, axis)
                 continue
             for node, sharding in new.items():
                 SHARDING.set(node, sharding)

@@ -95,3 +95,10 @@ def test_calibrated_profile_is_measured_on_first_use_then_cached(tmp_path, monke
     assert mesh.profile.name == "calibrated-4" and mesh.links[0].latency == 2e-4
     calibrate.calibrated_profile(4, refresh=True)
     assert calls == [4, 4]
+
+
+def test_contention_fit_recovers_known_factors():
+    from ddlc.calibrate import fit_contention
+    modeled = [(80e-3, 250, 55e-3), (4e-3, 250, 55e-3), (4.5e-3, 990, 8e-3), (8e-3, 250, 39e-3)]
+    measured = [2.5 * c + 8e-6 * n + 0.8 * k for c, n, k in modeled]
+    assert fit_contention(modeled, measured) == pytest.approx((2.5, 8e-6, 0.8), rel=1e-6)

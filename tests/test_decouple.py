@@ -76,3 +76,28 @@ def test_decoupling_only_where_the_backend_makes_it_pay(profile, decoupled):
     done = decouple(copy.deepcopy(gm), mesh, "backward")
     assert sorted(done) == decoupled
     assert decouple(gm, mesh, "backward", always=True)  # forced: decoupled all the same
+
+
+@pytest.mark.parametrize("latency, decouples", [(0.0, True), (1.0, False)])
+def test_the_start_up_of_the_gathers_decoupling_adds_is_charged(latency, decouples):
+    """Decoupling every update of a data-parallel plan (every gradient arrives as a partial
+    sum) adds one bucket of all-gathers. On NCCL a reduce-scatter + all-gather moves what
+    the all-reduce did, so on a start-up-free link every update moves onto its shard; with
+    a start-up far dearer than the update compute the shards save, none does."""
+    import torch
+    import torch.nn.functional as F
+
+    from ddlc import pipeline
+    from ddlc.options import CompileOptions
+    from ddlc.zoo import MLP
+    torch.manual_seed(0)
+    model = MLP(d_in=16, d_hidden=32, d_out=8, depth=3)
+    batch = (torch.randn(16, 16), torch.randn(16, 8))
+    placements = {"input0": "(S0)", "input1": "(S0)"} | {k: "(B)" for k, _ in model.named_parameters()}
+    opts = CompileOptions.from_kwargs(placements=placements, move_activations=False, decouple=False)
+    gm = pipeline.trace_step(model, batch, F.mse_loss, torch.optim.AdamW(model.parameters()), opts)
+    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(latency, 1e9)], profile="dgx-h100-ib")
+    pipeline.plan(gm, mesh, opts, pipeline.resolve_placements(gm, opts.placements, 1))
+    replicate_updates(gm, mesh)
+    done = decouple(gm, mesh, "forward")
+    assert sorted(done) == (sorted(k for k, _ in model.named_parameters()) if decouples else [])

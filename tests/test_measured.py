@@ -3,6 +3,7 @@ cached on disk per hardware profile, with the roofline scaled by the op's measur
 for what was not measured; ``compute="measured"`` selects it."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -13,10 +14,12 @@ import ddlc
 from cost_models import measured
 from cost_models.compute import op_time
 from ddlc.errors import OptionError
-from ddlc.mesh import load_profile
+from ddlc.mesh import Contention, load_profile
 from ddlc.options import CompileOptions
 
 aten = torch.ops.aten
+#: the default CPU profile without its measured contention: operator times as measured alone
+GLOO = dataclasses.replace(load_profile("cpu-gloo"), contention=None)
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +47,7 @@ def test_option_selects_measured_mode_and_keeps_roofline_default():
 
 
 def test_measured_times_are_positive_and_cached_on_disk(cache):
-    profile = measured.measured_profile(load_profile("cpu-gloo"))
+    profile = measured.measured_profile(GLOO)
     a, b, out = meta(64, 64), meta(64, 64), meta(64, 64)
     t = op_time(aten.mm.default, (a, b), {}, out, profile)
     assert t > 0
@@ -63,7 +66,7 @@ def test_measured_times_are_positive_and_cached_on_disk(cache):
 
 
 def test_cache_is_keyed_by_profile_and_thread_count():
-    cpu = measured.measured_profile(load_profile("cpu-gloo"))
+    cpu = measured.measured_profile(GLOO)
     dgx = measured.measured_profile(load_profile("dgx-h100-ib"))
     assert measured.cache_path(cpu) != measured.cache_path(dgx)
     assert measured.cache_path(cpu, threads=1) != measured.cache_path(cpu, threads=2)
@@ -71,7 +74,7 @@ def test_cache_is_keyed_by_profile_and_thread_count():
 
 
 def test_views_non_operators_and_collectives_are_not_measured():
-    profile = measured.measured_profile(load_profile("cpu-gloo"))
+    profile = measured.measured_profile(GLOO)
     x = meta(8, 8)
     assert op_time(aten.view.default, (x, [64]), {}, meta(64), profile) == 0.0
     assert op_time(lambda *a: None, (x,), {}, x, profile) == 0.0
@@ -86,7 +89,7 @@ def test_unseen_shapes_fall_back_to_the_roofline_scaled_by_the_ops_measured_rati
     """Hand-computed: add measured at two shapes as 3x and 5x its roofline; a third shape,
     not measured (budget spent), costs its roofline x median(3, 5) = 4x; an op never
     measured costs its plain roofline."""
-    profile = load_profile("cpu-gloo")
+    profile = GLOO
     table = measured.MeasuredTable(cache / "t.json", budget=0.0)
     add = aten.add.Tensor
     r1 = op_time(add, (meta(1024), meta(1024)), {}, meta(1024), profile)
@@ -111,7 +114,7 @@ def test_an_op_whose_made_up_inputs_fail_falls_back(cache):
 
 
 def test_sharing_scales_measured_times(monkeypatch):
-    profile = measured.measured_profile(load_profile("cpu-gloo"))
+    profile = measured.measured_profile(GLOO)
     args, out = (meta(32, 32), meta(32, 32)), meta(32, 32)
     alone = op_time(aten.mm.default, args, {}, out, profile)
     monkeypatch.setenv("DDLC_SHARING", "2")
@@ -135,13 +138,20 @@ def _train_measured(rank):
     step = ddlc.compile(model, (2,), (x, y), torch.nn.functional.mse_loss, opt, compute="measured")
     losses = [float(step.step(x, y)) for _ in range(2)]
     measured.flush_all()
-    return losses, step.mesh.profile.compute, step.timeline().makespan
+    from ddlc.runtime import _mesh_for_world
+    contention = {}
+    for local in (2, 8):   # a contention is kept only for as many local ranks as run here
+        profile = dataclasses.replace(load_profile("cpu-gloo"), contention=Contention(local, 2.0, 1e-5, 1.0))
+        mesh, _, _ = _mesh_for_world((2,), CompileOptions.from_kwargs(compute="measured", profile=profile))
+        contention[local] = mesh.profile.shared_cores
+    return losses, step.mesh.profile.compute, step.timeline().makespan, contention
 
 
 @pytest.mark.multiprocess
 def test_a_plan_in_measured_mode_compiles_and_runs(cache):
     from ddlc.zoo import MLP
-    (losses, compute, makespan), _ = ddlc.spawn(_train_measured, 2, timeout=120, deadline=300)
+    (losses, compute, makespan, contention), _ = ddlc.spawn(_train_measured, 2, timeout=120, deadline=300)
+    assert contention == {2: Contention(2, 2.0, 1e-5, 1.0), 8: None}
     torch.manual_seed(0)
     model = MLP(d_in=8, d_hidden=16, d_out=4, depth=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -178,3 +188,55 @@ def test_peers_of_rank0_read_its_file_instead_of_measuring(cache, monkeypatch):
     other.path, other._dirty = path, True
     other.save()
     assert measured.MeasuredTable(path).seconds(aten.mm.default, args, {}, 3e-6) == t
+
+
+def test_a_measured_contention_prices_operators_and_collectives_in_measured_mode_only(monkeypatch):
+    """Where the profile has a measured contention, measured mode takes operators at its
+    compute factor times their time alone plus its per-operator seconds, and collectives at its communication factor times
+    the links; ``$DDLC_SHARING`` still overrides the compute factor; roofline mode ignores it."""
+    monkeypatch.delenv("DDLC_SHARING")
+    base = GLOO
+    plain = measured.measured_profile(base)
+    shared = dataclasses.replace(plain, contention=Contention(4, 2.5, 1e-5, 1.5))
+    args, out = (meta(32, 32), meta(32, 32)), meta(32, 32)
+    alone = op_time(aten.mm.default, args, {}, out, plain)   # no process group: sharing 1
+    assert op_time(aten.mm.default, args, {}, out, shared) == pytest.approx(2.5 * alone + 1e-5)
+    monkeypatch.setenv("DDLC_SHARING", "3")
+    assert op_time(aten.mm.default, args, {}, out, shared) == pytest.approx(3 * alone + 1e-5)
+    view = aten.view.default
+    assert op_time(view, (meta(32, 32), [1024]), {}, meta(1024), shared) == 0   # views cost nothing
+    link = shared.link_for("all_reduce", base.intra_node)
+    assert link.latency == pytest.approx(1.5 * base.intra_node.latency)
+    assert link.bandwidth == pytest.approx(base.intra_node.bandwidth / 1.5)
+    roofline = dataclasses.replace(shared, compute="roofline")
+    assert roofline.shared_cores is None and roofline.link_for("all_reduce", base.intra_node) == base.intra_node
+    assert measured.cache_path(shared) == measured.cache_path(plain)   # op times do not depend on it
+
+
+def test_collectives_do_not_overlap_compute_where_ranks_share_cores():
+    """With a contention (factors 1: the same task times), every collective runs on the
+    compute stream: the makespan is the sum of all tasks, where without it the schedule
+    hides communication behind the backward pass; the makespan-only arithmetic agrees."""
+    from cost_models.program import order_makespan, program_timeline
+    from ddlc import pipeline
+    from ddlc.mesh import Mesh
+    from ddlc.simulate import axis_group_names
+    from ddlc.zoo import MLP
+    torch.manual_seed(0)
+    model = MLP(d_in=64, d_hidden=256, d_out=8, depth=4)
+    batch = (torch.randn(64, 64), torch.randn(64, 8))
+    opts = CompileOptions.from_kwargs(compute="measured")
+    gm = pipeline.trace_step(model, batch, torch.nn.functional.mse_loss,
+                             torch.optim.SGD(model.parameters(), lr=0.1), opts)
+    base = dataclasses.replace(GLOO, compute="measured")
+    mesh = Mesh((4,), profile=base)
+    pipeline.plan(gm, mesh, opts, pipeline.resolve_placements(gm, {"input0": "(S0)"}, 1))
+    pipeline.lower(gm, mesh, (0,), axis_group_names(mesh), opts)
+    plain = program_timeline(gm, base)
+    shared_profile = dataclasses.replace(base, contention=Contention(4, 1.0, 0.0, 1.0))
+    shared = program_timeline(gm, shared_profile)
+    total = sum(plain.busy(s) for s in plain.streams)
+    assert len(plain.streams) > 1 and shared.streams == ["compute"]
+    assert plain.makespan < total - 1e-6     # something was hidden
+    assert shared.makespan == pytest.approx(total)
+    assert order_makespan(list(gm.graph.nodes), shared_profile) == pytest.approx(shared.makespan)
