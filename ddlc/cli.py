@@ -183,6 +183,7 @@ def _compile_rank0(args) -> Compiled:
     from .mesh import Mesh, load_profile
     from .options import CompileOptions
     profile = replace(load_profile(args.profile or "cpu-gloo"), compute=args.compute)
+    profile = profile.for_local_ranks(devices or math.prod(shape))   # as many ranks on this host
     options = CompileOptions.from_kwargs(solver=args.solver, memory_budget=budget, profile=profile,
                                          compute=args.compute)
     start = time.perf_counter()

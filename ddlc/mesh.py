@@ -13,7 +13,7 @@ import functools
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Collection, Sequence
 
@@ -82,6 +82,13 @@ class HardwareProfile:
     def shared_cores(self) -> Contention | None:
         """The contention the cost models apply: the measured one, in measured mode."""
         return self.contention if self.compute == "measured" else None
+
+    def for_local_ranks(self, ranks: int | None) -> "HardwareProfile":
+        """This profile for ``ranks`` processes sharing one host (None: not such ranks):
+        without its contention unless that was measured for as many ranks."""
+        if self.contention is None or self.contention.local_ranks == ranks:
+            return self
+        return replace(self, contention=None)
 
     def runs_as(self, collective: str) -> str:
         """The collective the backend really runs for ``collective`` (gloo runs a

@@ -236,11 +236,11 @@ def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh, st
     mesh = Mesh.of(mesh, **({"profile": options.profile} if options.profile else {}))
     if options.compute != mesh.profile.compute:
         mesh = mesh.with_(profile=dataclasses.replace(mesh.profile, compute=options.compute))
-    shared = mesh.profile.shared_cores
-    if shared is not None and local_gloo_ranks() != shared.local_ranks:
+    profile = mesh.profile.for_local_ranks(local_gloo_ranks())
+    if profile is not mesh.profile:
         log.info("profile %s: its contention was measured for %d local gloo ranks, not this "
-                 "process group's; pricing without it", mesh.profile.name, shared.local_ranks)
-        mesh = mesh.with_(profile=dataclasses.replace(mesh.profile, contention=None))
+                 "process group's; pricing without it", profile.name, mesh.profile.contention.local_ranks)
+        mesh = mesh.with_(profile=profile)
     mesh.check_world_size(dist.get_world_size())
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if device_mesh is None:

@@ -240,3 +240,10 @@ def test_collectives_do_not_overlap_compute_where_ranks_share_cores():
     assert plain.makespan < total - 1e-6     # something was hidden
     assert shared.makespan == pytest.approx(total)
     assert order_makespan(list(gm.graph.nodes), shared_profile) == pytest.approx(shared.makespan)
+
+
+def test_a_contention_holds_only_for_as_many_local_ranks_as_it_was_measured_for():
+    shared = dataclasses.replace(GLOO, contention=Contention(4, 2.0, 1e-5, 1.0))
+    assert shared.for_local_ranks(4) is shared
+    assert shared.for_local_ranks(8).contention is None and shared.for_local_ranks(None).contention is None
+    assert GLOO.for_local_ranks(4) is GLOO
