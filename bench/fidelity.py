@@ -487,8 +487,9 @@ def main(argv=None) -> int:
     if os.environ.get("DDLC_SHARING"):
         cores = f"operators x{os.environ['DDLC_SHARING']} ($DDLC_SHARING)"
     elif args.compute == "measured" and contention and contention.local_ranks == world:
-        cores = (f"the profile's contention: operators x{contention.compute:.2f}, collectives "
-                 f"x{contention.communication:.2f}, not overlapping")
+        cores = (f"the profile's contention: operators x{contention.compute:.2f} "
+                 f"+ {contention.per_operator * 1e6:.1f} us, collectives' start-ups x{contention.startup:.2f} "
+                 f"and transfers x{contention.transfer:.2f}, not overlapping")
     else:
         cores = f"operators x{max(1.0, world / (os.cpu_count() or 1)):.2f} (ranks / cores)"
     print(f"ddlc cost-model fidelity{' (--quick)' if args.quick else ''}: torch {torch.__version__}, "

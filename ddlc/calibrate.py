@@ -11,8 +11,8 @@ models apply to that kind on every link; gloo's reduce-scatter, an all-reduce pl
 chunk, is measured and reported, and priced as the all-reduce it runs: :data:`EMULATED`).
 Per host: the ranks' contention for its cores (:func:`measure_contention`): three
 reference training steps (:data:`REFERENCE`) run on every rank at once and are fitted by
-a factor on their modeled compute (operators timed alone) and one on their modeled
-communication, the two not overlapping (``contention``, which measured mode applies:
+a factor on their modeled compute (operators timed alone), a cost per operator and
+factors on their collectives' start-ups and transfers, the two not overlapping (``contention``, which measured mode applies:
 :class:`ddlc.mesh.Contention`).
 Prints the profile as JSON (``--out`` writes it), ready for ``Mesh(...,
 profile=path)``, with the fit's relative error at every measured size (``fit``; also a
@@ -153,13 +153,15 @@ def measure_link(world_size: int) -> tuple[float, float, float, float, float, di
 
 
 #: The training steps the contention is fitted to: (label, zoo MLP sizes, global batch,
-#: plan), with AdamW: compute-heavy and communication-heavy data-parallel steps, a deep
-#: narrow one (many small operators) and a fully sharded one (parameters gathered where used).
+#: plan), with AdamW: compute-heavy and transfer-heavy data-parallel steps, a deep narrow
+#: one (many small operators), the same with every gradient all-reduced on its own (many
+#: small collectives: start-ups) and a fully sharded one (parameters gathered where used).
 WIDE = dict(d_in=128, d_hidden=512, d_out=16, depth=6)
 NARROW = dict(d_in=64, d_hidden=64, d_out=8, depth=24)
 REFERENCE = (("mlp 6x512 dp, batch 4096", WIDE, 4096, "dp"),
              ("mlp 6x512 dp, batch 64", WIDE, 64, "dp"),
              ("mlp 24x64 dp, batch 64", NARROW, 64, "dp"),
+             ("mlp 24x64 dp unfused, batch 64", NARROW, 64, "unfused"),
              ("mlp 6x512 fully sharded, batch 256", WIDE, 256, "zero"))
 
 
@@ -178,19 +180,24 @@ def _reference_step(sizes: dict, batch: int, plan: str, world: int, profile: str
         placements[key] = "(S0)" if plan == "zero" and param.shape[0] % world == 0 else "(B)"
     step = compile(model, (world,), inputs, F.mse_loss, torch.optim.AdamW(model.parameters()),
                    placements=placements, move_activations=False, profile=profile,
-                   decouple="always" if plan == "zero" else False)
+                   decouple="always" if plan == "zero" else False, fuse=plan != "unfused")
     return step, inputs
 
 
-def _modeled_parts(gm, profile) -> tuple[float, int, float]:
-    """(compute seconds, operators that cost anything, communication seconds) of a lowered
-    program on ``profile``."""
+def _modeled_parts(gm, mesh) -> tuple[float, int, float, float]:
+    """(compute seconds, operators that cost anything, seconds of the collectives'
+    start-ups, seconds of the rest of their time) of a lowered program on ``mesh``."""
+    from cost_models.collectives import axis_time
     from cost_models.program import NodeCosts, program_timeline
-    timeline = program_timeline(gm, profile)
-    costs = NodeCosts(profile)
+    from .ir import COLLECTIVE
+    timeline = program_timeline(gm, mesh.profile)
+    costs = NodeCosts(mesh.profile)
     operators = sum(1 for n in gm.graph.nodes if n.op == "call_function"
                     and costs.channel(n) is None and costs.seconds(n) > 0)
-    return timeline.compute_time, operators, timeline.communication_time
+    startups = sum(axis_time(COLLECTIVE(n).kind, 0, mesh, COLLECTIVE(n).axis) for n in gm.graph.nodes
+                   if n.op == "call_function" and costs.channel(n) is not None)
+    startups = min(startups, timeline.communication_time)
+    return timeline.compute_time, operators, startups, timeline.communication_time - startups
 
 
 def _reference_times(rank: int, profile: str, warmup: int = 3, steps: int = 10) -> list:
@@ -208,7 +215,7 @@ def _reference_times(rank: int, profile: str, warmup: int = 3, steps: int = 10) 
         dist.barrier()
         if rank == 0:
             alone = dataclasses.replace(step.mesh.profile, compute="measured", contention=None)
-            modeled.append(_modeled_parts(step.gm, alone))
+            modeled.append(_modeled_parts(step.gm, step.mesh.with_(profile=alone)))
     dist.barrier()
     times = [[] for _ in compiled]
     for i in range(warmup + steps):
@@ -239,24 +246,25 @@ def measure_contention(world_size: int, profile: dict) -> dict:
     modeled, steps = results[0][0], len(results[0][1][0])
     measured = [statistics.median(max(r[1][k][i] for r in results) for i in range(steps))
                 for k in range(len(REFERENCE))]
-    compute, per_operator, communication = fit_contention(modeled, measured)
+    factors = fit_contention(modeled, measured)
     fit = []
-    for (label, *_), (c, n, k), t in zip(REFERENCE, modeled, measured):
-        model = compute * c + per_operator * n + communication * k
-        fit.append({"step": label, "measured": t, "compute": c, "operators": n, "communication": k,
-                    "model": model, "error": model / t - 1})
-    return {"local_ranks": world_size, "compute": compute, "per_operator": per_operator,
-            "communication": communication, "fit": fit}
+    for (label, *_), parts, t in zip(REFERENCE, modeled, measured):
+        model = sum(f * x for f, x in zip(factors, parts))
+        fit.append({"step": label, "measured": t, "model": model, "error": model / t - 1,
+                    **dict(zip(("compute", "operators", "startups", "transfers"), parts))})
+    return {"local_ranks": world_size, **dict(zip(("compute", "per_operator", "startup", "transfer"), factors)),
+            "fit": fit}
 
 
-def fit_contention(modeled, measured) -> tuple[float, float, float]:
-    """(compute factor, seconds per operator, communication factor), all ``>= 0``, with
-    ``a·C + o·N + b·K`` closest to each measured step time in relative error (non-negative
-    least squares), for ``modeled`` triples (C modeled compute, N operators, K modeled
-    communication) of those steps."""
-    rows = [[c / t, n / t, k / t] for (c, n, k), t in zip(modeled, measured)]
-    (compute, per_operator, communication), _ = nnls(rows, [1.0] * len(rows))
-    return float(compute), float(per_operator), float(communication)
+def fit_contention(modeled, measured) -> tuple[float, float, float, float]:
+    """(compute factor, seconds per operator, start-up factor, transfer factor), all
+    ``>= 0``, with ``a·C + o·N + s·S + b·B`` closest to each measured step time in relative
+    error (non-negative least squares), for ``modeled`` tuples (C modeled compute, N
+    operators, S and B the modeled collectives' start-ups and the rest of their time) of
+    those steps."""
+    rows = [[x / t for x in parts] for parts, t in zip(modeled, measured)]
+    factors, _ = nnls(rows, [1.0] * len(rows))
+    return tuple(float(f) for f in factors)
 
 
 def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
@@ -318,7 +326,8 @@ def format_fit(profile: dict) -> str:
     if contention:
         lines += [f"contention of {contention['local_ranks']} local ranks: operators "
                   f"{contention['compute']:.2f}x their time alone + {contention['per_operator'] * 1e6:.1f} us, collectives "
-                  f"{contention['communication']:.2f}x the links, not overlapping compute",
+                  f"{contention['startup']:.2f}x the links' start-ups and {contention['transfer']:.2f}x their "
+                  "transfer time, not overlapping compute",
                   f"{'reference step':>36}  {'measured ms':>11}  {'model ms':>9}  {'error':>7}"]
         lines += [f"{r['step']:>36}  {r['measured'] * 1e3:>11.3f}  {r['model'] * 1e3:>9.3f}  "
                   f"{r['error']:>+7.1%}" for r in contention["fit"]]

@@ -45,14 +45,15 @@ class Contention:
     cores (gloo ranks on one CPU host), measured by ``ddlc calibrate``: an operator inside
     the step takes ``compute`` times its time measured alone plus ``per_operator`` seconds
     (what a call loses to the other ranks' use of the caches and the scheduler, which
-    small operators feel most), a collective ``communication`` times what the links give,
-    and collectives do not overlap compute (they need the same cores). Used in measured
-    mode only (``HardwareProfile.shared_cores``)."""
+    small operators feel most), a collective ``startup`` times the links' start-ups and
+    ``transfer`` times their time per byte, and collectives do not overlap compute (they
+    need the same cores). Used in measured mode only (``HardwareProfile.shared_cores``)."""
 
     local_ranks: int
     compute: float
     per_operator: float
-    communication: float
+    startup: float
+    transfer: float
 
 
 @dataclass(frozen=True)
@@ -99,13 +100,13 @@ class HardwareProfile:
         """``link`` as ``collective`` runs on it: its start-up and bandwidth scaled by the
         profile's measured factors for that kind (gloo's all-gather and all-to-all run
         slower than the all-reduce ring of the same link predicts), and by the contention's
-        ``communication`` factor where ranks share cores (:attr:`shared_cores`)."""
+        ``startup`` and ``transfer`` factors where ranks share cores (:attr:`shared_cores`)."""
         factors = dict(self.collective_factors).get(collective)
         if factors is not None:
             link = _scaled(link, *factors)
         shared = self.shared_cores
         if shared is not None:
-            link = _scaled(link, shared.communication, 1 / shared.communication)
+            link = _scaled(link, shared.startup, 1 / shared.transfer)
         return link
 
     def flops_for(self, dtype: str) -> float:
@@ -139,7 +140,7 @@ def _contention(d: dict | None) -> Contention | None:
     if not d:
         return None
     return Contention(int(d["local_ranks"]), float(d["compute"]), float(d["per_operator"]),
-                      float(d["communication"]))
+                      float(d["startup"]), float(d["transfer"]))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -99,6 +99,19 @@ def test_calibrated_profile_is_measured_on_first_use_then_cached(tmp_path, monke
 
 def test_contention_fit_recovers_known_factors():
     from ddlc.calibrate import fit_contention
-    modeled = [(80e-3, 250, 55e-3), (4e-3, 250, 55e-3), (4.5e-3, 990, 8e-3), (8e-3, 250, 39e-3)]
-    measured = [2.5 * c + 8e-6 * n + 0.8 * k for c, n, k in modeled]
-    assert fit_contention(modeled, measured) == pytest.approx((2.5, 8e-6, 0.8), rel=1e-6)
+    modeled = [(80e-3, 250, 5e-3, 50e-3), (4e-3, 250, 5e-3, 50e-3), (4.5e-3, 990, 4e-3, 4e-3),
+               (4.5e-3, 990, 40e-3, 4e-3), (8e-3, 250, 6e-3, 33e-3)]
+    measured = [2.5 * c + 8e-6 * n + 0.5 * s + 1.2 * b for c, n, s, b in modeled]
+    assert fit_contention(modeled, measured) == pytest.approx((2.5, 8e-6, 0.5, 1.2), rel=1e-6)
+
+
+def test_the_report_shows_the_contention_fit():
+    from ddlc.calibrate import format_fit
+    link = {"latency": 1e-3, "bandwidth": 7e8}
+    profile = {"links": {"intra_node": link}, "fit": {},
+               "contention": {"local_ranks": 4, "compute": 2.4, "per_operator": 1.3e-5, "startup": 0.5,
+                              "transfer": 1.4,
+                              "fit": [{"step": "mlp dp", "measured": 0.05, "model": 0.052, "error": 0.04}]}}
+    text = format_fit(profile)
+    assert "operators 2.40x their time alone + 13.0 us" in text and "0.50x the links' start-ups" in text
+    assert "mlp dp" in text and "+4.0%" in text

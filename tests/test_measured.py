@@ -141,7 +141,7 @@ def _train_measured(rank):
     from ddlc.runtime import _mesh_for_world
     contention = {}
     for local in (2, 8):   # a contention is kept only for as many local ranks as run here
-        profile = dataclasses.replace(load_profile("cpu-gloo"), contention=Contention(local, 2.0, 1e-5, 1.0))
+        profile = dataclasses.replace(load_profile("cpu-gloo"), contention=Contention(local, 2.0, 1e-5, 1.0, 1.0))
         mesh, _, _ = _mesh_for_world((2,), CompileOptions.from_kwargs(compute="measured", profile=profile))
         contention[local] = mesh.profile.shared_cores
     return losses, step.mesh.profile.compute, step.timeline().makespan, contention
@@ -151,7 +151,7 @@ def _train_measured(rank):
 def test_a_plan_in_measured_mode_compiles_and_runs(cache):
     from ddlc.zoo import MLP
     (losses, compute, makespan, contention), _ = ddlc.spawn(_train_measured, 2, timeout=120, deadline=300)
-    assert contention == {2: Contention(2, 2.0, 1e-5, 1.0), 8: None}
+    assert contention == {2: Contention(2, 2.0, 1e-5, 1.0, 1.0), 8: None}
     torch.manual_seed(0)
     model = MLP(d_in=8, d_hidden=16, d_out=4, depth=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -192,12 +192,13 @@ def test_peers_of_rank0_read_its_file_instead_of_measuring(cache, monkeypatch):
 
 def test_a_measured_contention_prices_operators_and_collectives_in_measured_mode_only(monkeypatch):
     """Where the profile has a measured contention, measured mode takes operators at its
-    compute factor times their time alone plus its per-operator seconds, and collectives at its communication factor times
-    the links; ``$DDLC_SHARING`` still overrides the compute factor; roofline mode ignores it."""
+    compute factor times their time alone plus its per-operator seconds, and collectives at
+    its start-up and transfer factors times the links'; ``$DDLC_SHARING`` still overrides
+    the compute factor; roofline mode ignores it."""
     monkeypatch.delenv("DDLC_SHARING")
     base = GLOO
     plain = measured.measured_profile(base)
-    shared = dataclasses.replace(plain, contention=Contention(4, 2.5, 1e-5, 1.5))
+    shared = dataclasses.replace(plain, contention=Contention(4, 2.5, 1e-5, 3.0, 1.5))
     args, out = (meta(32, 32), meta(32, 32)), meta(32, 32)
     alone = op_time(aten.mm.default, args, {}, out, plain)   # no process group: sharing 1
     assert op_time(aten.mm.default, args, {}, out, shared) == pytest.approx(2.5 * alone + 1e-5)
@@ -206,7 +207,7 @@ def test_a_measured_contention_prices_operators_and_collectives_in_measured_mode
     view = aten.view.default
     assert op_time(view, (meta(32, 32), [1024]), {}, meta(1024), shared) == 0   # views cost nothing
     link = shared.link_for("all_reduce", base.intra_node)
-    assert link.latency == pytest.approx(1.5 * base.intra_node.latency)
+    assert link.latency == pytest.approx(3.0 * base.intra_node.latency)
     assert link.bandwidth == pytest.approx(base.intra_node.bandwidth / 1.5)
     roofline = dataclasses.replace(shared, compute="roofline")
     assert roofline.shared_cores is None and roofline.link_for("all_reduce", base.intra_node) == base.intra_node
@@ -233,7 +234,7 @@ def test_collectives_do_not_overlap_compute_where_ranks_share_cores():
     pipeline.plan(gm, mesh, opts, pipeline.resolve_placements(gm, {"input0": "(S0)"}, 1))
     pipeline.lower(gm, mesh, (0,), axis_group_names(mesh), opts)
     plain = program_timeline(gm, base)
-    shared_profile = dataclasses.replace(base, contention=Contention(4, 1.0, 0.0, 1.0))
+    shared_profile = dataclasses.replace(base, contention=Contention(4, 1.0, 0.0, 1.0, 1.0))
     shared = program_timeline(gm, shared_profile)
     total = sum(plain.busy(s) for s in plain.streams)
     assert len(plain.streams) > 1 and shared.streams == ["compute"]
@@ -243,7 +244,7 @@ def test_collectives_do_not_overlap_compute_where_ranks_share_cores():
 
 
 def test_a_contention_holds_only_for_as_many_local_ranks_as_it_was_measured_for():
-    shared = dataclasses.replace(GLOO, contention=Contention(4, 2.0, 1e-5, 1.0))
+    shared = dataclasses.replace(GLOO, contention=Contention(4, 2.0, 1e-5, 1.0, 1.0))
     assert shared.for_local_ranks(4) is shared
     assert shared.for_local_ranks(8).contention is None and shared.for_local_ranks(None).contention is None
     assert GLOO.for_local_ranks(4) is GLOO
