@@ -19,7 +19,11 @@ backward, gradient communication, AdamW update) of
   parameter ``(B)``, ``move_activations=False``: only gradients, parameters and scalars
   move); decoupling, fusion and scheduling as the cost model decides;
 - ``ddlc-inductor``: ddlc's plan with ``backend="inductor"`` (each rank's program compiled
-  by Inductor; needs a C++ compiler, else listed as not available).
+  by Inductor; needs a C++ compiler, else listed as not available);
+- ``ddlc-measured``: ``ddlc.compile`` with ``compute="measured"``: the plan the search picks
+  with operators priced by their times measured on this machine (rank 0 measures on the
+  first compile and caches them) and the profile's measured contention of ranks sharing
+  cores (``cpu-gloo`` has one for 4 ranks).
 
 Every variant starts from the same parameters (seed 0) and sees the same batches; they run
 interleaved (one step of each per round, the order rotating every round) so machine noise
@@ -76,7 +80,7 @@ QUICK = {
     "mlp": (dict(d_in=128, d_hidden=512, d_out=32, depth=3), 128),
     "hf-gpt2": (dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=32), 8),
 }
-VARIANTS = ("eager", "DDP", "FSDP2", "ddlc", "ddlc-dp", "ddlc-inductor")
+VARIANTS = ("eager", "DDP", "FSDP2", "ddlc", "ddlc-dp", "ddlc-inductor", "ddlc-measured")
 UNAVAILABLE: dict[str, str] = {}   # variant -> why it cannot run here (filled by main)
 MICRO_BATCHED = ("DDP", "FSDP2")   # variants that step on this rank's micro-batch
 
@@ -176,7 +180,7 @@ def fsdp2_variant(name, kwargs, batch0):
             dict(count_bytes=True, how=f"fully_shard on {len(layers)} layers and the root"))
 
 
-def ddlc_variant(name, kwargs, batch0, pin_data_parallel, backend="eager"):
+def ddlc_variant(name, kwargs, batch0, pin_data_parallel, backend="eager", compute="roofline"):
     model, loss_fn = build(name, kwargs)
     opt = make_optimizer(model)
     placements = {}
@@ -187,7 +191,7 @@ def ddlc_variant(name, kwargs, batch0, pin_data_parallel, backend="eager"):
     start = time.perf_counter()
     compiled = ddlc.compile(model, (dist.get_world_size(),), batch0, loss_fn, opt,
                             placements=placements, profile=PROFILE, backend=backend,
-                            move_activations=not pin_data_parallel)
+                            move_activations=not pin_data_parallel, compute=compute)
     compile_s = time.perf_counter() - start
     seq = collective_sequence(compiled.gm)
     info = dict(compile_s=compile_s, collectives=dict(Counter(k for k, _, _ in seq)),
@@ -222,6 +226,7 @@ BUILDERS = {
     "ddlc": lambda *a: ddlc_variant(*a, pin_data_parallel=False),
     "ddlc-dp": lambda *a: ddlc_variant(*a, pin_data_parallel=True),
     "ddlc-inductor": lambda *a: ddlc_variant(*a, pin_data_parallel=False, backend="inductor"),
+    "ddlc-measured": lambda *a: ddlc_variant(*a, pin_data_parallel=False, compute="measured"),
 }
 
 #: torch.distributed collectives FSDP2 calls -> the parameter holding the whole buffer
