@@ -271,18 +271,19 @@ def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
     alpha, bandwidth, flops, memory, cache, factors, fitted, errors = measure_link(world_size)
     link = {"latency": alpha, "bandwidth": bandwidth}
     profile = {"name": name,
-            "description": f"measured by `python -m ddlc calibrate` with {world_size} local gloo "
-                           "processes, one thread each",
-            "source": "ddlc.calibrate: median timings, ring fits per collective by least squares",
-            "devices_per_node": 64, "flops": {"float32": flops, "bfloat16": flops / 2,
-                                               "float16": flops / 2},
-            "memory_bandwidth": memory, "memory_capacity": 8.0e9,
-            "cache": {"bytes": CACHE_BYTES, "bandwidth": cache},
-            "emulated_collectives": EMULATED,
-            "links": {"intra_node": link, "inter_node": link},
-            "collective_factors": factors,
-            "fits": fitted,
-            "fit": errors}
+               "description": f"measured by `python -m ddlc calibrate` with {world_size} local gloo "
+                              "processes, one thread each",
+               "source": "ddlc.calibrate: median timings, ring fits per collective and a fit of "
+                         "the ranks' contention to reference steps, by least squares",
+               "devices_per_node": 64, "flops": {"float32": flops, "bfloat16": flops / 2,
+                                                  "float16": flops / 2},
+               "memory_bandwidth": memory, "memory_capacity": 8.0e9,
+               "cache": {"bytes": CACHE_BYTES, "bandwidth": cache},
+               "emulated_collectives": EMULATED,
+               "links": {"intra_node": link, "inter_node": link},
+               "collective_factors": factors,
+               "fits": fitted,
+               "fit": errors}
     profile["contention"] = measure_contention(world_size, profile)
     return profile
 
