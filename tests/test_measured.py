@@ -248,3 +248,25 @@ def test_a_contention_holds_only_for_as_many_local_ranks_as_it_was_measured_for(
     assert shared.for_local_ranks(4) is shared
     assert shared.for_local_ranks(8).contention is None and shared.for_local_ranks(None).contention is None
     assert GLOO.for_local_ranks(4) is GLOO
+
+
+def test_a_plan_priced_with_the_contention_matches_single_device():
+    """The whole pipeline in measured mode with ``cpu-gloo``'s contention for 4 ranks
+    (collectives serialised with compute in every timeline the lowering searches), on 4
+    simulated ranks with AdamW: the same losses and parameters as one device."""
+    from conftest import assert_matches_reference, batches, model_and_loss, optimizer, reference
+    from ddlc import pipeline
+    from ddlc.mesh import Mesh
+    from ddlc.simulate import simulate_steps
+    profile = measured.measured_profile(load_profile("cpu-gloo"))
+    assert profile.shared_cores is not None and profile.shared_cores.local_ranks == 4
+    model, loss_fn = model_and_loss("gpt")
+    data = batches("gpt")
+    opts = CompileOptions.from_kwargs(compute="measured")
+    gm = pipeline.trace_step(model, data[0], loss_fn, optimizer("adamw", model), opts)
+    mesh = Mesh((4,), profile=profile)
+    pipeline.plan(gm, mesh, opts, pipeline.resolve_placements(gm, {}, 1))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    losses, params, _, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data,
+                                          compute="measured")
+    assert_matches_reference({"losses": losses, "params": params}, reference("gpt", "adamw"))
