@@ -200,15 +200,15 @@ def _modeled_parts(gm, mesh) -> tuple[float, int, float, float]:
     return timeline.compute_time, operators, startups, timeline.communication_time - startups
 
 
-def _reference_times(rank: int, profile: str, warmup: int = 3, steps: int = 10) -> list:
-    """Per :data:`REFERENCE` step: :func:`_modeled_parts` of this rank's program, its
+def _reference_times(rank: int, profile: str, reference, warmup: int = 3, steps: int = 10) -> list:
+    """Per ``reference`` step (as :data:`REFERENCE`): :func:`_modeled_parts` of this rank's program, its
     operators measured alone (rank 0, while its peers wait; no contention), and this
     rank's step times with every rank stepping (interleaved, after a barrier)."""
     import dataclasses
     import os
     torch.set_num_threads(1)
     world = dist.get_world_size()
-    compiled = [_reference_step(sizes, batch, plan, world, profile) for _, sizes, batch, plan in REFERENCE]
+    compiled = [_reference_step(sizes, batch, plan, world, profile) for _, sizes, batch, plan in reference]
     os.environ["DDLC_SHARING"] = "1"    # operator times as measured alone
     modeled = []
     for step, _ in compiled:
@@ -229,9 +229,9 @@ def _reference_times(rank: int, profile: str, warmup: int = 3, steps: int = 10) 
     return [modeled, times]
 
 
-def measure_contention(world_size: int, profile: dict) -> dict:
+def measure_contention(world_size: int, profile: dict, reference=REFERENCE) -> dict:
     """The :class:`ddlc.mesh.Contention` of ``world_size`` local gloo ranks on this host:
-    the :data:`REFERENCE` steps run on every rank at once (measured: per step the slowest
+    the ``reference`` steps (default :data:`REFERENCE`) run on every rank at once (measured: per step the slowest
     rank, median over steps) and are modeled on ``profile`` (this calibration's links) with
     operators timed alone; the factors are fitted by :func:`fit_contention`, collectives
     not overlapping compute. Returns the profile's ``contention`` entry, with the fit per
@@ -242,13 +242,13 @@ def measure_contention(world_size: int, profile: dict) -> dict:
         path = os.path.join(tmp, "profile.json")
         with open(path, "w") as f:
             json.dump(profile, f)
-        results = spawn(_reference_times, world_size, path, timeout=300, deadline=900)
+        results = spawn(_reference_times, world_size, path, reference, timeout=300, deadline=900)
     modeled, steps = results[0][0], len(results[0][1][0])
     measured = [statistics.median(max(r[1][k][i] for r in results) for i in range(steps))
-                for k in range(len(REFERENCE))]
+                for k in range(len(reference))]
     factors = fit_contention(modeled, measured)
     fit = []
-    for (label, *_), parts, t in zip(REFERENCE, modeled, measured):
+    for (label, *_), parts, t in zip(reference, modeled, measured):
         model = sum(f * x for f, x in zip(factors, parts))
         fit.append({"step": label, "measured": t, "model": model, "error": model / t - 1,
                     **dict(zip(("compute", "operators", "startups", "transfers"), parts))})

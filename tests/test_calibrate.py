@@ -115,3 +115,28 @@ def test_the_report_shows_the_contention_fit():
     text = format_fit(profile)
     assert "operators 2.40x their time alone + 13.0 us" in text and "0.50x the links' start-ups" in text
     assert "mlp dp" in text and "+4.0%" in text
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_the_contention_is_measured_on_reference_steps_and_loads_into_a_profile(tmp_path, monkeypatch):
+    """Two small reference steps on 2 gloo ranks: each is compiled, modeled (compute,
+    operators, start-ups, transfers) and timed, the fit is recorded per step, and the
+    profile with the contention loads and prices in measured mode on 2 ranks only."""
+    from ddlc.calibrate import measure_contention
+    from ddlc.mesh import HardwareProfile
+    monkeypatch.setenv("DDLC_CACHE_DIR", str(tmp_path))
+    link = {"latency": 1e-3, "bandwidth": 7e8}
+    profile = {"name": "here", "devices_per_node": 64, "flops": {"float32": 1e10},
+               "memory_bandwidth": 3e9, "memory_capacity": 8e9,
+               "links": {"intra_node": link, "inter_node": link}}
+    tiny = dict(d_in=8, d_hidden=16, d_out=4, depth=4)
+    reference = (("tiny dp", tiny, 16, "dp"), ("tiny dp unfused", tiny, 16, "unfused"))
+    contention = measure_contention(2, profile, reference)
+    assert contention["local_ranks"] == 2 and [r["step"] for r in contention["fit"]] == ["tiny dp", "tiny dp unfused"]
+    fused, unfused = contention["fit"]
+    assert all(r["measured"] > 0 and r["compute"] > 0 and r["operators"] > 0 for r in (fused, unfused))
+    assert unfused["startups"] > fused["startups"] > 0   # one all-reduce per gradient, not a bucket
+    loaded = HardwareProfile.from_dict(profile | {"contention": contention, "compute": "measured"})
+    assert loaded.shared_cores.per_operator == contention["per_operator"]
+    assert loaded.for_local_ranks(2) is loaded and loaded.for_local_ranks(4).contention is None
