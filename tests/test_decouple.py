@@ -3,11 +3,16 @@ import copy
 from collections import Counter
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import ddlc
 from conftest import DP_BATCH, FAST_GLOO, assert_matches_reference, data_parallel_mlp, reference, replicate_updates
+from ddlc import pipeline
 from ddlc.ir import COLLECTIVE, SHARDING, collective_sequence
+from ddlc.options import CompileOptions
 from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
+from ddlc.zoo import MLP
 from passes.decouple import decouple
 
 
@@ -84,12 +89,6 @@ def test_the_start_up_of_the_gathers_decoupling_adds_is_charged(latency, decoupl
     sum) adds one bucket of all-gathers. On NCCL a reduce-scatter + all-gather moves what
     the all-reduce did, so on a start-up-free link every update moves onto its shard; with
     a start-up far dearer than the update compute the shards save, none does."""
-    import torch
-    import torch.nn.functional as F
-
-    from ddlc import pipeline
-    from ddlc.options import CompileOptions
-    from ddlc.zoo import MLP
     torch.manual_seed(0)
     model = MLP(d_in=16, d_hidden=32, d_out=8, depth=3)
     batch = (torch.randn(16, 16), torch.randn(16, 8))

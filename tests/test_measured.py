@@ -11,11 +11,17 @@ import pytest
 import torch
 
 import ddlc
+from conftest import assert_matches_reference, batches, model_and_loss, optimizer, reference
 from cost_models import measured
 from cost_models.compute import op_time
+from cost_models.program import order_makespan, program_timeline
+from ddlc import pipeline
 from ddlc.errors import OptionError
-from ddlc.mesh import Contention, load_profile
+from ddlc.mesh import Contention, Mesh, load_profile
 from ddlc.options import CompileOptions
+from ddlc.runtime import _mesh_for_world
+from ddlc.simulate import axis_group_names, simulate_steps
+from ddlc.zoo import MLP
 
 aten = torch.ops.aten
 #: the default CPU profile without its measured contention: operator times as measured alone
@@ -130,7 +136,6 @@ def test_keys_distinguish_shapes_dtypes_strides_and_arguments():
 
 
 def _train_measured(rank):
-    from ddlc.zoo import MLP
     torch.manual_seed(0)
     model = MLP(d_in=8, d_hidden=16, d_out=4, depth=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -138,7 +143,6 @@ def _train_measured(rank):
     step = ddlc.compile(model, (2,), (x, y), torch.nn.functional.mse_loss, opt, compute="measured")
     losses = [float(step.step(x, y)) for _ in range(2)]
     measured.flush_all()
-    from ddlc.runtime import _mesh_for_world
     contention = {}
     for local in (2, 8):   # a contention is kept only for as many local ranks as run here
         profile = dataclasses.replace(load_profile("cpu-gloo"), contention=Contention(local, 2.0, 1e-5, 1.0, 1.0))
@@ -149,7 +153,6 @@ def _train_measured(rank):
 
 @pytest.mark.multiprocess
 def test_a_plan_in_measured_mode_compiles_and_runs(cache):
-    from ddlc.zoo import MLP
     (losses, compute, makespan, contention), _ = ddlc.spawn(_train_measured, 2, timeout=120, deadline=300)
     assert contention == {2: Contention(2, 2.0, 1e-5, 1.0, 1.0), 8: None}
     torch.manual_seed(0)
@@ -218,11 +221,6 @@ def test_collectives_do_not_overlap_compute_where_ranks_share_cores():
     """With a contention (factors 1: the same task times), every collective runs on the
     compute stream: the makespan is the sum of all tasks, where without it the schedule
     hides communication behind the backward pass; the makespan-only arithmetic agrees."""
-    from cost_models.program import order_makespan, program_timeline
-    from ddlc import pipeline
-    from ddlc.mesh import Mesh
-    from ddlc.simulate import axis_group_names
-    from ddlc.zoo import MLP
     torch.manual_seed(0)
     model = MLP(d_in=64, d_hidden=256, d_out=8, depth=4)
     batch = (torch.randn(64, 64), torch.randn(64, 8))
@@ -254,10 +252,6 @@ def test_a_plan_priced_with_the_contention_matches_single_device():
     """The whole pipeline in measured mode with ``cpu-gloo``'s contention for 4 ranks
     (collectives serialised with compute in every timeline the lowering searches), on 4
     simulated ranks with AdamW: the same losses and parameters as one device."""
-    from conftest import assert_matches_reference, batches, model_and_loss, optimizer, reference
-    from ddlc import pipeline
-    from ddlc.mesh import Mesh
-    from ddlc.simulate import simulate_steps
     profile = measured.measured_profile(load_profile("cpu-gloo"))
     assert profile.shared_cores is not None and profile.shared_cores.local_ranks == 4
     model, loss_fn = model_and_loss("gpt")
