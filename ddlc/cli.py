@@ -202,8 +202,8 @@ def _plan_and_lower(gm, mesh, options):
     """Plan ``gm`` (in place) on ``mesh`` and lower mesh coordinate 0's program."""
     from . import pipeline
     from .simulate import axis_group_names
-    plan = pipeline.plan(gm, mesh, options, {})
-    pipeline.lower(gm, mesh, (0,) * mesh.ndim, axis_group_names(mesh), options)
+    plan, choices = pipeline.choose_plan(gm, mesh, options, {})
+    pipeline.lower(gm, mesh, (0,) * mesh.ndim, axis_group_names(mesh), options, choices)
     return plan, gm
 
 

@@ -7,6 +7,8 @@
       canonicalize   mean reductions -> sum / count, so batch splits give partial sums
       shard          every node's SBP signature (AutoDDL): ir.SHARDING on every node
       decouple       gradient all-reduce -> reduce-scatter + update on the shard + all-gather
+      (choose_plan)  where nothing is pinned: data parallelism instead, if its lowered
+                     program's modeled step is shorter than the searched plan's
     lowering  (every rank, for its own mesh coordinate; rank 0 first, whose searched choices
                for fuse, partition and schedule the others take, see ddlc.runtime)
       collectives    boxing collectives on every edge whose SBP changes (ir.COLLECTIVE)
@@ -33,13 +35,14 @@ import copy
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
+from cost_models.program import program_makespan
 from passes.canonicalize import canonicalize
 from passes.collectives import insert_collectives
 from passes.decouple import decouple
@@ -52,7 +55,7 @@ from passes.schedule import check_waits, follow, schedule, searches_updates
 from passes.sharding import mesh_shapes, shard
 from passes.views import views_as_views
 
-from .errors import MeshError, SBPError, UnsupportedInputError
+from .errors import MeshError, SBPError, ShardingError, UnsupportedInputError
 from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP
 from .mesh import Mesh
 from .options import CompileOptions
@@ -60,7 +63,8 @@ from .plan import Plan
 from .sbp import NdSBP, divides, parse_sbp
 from .tracing import trace
 
-__all__ = ["PLANNING", "LOWERING", "run_pass", "trace_step", "resolve_placements", "plan", "lower",
+__all__ = ["PLANNING", "LOWERING", "run_pass", "trace_step", "resolve_placements", "plan", "choose_plan",
+           "data_parallel_placements", "lower",
            "LoweringChoices", "mesh_shapes"]
 
 log = logging.getLogger("ddlc.pipeline")
@@ -124,6 +128,75 @@ def plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
                              always=options.decouple == "always")
         result.stats["decoupled"] = len(decoupled)
     return result
+
+
+def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
+                fixed: Mapping[str, NdSBP]) -> tuple[Plan, LoweringChoices | None]:
+    """:func:`plan`, checked against data parallelism, the plan most users write by hand.
+
+    The search minimises an additive objective (per node and per edge); the program's
+    timeline adds what that leaves out: buckets sharing start-ups, overlap, the order. So
+    where nothing is pinned (``fixed`` empty, activations may move) and the search did not
+    choose data parallelism itself, the data-parallel plan
+    (:func:`data_parallel_placements`) is planned too, both are lowered for mesh coordinate
+    0 on copies, and ``gm`` keeps the plan whose program has the shorter modeled step
+    (:func:`cost_models.program.program_makespan`; the searched plan on ties, and where
+    the data-parallel plan cannot be made, e.g. over the memory budget). Returns the plan
+    and, where the two were compared, the lowering choices of the kept plan's program
+    (:func:`lower` takes them instead of searching again). Deterministic: rank 0 runs it
+    and broadcasts the decisions (``ddlc.runtime``)."""
+    reference = (data_parallel_placements(gm, mesh)
+                 if not fixed and options.move_activations and mesh.size > 1 else None)
+    unplanned = copy.deepcopy(gm) if reference is not None else None
+    searched = plan(gm, mesh, options, fixed)
+    if reference is None or all(SHARDING(n).outputs[0] == reference[n.name]
+                                for n in gm.graph.find_nodes(op="placeholder") if n.name in reference):
+        return searched, None
+    try:
+        data_parallel = plan(unplanned, mesh, replace(options, move_activations=False), reference)
+    except ShardingError as e:
+        log.info("data-parallel plan: none (%s)", str(e).splitlines()[0])
+        return searched, None
+    (mine, my_choices), (theirs, their_choices) = (_lowered_step(g, mesh, options) for g in (gm, unplanned))
+    log.info("modeled step of the searched plan %.3f ms, of data parallelism %.3f ms",
+             mine * 1e3, theirs * 1e3)
+    compared = dict(searched_step=mine, data_parallel_step=theirs)
+    if theirs >= mine:
+        searched.stats.update(compared)
+        return searched, my_choices
+    gm.graph = unplanned.graph
+    gm.meta.update(unplanned.meta)
+    data_parallel.stats.update(compared, chosen_over_search=True)
+    return data_parallel, their_choices
+
+
+def data_parallel_placements(gm: fx.GraphModule, mesh: Mesh) -> dict[str, NdSBP] | None:
+    """Data parallelism as pins by placeholder name: every batch input (an ``input`` whose
+    first dimension is the batch, the first dimension of the first batch tensor) split
+    along dim 0 over every mesh axis, every parameter replicated. None when the step has
+    no batch input or its batch is smaller than the mesh."""
+    step = STEP(gm)
+    placeholders = {n.name: n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")}
+    inputs = [(i.name, placeholders[i.name]) for i in step.inputs if i.role == "input"]
+    shapes = [tuple(v.shape) for _, v in inputs if isinstance(v, torch.Tensor) and v.dim() > 0]
+    if not shapes or shapes[0][0] < mesh.size:
+        return None
+    batch = shapes[0][0]
+    split = parse_sbp("(" + ", ".join(["S0"] * mesh.ndim) + ")")
+    whole = parse_sbp("(" + ", ".join(["B"] * mesh.ndim) + ")")
+    pins = {name: split for name, v in inputs
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch}
+    pins.update({i.name: whole for i in step.inputs if i.role == "param"})
+    return pins
+
+
+def _lowered_step(planned: fx.GraphModule, mesh: Mesh,
+                  options: CompileOptions) -> tuple[float, "LoweringChoices"]:
+    """The modeled seconds of mesh coordinate 0's program of ``planned`` (lowered on a
+    copy) and the choices it was lowered with."""
+    program = copy.deepcopy(planned)
+    choices = lower(program, mesh, (0,) * mesh.ndim, [f"axis{k}" for k in range(mesh.ndim)], options)
+    return program_makespan(program, mesh.profile), choices
 
 
 # -- lowering ------------------------------------------------------------------------------

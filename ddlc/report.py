@@ -234,7 +234,13 @@ def format_report(plan: Plan, rows: list[ModuleRow], step: StepBreakdown,
                   collectives: list[CollectiveRow]) -> str:
     """The plan table, the modeled step and the collectives per step, as text."""
     mesh = "x".join(map(str, plan.mesh_shape)) + f"({','.join(plan.axis_names)})"
-    lines = [f"plan on mesh {mesh}, profile {plan.profile}, solver {plan.solver}", ""]
+    lines = [f"plan on mesh {mesh}, profile {plan.profile}, solver {plan.solver}"]
+    if "data_parallel_step" in plan.stats:
+        kept = "data parallelism" if plan.stats.get("chosen_over_search") else "the searched plan"
+        lines.append(f"checked against data parallelism (modeled step of rank 0's program: searched "
+                     f"{plan.stats['searched_step'] * 1e3:.3f} ms, data parallel "
+                     f"{plan.stats['data_parallel_step'] * 1e3:.3f} ms): kept {kept}")
+    lines.append("")
     table = [("module", "layers", "parameters", "activation", "compute us", "comm us", "memory")]
     table += [(r.module, str(r.layers), r.parameters, r.activation, f"{r.compute * 1e6:.1f}",
                f"{r.communication * 1e6:.1f}", format_bytes(r.memory)) for r in rows]

@@ -189,9 +189,10 @@ def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> Plan:
 
 
 def _lower_after_rank0(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], groups: list[str],
-                       options: CompileOptions) -> None:
+                       options: CompileOptions, chosen: pipeline.LoweringChoices | None = None) -> None:
     """Rank 0 lowers mesh coordinate 0's program, which chooses the bucket cap, piece size
-    and node order by searching over modeled timelines, and broadcasts those choices
+    and node order by searching over modeled timelines (unless planning lowered it already
+    and gives its ``chosen`` choices), and broadcasts those choices
     (:class:`ddlc.pipeline.LoweringChoices`). Every other rank meanwhile localizes its own
     program, then takes the choices and skips the searches."""
     zero = (0,) * mesh.ndim
@@ -200,8 +201,10 @@ def _lower_after_rank0(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], g
         return
 
     def lead():
+        if chosen is not None and coord != zero:
+            return chosen
         leader = gm if coord == zero else copy.deepcopy(gm)
-        return pipeline.lower(leader, mesh, zero, groups, options)
+        return pipeline.lower(leader, mesh, zero, groups, options, chosen)
 
     choices = _on_rank0("lowering", lead)
     if coord != zero:
@@ -267,10 +270,17 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     _take_rank0_state(model)
     gm = _trace_on_rank0(model, example_inputs, loss_fn, optimizer, options)
     fixed = pipeline.resolve_placements(gm, options.placements, mesh.ndim)
-    plan = _plan_on_rank0(gm, lambda: pipeline.plan(gm, mesh, options, fixed))
+    lowering = []  # rank 0: the choices choose_plan lowered the kept plan with, if it did
+
+    def make_plan() -> Plan:
+        plan, choices = pipeline.choose_plan(gm, mesh, options, fixed)
+        lowering.append(choices)
+        return plan
+
+    plan = _plan_on_rank0(gm, make_plan)
     coord = tuple(device_mesh.get_coordinate())
     groups = [device_mesh.get_group(i).group_name for i in range(mesh.ndim)]
-    _lower_after_rank0(gm, mesh, coord, groups, options)
+    _lower_after_rank0(gm, mesh, coord, groups, options, lowering[0] if lowering else None)
     fingerprint = _check_fingerprint(gm)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")

@@ -33,3 +33,33 @@ def compiled_run(rank: int, mesh, cases):
         out["collectives"] = sorted({kind for kind, _, _ in collective_sequence(compiled.gm)})
         results.append(out if rank == 0 else {"losses": out.get("losses")})
     return results
+
+
+def compiled_run_preferring_data_parallel(rank: int, mesh, cases):
+    """:func:`compiled_run` where rank 0's ``choose_plan`` models the data-parallel program
+    faster than the searched one; rank 0's first result says whether it chose it."""
+    from ddlc import pipeline
+    from ddlc.ir import SHARDING, STEP
+
+    def modeled_step(planned, *_):
+        by_name = {n.name: n for n in planned.graph.find_nodes(op="placeholder")}
+        replicated = all(all(x.is_broadcast for x in SHARDING(by_name[i.name]).outputs[0])
+                         for i in STEP(planned).inputs if i.role == "param")
+        real = lowered_step(planned, *_)
+        return (1.0 if replicated else 2.0), real[1]
+
+    lowered_step = pipeline._lowered_step
+    pipeline._lowered_step = modeled_step
+    chosen = []
+    choose_plan = pipeline.choose_plan
+
+    def recording(*args, **kwargs):
+        plan, choices = choose_plan(*args, **kwargs)
+        chosen.append("chosen_over_search" in plan.stats)
+        return plan, choices
+
+    pipeline.choose_plan = recording
+    results = compiled_run(rank, mesh, cases)
+    if rank == 0:
+        results[0]["chosen_over_search"] = chosen[0]
+    return results

@@ -1,0 +1,101 @@
+"""``pipeline.choose_plan``: the searched plan checked against data parallelism by the
+modeled step of mesh coordinate 0's lowered program; the chosen plan is adopted by every
+rank and matches single device."""
+import pytest
+import torch
+
+import ddlc
+from conftest import TOLERANCES, assert_matches_reference, batches, model_and_loss, optimizer, reference
+from ddlc import pipeline
+from ddlc.ir import SHARDING, STEP
+from ddlc.launch import spawn
+from ddlc.options import CompileOptions
+from distributed_cases import compiled_run_preferring_data_parallel
+
+#: a 0.1 us, 10 GB/s link: the search shards these small models instead of replicating them
+FAST = ddlc.LinkModel(1e-7, 1e10)
+
+
+def traced(name: str, batch: int = 4):
+    model, loss_fn = model_and_loss(name)
+    return pipeline.trace_step(model, batches(name, batch)[0], loss_fn, optimizer("adamw", model),
+                               CompileOptions())
+
+
+def placements(gm) -> dict[tuple[str, str], str]:
+    """(role, key) -> the chosen placement of every graph input."""
+    by_name = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+    return {(i.role, i.key): str(SHARDING(by_name[i.name]).outputs[0]) for i in STEP(gm).inputs}
+
+
+def is_data_parallel(gm) -> bool:
+    chosen = placements(gm)
+    return all(sbp == "(B)" for (role, _), sbp in chosen.items() if role == "param") and \
+        all(sbp == "(S0)" for (role, _), sbp in chosen.items() if role == "input")
+
+
+def test_data_parallel_splits_the_batch_over_every_axis_and_replicates_parameters():
+    gm = traced("gpt")
+    pins = pipeline.data_parallel_placements(gm, ddlc.Mesh((2, 2)))
+    step = STEP(gm)
+    assert {str(pins[i.name]) for i in step.inputs if i.role == "param"} == {"(B, B)"}
+    assert {str(pins[i.name]) for i in step.inputs if i.role == "input"} == {"(S0, S0)"}
+    assert len(pins) == len([i for i in step.inputs if i.role in ("param", "input")])
+
+
+def test_no_data_parallel_plan_for_a_batch_smaller_than_the_mesh():
+    assert pipeline.data_parallel_placements(traced("gpt", batch=2), ddlc.Mesh((4,))) is None
+
+
+@pytest.mark.parametrize("faster", ["data-parallel", "searched"])
+def test_the_plan_whose_program_models_faster_is_kept(monkeypatch, faster):
+    mesh = ddlc.Mesh((4,), links=[FAST])
+    searched = traced("mlp")
+    pipeline.plan(searched, mesh, CompileOptions(), {})
+    assert not is_data_parallel(searched)  # else there is nothing to compare
+
+    lowered = {}
+
+    def lowered_step(g, *_):
+        data_parallel = is_data_parallel(g)
+        lowered[data_parallel] = pipeline.LoweringChoices(float(data_parallel), 0.0, None)
+        return (1.0 if data_parallel == (faster == "data-parallel") else 2.0), lowered[data_parallel]
+
+    monkeypatch.setattr(pipeline, "_lowered_step", lowered_step)
+    gm = traced("mlp")
+    plan, choices = pipeline.choose_plan(gm, mesh, CompileOptions(), {})
+    assert choices is lowered[faster == "data-parallel"]
+    if faster == "data-parallel":
+        assert is_data_parallel(gm)
+        assert plan.stats["chosen_over_search"] is True
+    else:
+        assert "chosen_over_search" not in plan.stats
+        assert plan.stats["searched_step"] == 1.0 and plan.stats["data_parallel_step"] == 2.0
+        assert {n.name: SHARDING(n) for n in gm.graph.nodes if SHARDING.has(n)} == \
+            {n.name: SHARDING(n) for n in searched.graph.nodes if SHARDING.has(n)}
+
+
+def test_pins_leave_the_searched_plan_alone(monkeypatch):
+    monkeypatch.setattr(pipeline, "_lowered_step", lambda *_: pytest.fail("no comparison expected"))
+    gm = traced("mlp")
+    fixed = pipeline.resolve_placements(gm, {"input0": "(S0)"}, 1)
+    assert pipeline.choose_plan(gm, ddlc.Mesh((4,), links=[FAST]), CompileOptions(), fixed)[1] is None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)], ids=["4", "2x2"])
+def test_a_data_parallel_plan_chosen_over_the_search_matches_single_device(mesh):
+    """Rank 0 prefers data parallelism (its modeled step patched shorter); every rank
+    adopts it by node name and the steps match single device."""
+    cases = [("gpt", "adamw", "train", None, {"link": (1e-7, 1e10)})]
+    world = mesh[0] * (mesh[1] if len(mesh) > 1 else 1)
+    per_rank = spawn(compiled_run_preferring_data_parallel, world, mesh, cases, timeout=120, deadline=240)
+    got = per_rank[0][0]
+    assert got.pop("chosen_over_search")
+    got.pop("collectives")
+    assert_matches_reference(got, reference("gpt", "adamw"), "gpt/adamw",
+                             **dict.fromkeys(TOLERANCES, (1e-4, 1e-5)))
+    for results in per_rank[1:]:
+        for a, b in zip(got["losses"], results[0]["losses"]):
+            torch.testing.assert_close(a, b)
