@@ -202,9 +202,11 @@ def _plan_and_lower(gm, mesh, options):
     """Plan ``gm`` (in place) on ``mesh`` and lower mesh coordinate 0's program."""
     from . import pipeline
     from .simulate import axis_group_names
-    plan, choices = pipeline.choose_plan(gm, mesh, options, {})
-    pipeline.lower(gm, mesh, (0,) * mesh.ndim, axis_group_names(mesh), options, choices)
-    return plan, gm
+    chosen = pipeline.choose_plan(gm, mesh, options, {})
+    if chosen.program is not None:  # choose_plan lowered it already
+        return chosen.plan, chosen.program
+    pipeline.lower(gm, mesh, (0,) * mesh.ndim, axis_group_names(mesh), options)
+    return chosen.plan, gm
 
 
 def _search_meshes(gm, devices: int, profile, options):

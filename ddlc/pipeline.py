@@ -36,7 +36,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import fx, nn
@@ -63,7 +63,7 @@ from .plan import Plan
 from .sbp import NdSBP, divides, parse_sbp
 from .tracing import trace
 
-__all__ = ["PLANNING", "LOWERING", "run_pass", "trace_step", "resolve_placements", "plan", "choose_plan",
+__all__ = ["PLANNING", "LOWERING", "run_pass", "trace_step", "resolve_placements", "plan", "choose_plan", "ChosenPlan",
            "data_parallel_placements", "lower",
            "LoweringChoices", "mesh_shapes"]
 
@@ -130,8 +130,18 @@ def plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     return result
 
 
+class ChosenPlan(NamedTuple):
+    """What :func:`choose_plan` returns: the ``plan`` and, where it lowered the candidates,
+    the kept plan's program for mesh coordinate 0 (``program``, its process groups named
+    ``axis0``, ``axis1``, ...) and the ``choices`` it was lowered with; else both None."""
+
+    plan: Plan
+    choices: LoweringChoices | None = None
+    program: fx.GraphModule | None = None
+
+
 def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
-                fixed: Mapping[str, NdSBP]) -> tuple[Plan, LoweringChoices | None]:
+                fixed: Mapping[str, NdSBP]) -> ChosenPlan:
     """:func:`plan`, checked against data parallelism, the plan most users write by hand.
 
     The search minimises an additive objective (per node and per edge); the program's
@@ -141,33 +151,34 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     (:func:`data_parallel_placements`) is planned too, both are lowered for mesh coordinate
     0 on copies, and ``gm`` keeps the plan whose program has the shorter modeled step
     (:func:`cost_models.program.program_makespan`; the searched plan on ties, and where
-    the data-parallel plan cannot be made, e.g. over the memory budget). Returns the plan
-    and, where the two were compared, the lowering choices of the kept plan's program
-    (:func:`lower` takes them instead of searching again). Deterministic: rank 0 runs it
-    and broadcasts the decisions (``ddlc.runtime``)."""
+    the data-parallel plan cannot be made, e.g. over the memory budget). Where the two were
+    compared, the kept plan's lowered program and choices come with it (:func:`lower`
+    takes the choices instead of searching again). Deterministic: rank 0 runs it and
+    broadcasts the decisions (``ddlc.runtime``)."""
     reference = (data_parallel_placements(gm, mesh)
                  if not fixed and options.move_activations and mesh.size > 1 else None)
     unplanned = copy.deepcopy(gm) if reference is not None else None
     searched = plan(gm, mesh, options, fixed)
     if reference is None or all(SHARDING(n).outputs[0] == reference[n.name]
                                 for n in gm.graph.find_nodes(op="placeholder") if n.name in reference):
-        return searched, None
+        return ChosenPlan(searched)
     try:
         data_parallel = plan(unplanned, mesh, replace(options, move_activations=False), reference)
     except ShardingError as e:
         log.info("data-parallel plan: none (%s)", str(e).splitlines()[0])
-        return searched, None
-    (mine, my_choices), (theirs, their_choices) = (_lowered_step(g, mesh, options) for g in (gm, unplanned))
+        return ChosenPlan(searched)
+    (mine, *my_program), (theirs, *their_program) = (_lowered_step(g, mesh, options)
+                                                      for g in (gm, unplanned))
     log.info("modeled step of the searched plan %.3f ms, of data parallelism %.3f ms",
              mine * 1e3, theirs * 1e3)
     compared = dict(searched_step=mine, data_parallel_step=theirs)
     if theirs >= mine:
         searched.stats.update(compared)
-        return searched, my_choices
+        return ChosenPlan(searched, *my_program)
     gm.graph = unplanned.graph
     gm.meta.update(unplanned.meta)
     data_parallel.stats.update(compared, chosen_over_search=True)
-    return data_parallel, their_choices
+    return ChosenPlan(data_parallel, *their_program)
 
 
 def data_parallel_placements(gm: fx.GraphModule, mesh: Mesh) -> dict[str, NdSBP] | None:
@@ -191,12 +202,12 @@ def data_parallel_placements(gm: fx.GraphModule, mesh: Mesh) -> dict[str, NdSBP]
 
 
 def _lowered_step(planned: fx.GraphModule, mesh: Mesh,
-                  options: CompileOptions) -> tuple[float, "LoweringChoices"]:
-    """The modeled seconds of mesh coordinate 0's program of ``planned`` (lowered on a
-    copy) and the choices it was lowered with."""
+                  options: CompileOptions) -> tuple[float, "LoweringChoices", fx.GraphModule]:
+    """The modeled seconds of mesh coordinate 0's program of ``planned``, the choices it
+    was lowered with, and that program (lowered on a copy)."""
     program = copy.deepcopy(planned)
     choices = lower(program, mesh, (0,) * mesh.ndim, [f"axis{k}" for k in range(mesh.ndim)], options)
-    return program_makespan(program, mesh.profile), choices
+    return program_makespan(program, mesh.profile), choices, program
 
 
 # -- lowering ------------------------------------------------------------------------------

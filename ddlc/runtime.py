@@ -273,9 +273,9 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     lowering = []  # rank 0: the choices choose_plan lowered the kept plan with, if it did
 
     def make_plan() -> Plan:
-        plan, choices = pipeline.choose_plan(gm, mesh, options, fixed)
-        lowering.append(choices)
-        return plan
+        chosen = pipeline.choose_plan(gm, mesh, options, fixed)
+        lowering.append(chosen.choices)
+        return chosen.plan
 
     plan = _plan_on_rank0(gm, make_plan)
     coord = tuple(device_mesh.get_coordinate())

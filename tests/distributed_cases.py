@@ -45,8 +45,7 @@ def compiled_run_preferring_data_parallel(rank: int, mesh, cases):
         by_name = {n.name: n for n in planned.graph.find_nodes(op="placeholder")}
         replicated = all(all(x.is_broadcast for x in SHARDING(by_name[i.name]).outputs[0])
                          for i in STEP(planned).inputs if i.role == "param")
-        real = lowered_step(planned, *_)
-        return (1.0 if replicated else 2.0), real[1]
+        return (1.0 if replicated else 2.0), *lowered_step(planned, *_)[1:]
 
     lowered_step = pipeline._lowered_step
     pipeline._lowered_step = modeled_step
@@ -54,9 +53,9 @@ def compiled_run_preferring_data_parallel(rank: int, mesh, cases):
     choose_plan = pipeline.choose_plan
 
     def recording(*args, **kwargs):
-        plan, choices = choose_plan(*args, **kwargs)
-        chosen.append("chosen_over_search" in plan.stats)
-        return plan, choices
+        result = choose_plan(*args, **kwargs)
+        chosen.append("chosen_over_search" in result.plan.stats)
+        return result
 
     pipeline.choose_plan = recording
     results = compiled_run(rank, mesh, cases)

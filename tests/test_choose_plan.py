@@ -59,12 +59,13 @@ def test_the_plan_whose_program_models_faster_is_kept(monkeypatch, faster):
     def lowered_step(g, *_):
         data_parallel = is_data_parallel(g)
         lowered[data_parallel] = pipeline.LoweringChoices(float(data_parallel), 0.0, None)
-        return (1.0 if data_parallel == (faster == "data-parallel") else 2.0), lowered[data_parallel]
+        return (1.0 if data_parallel == (faster == "data-parallel") else 2.0), lowered[data_parallel], g
 
     monkeypatch.setattr(pipeline, "_lowered_step", lowered_step)
     gm = traced("mlp")
-    plan, choices = pipeline.choose_plan(gm, mesh, CompileOptions(), {})
+    plan, choices, program = pipeline.choose_plan(gm, mesh, CompileOptions(), {})
     assert choices is lowered[faster == "data-parallel"]
+    assert is_data_parallel(program) == (faster == "data-parallel")
     if faster == "data-parallel":
         assert is_data_parallel(gm)
         assert plan.stats["chosen_over_search"] is True
@@ -79,7 +80,7 @@ def test_pins_leave_the_searched_plan_alone(monkeypatch):
     monkeypatch.setattr(pipeline, "_lowered_step", lambda *_: pytest.fail("no comparison expected"))
     gm = traced("mlp")
     fixed = pipeline.resolve_placements(gm, {"input0": "(S0)"}, 1)
-    assert pipeline.choose_plan(gm, ddlc.Mesh((4,), links=[FAST]), CompileOptions(), fixed)[1] is None
+    assert pipeline.choose_plan(gm, ddlc.Mesh((4,), links=[FAST]), CompileOptions(), fixed).choices is None
 
 
 @pytest.mark.multiprocess
