@@ -11,6 +11,11 @@ cannot run there, a collective or a random draw, makes a fresh contiguous tensor
 
 - a ``view`` (or ``_unsafe_view``) whose input's strides do not allow a view becomes a
   ``reshape`` (a copy exactly there);
+- a transposed matrix product read by nothing else, ``t(mm(a, b))``, becomes
+  ``mm(t(b), t(a))``: the same values, contiguous. Tracing records a Linear weight's
+  gradient so (the weight was a contiguous copy when autograd chose its formula; eager
+  autograd computes ``mm(t(dy), x)``), and as a view it would be a transposed gradient
+  that the update or a collective copies;
 - a reader that needs a contiguous tensor of its own gets a contiguous clone of a
   strided input, made once before its first such reader: every collective (gloo and
   NCCL send contiguous buffers), every call of a Python function (``ddlc.comm``'s
@@ -101,6 +106,9 @@ class _Walk:
             return
         if node.target in VIEW_FORMS and isinstance(self.value(node.args[0]), torch.Tensor):
             node.target = VIEW_FORMS[node.target]
+        if _transposes_a_product(node):
+            self.transpose_operands(node)
+            return
         if _needs_contiguous(node):
             self.give_contiguous(node, owned=False)
         moved = node.target in VIEW_FORMS.values() or any(
@@ -114,6 +122,25 @@ class _Walk:
                 self.layout[node] = out
         if _is_view(node) or (node.target is operator.getitem and node.args[0] in self.aliases):
             self.aliases.add(node)
+
+    def transpose_operands(self, node: fx.Node) -> None:
+        """Replace ``node`` = ``t(mm(a, b))`` by ``mm(t(b), t(a))``, the same values made
+        contiguous by the product itself (BLAS reads transposed operands in place), and
+        visit the new nodes."""
+        product = node.args[0]
+        a, b = product.args
+        with self.graph.inserting_before(node):
+            new = [self.graph.call_function(_aten.t.default, (x,)) for x in (b, a)]
+            new.append(self.graph.call_function(_aten.mm.default, tuple(new)))
+        for made, val in zip(new, (b.meta["val"].t(), a.meta["val"].t(), node.meta["val"])):
+            made.meta["val"] = val
+            if ORIGIN.has(product):
+                ORIGIN.set(made, ORIGIN(product))
+        node.replace_all_uses_with(new[2])
+        self.graph.erase_node(node)
+        self.graph.erase_node(product)
+        for n in new:
+            self.visit(n)
 
     def value(self, node):
         """``node``'s value with its run-time strides (meta or fake tensors), or None."""
@@ -154,6 +181,20 @@ class _Walk:
 
         reader.args = tuple(tree_map(fix, list(reader.args)))
         reader.kwargs = {k: tree_map(fix, v) for k, v in reader.kwargs.items()}
+
+
+def _transposes_a_product(node: fx.Node) -> bool:
+    """Whether ``node`` transposes a matrix product read by nothing else: the weight
+    gradient ``t(mm(t(x), dy))`` that tracing records where the weight was a contiguous
+    copy (eager autograd, seeing the transposed weight, computes ``mm(t(dy), x)``). As a
+    view it would be a transposed gradient that the update or a collective copies."""
+    if node.target is not _aten.t.default:
+        return False
+    (product,) = node.all_input_nodes
+    return (product.target is _aten.mm.default and len(product.users) == 1
+            and isinstance(node.meta.get("val"), torch.Tensor)
+            and all(isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+                    for a in product.args))
 
 
 def _is_view(node: fx.Node) -> bool:
