@@ -60,7 +60,7 @@ from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP
 from .mesh import Mesh
 from .options import CompileOptions
 from .plan import Plan
-from .sbp import NdSBP, divides, parse_sbp
+from .sbp import NdSBP, S, divides, parse_sbp
 from .tracing import trace
 
 __all__ = ["PLANNING", "LOWERING", "run_pass", "trace_step", "resolve_placements", "plan", "choose_plan", "ChosenPlan",
@@ -157,11 +157,13 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     broadcasts the decisions (``ddlc.runtime``)."""
     reference = (data_parallel_placements(gm, mesh)
                  if not fixed and options.move_activations and mesh.size > 1 else None)
-    unplanned = copy.deepcopy(gm) if reference is not None else None
     searched = plan(gm, mesh, options, fixed)
     if reference is None or all(SHARDING(n).outputs[0] == reference[n.name]
                                 for n in gm.graph.find_nodes(op="placeholder") if n.name in reference):
         return ChosenPlan(searched)
+    # planning annotates every node afresh (shard reads no earlier annotation), so a copy
+    # of the searched graph plans as the unplanned one would
+    unplanned = copy.deepcopy(gm)
     try:
         data_parallel = plan(unplanned, mesh, replace(options, move_activations=False), reference)
     except ShardingError as e:
@@ -187,17 +189,14 @@ def data_parallel_placements(gm: fx.GraphModule, mesh: Mesh) -> dict[str, NdSBP]
     along dim 0 over every mesh axis, every parameter replicated. None when the step has
     no batch input or its batch is smaller than the mesh."""
     step = STEP(gm)
-    placeholders = {n.name: n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")}
-    inputs = [(i.name, placeholders[i.name]) for i in step.inputs if i.role == "input"]
-    shapes = [tuple(v.shape) for _, v in inputs if isinstance(v, torch.Tensor) and v.dim() > 0]
-    if not shapes or shapes[0][0] < mesh.size:
+    values = {n.name: n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")}
+    tensors = [(i.name, values[i.name]) for i in step.inputs if i.role == "input"
+               and isinstance(values[i.name], torch.Tensor) and values[i.name].dim() > 0]
+    if not tensors or tensors[0][1].shape[0] < mesh.size:
         return None
-    batch = shapes[0][0]
-    split = parse_sbp("(" + ", ".join(["S0"] * mesh.ndim) + ")")
-    whole = parse_sbp("(" + ", ".join(["B"] * mesh.ndim) + ")")
-    pins = {name: split for name, v in inputs
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch}
-    pins.update({i.name: whole for i in step.inputs if i.role == "param"})
+    batch = tensors[0][1].shape[0]
+    pins = {name: NdSBP((S(0),) * mesh.ndim) for name, v in tensors if v.shape[0] == batch}
+    pins.update({i.name: NdSBP.broadcast(mesh.ndim) for i in step.inputs if i.role == "param"})
     return pins
 
 
