@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import torch
 from torch._ops import HigherOrderOperator, OpOverload
-from torch.fx.immutable_collections import immutable_dict, immutable_list
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from ddlc.ir import leaves
 from ddlc.mesh import HardwareProfile
 
 from .measured import measured_time
@@ -35,35 +34,10 @@ FLOP_ALIASES = {
         _aten._scaled_dot_product_flash_attention_backward,
 }
 
-#: Leaf types that hold no tensor (what an operator's arguments mostly are besides tensors).
-_PLAIN = frozenset({int, float, bool, str, type(None), slice, torch.dtype, torch.device, torch.layout,
-                    torch.memory_format})
-#: Containers whose pytree children are their items (fx keeps arguments in the immutable ones).
-_SEQUENCES = frozenset({tuple, list, immutable_list})
-_MAPPINGS = frozenset({dict, immutable_dict})
-
-
 def tensors(tree) -> list[torch.Tensor]:
-    """The tensors among ``tree``'s pytree leaves, in ``tree_leaves`` order. Tuples, lists
-    and dicts (:data:`_SEQUENCES`, :data:`_MAPPINGS`: what fx arguments and values are made
-    of) are walked here; other containers go to ``torch.utils._pytree.tree_leaves``."""
-    out: list[torch.Tensor] = []
-    _collect(tree, out)
-    return out
-
-
-def _collect(tree, out: list) -> None:
-    kind = type(tree)
-    if kind in _SEQUENCES:
-        for x in tree:
-            _collect(x, out)
-    elif kind in _MAPPINGS:
-        for x in tree.values():
-            _collect(x, out)
-    elif isinstance(tree, torch.Tensor):
-        out.append(tree)
-    elif kind not in _PLAIN:
-        out.extend(x for x in tree_leaves(tree) if isinstance(x, torch.Tensor))
+    """The tensors among ``tree``'s pytree leaves, in ``tree_leaves`` order
+    (:func:`ddlc.ir.leaves`)."""
+    return [x for x in leaves(tree) if isinstance(x, torch.Tensor)]
 
 
 def op_flops(target, args, kwargs, out) -> int:

@@ -1,4 +1,5 @@
-"""The annotations every pass shares: node-annotation types, meta keys, collective ops.
+"""The annotations every pass shares: node-annotation types, meta keys, collective ops,
+and the walk over the trees of arguments and values (:func:`leaves`, :func:`map_leaves`).
 
 A leaf module: it imports nothing of the project (SBP types appear in annotations
 only), so every layer -- cost models, passes, the pipeline, the runtime -- can read
@@ -36,7 +37,8 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, NamedTuple, O
 import torch
 from torch import fx
 from torch._ops import OpOverload
-from torch.utils._pytree import tree_leaves, tree_unflatten
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 
 if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run time
     from .sbp import SBP, NdSBP
@@ -80,6 +82,53 @@ class MetaKey(Generic[T]):
 
     def __repr__(self) -> str:
         return f"MetaKey({self.name!r})"
+
+
+# -- argument and value trees ----------------------------------------------------------------
+
+#: The containers fx arguments and values are made of (exact types), walked by
+#: :func:`leaves` and :func:`map_leaves` themselves; any other goes to ``torch.utils._pytree``.
+_SEQUENCES = frozenset({tuple, list, immutable_list})
+_MAPPINGS = frozenset({dict, immutable_dict})
+#: Leaf types besides tensors and nodes (what arguments mostly are).
+_PLAIN = frozenset({int, float, bool, str, type(None), slice, torch.dtype, torch.device, torch.layout,
+                    torch.memory_format})
+
+
+def leaves(tree) -> list:
+    """``torch.utils._pytree.tree_leaves(tree)``: the same leaves in the same order, with
+    tuples, lists and dicts (fx's immutable ones too) walked here instead of through
+    pytree's registry, which the passes would consult for every argument of every node."""
+    out: list = []
+    _gather(tree, out)
+    return out
+
+
+def _gather(tree, out: list) -> None:
+    kind = type(tree)
+    if kind in _SEQUENCES:
+        for x in tree:
+            _gather(x, out)
+    elif kind in _MAPPINGS:
+        for x in tree.values():
+            _gather(x, out)
+    elif kind in _PLAIN or isinstance(tree, (torch.Tensor, fx.Node)):
+        out.append(tree)
+    else:
+        out.extend(tree_leaves(tree))
+
+
+def map_leaves(fn: Callable[[Any], Any], tree):
+    """``torch.utils._pytree.tree_map(fn, tree)``, walked like :func:`leaves`: the same
+    containers rebuilt around ``fn`` of each leaf."""
+    kind = type(tree)
+    if kind in _SEQUENCES:
+        return kind(map_leaves(fn, x) for x in tree)
+    if kind in _MAPPINGS:
+        return kind((k, map_leaves(fn, v)) for k, v in tree.items())
+    if kind in _PLAIN or isinstance(tree, (torch.Tensor, fx.Node)):
+        return fn(tree)
+    return tree_map(fn, tree)
 
 
 # -- what the tracer records -------------------------------------------------------------
@@ -362,8 +411,8 @@ def collective_sequence(gm: fx.GraphModule) -> list[tuple[str, int, int]]:
 
 def is_scalar_valued(node: fx.Node) -> bool:
     """Whether every output of ``node`` is a tensor of at most one element."""
-    leaves = tree_leaves(node.meta.get("val"))
-    return bool(leaves) and all(isinstance(v, torch.Tensor) and v.numel() <= 1 for v in leaves)
+    values = leaves(node.meta.get("val"))
+    return bool(values) and all(isinstance(v, torch.Tensor) and v.numel() <= 1 for v in values)
 
 
 def output_scalars(graph: fx.Graph, among: Callable[[fx.Node], bool] = lambda node: True) -> set[fx.Node]:

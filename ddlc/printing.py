@@ -10,9 +10,8 @@ from collections import Counter
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_leaves
 
-from .ir import COLLECTIVE, ORIGIN, SHARDING, NdSignature
+from .ir import COLLECTIVE, ORIGIN, SHARDING, NdSignature, leaves
 
 __all__ = ["align_columns", "format_bytes", "format_graph", "format_graph_by_module", "format_sbps", "format_sharding",
            "op_name", "op_summary"]
@@ -55,7 +54,7 @@ def op_name(node: fx.Node) -> str:
 
 
 def _shape(node: fx.Node) -> str:
-    vals = [v for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    vals = [v for v in leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
     return " ".join(f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for v in vals)
 
 

@@ -48,11 +48,10 @@ import math
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_leaves
 
 from cost_models.collectives import affine_fit, axis_time
 from cost_models.layer_schedules import LayerProfile, search_schedule
-from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, NdSignature, is_getitem
+from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, NdSignature, is_getitem, leaves
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, divides, local_shape, padded_shape
 from passes.rules import signatures_1d, signatures_nd, tensor_inputs
@@ -141,7 +140,7 @@ def _sharded(entry: NdSBP | None, val, shape, axis: int, d: int) -> NdSBP | None
 def _entry_shapes(node: fx.Node) -> list[tuple[int, ...] | None]:
     """The global shape of each signature entry (tensor inputs, then output leaves)."""
     outs = [tuple(v.shape) if isinstance(v, torch.Tensor) else None
-            for v in tree_leaves(node.meta.get("val"))]
+            for v in leaves(node.meta.get("val"))]
     ins = outs if is_getitem(node) else \
         [tuple(a.meta["val"].shape) for a in tensor_inputs(node)]
     return ins + outs
@@ -174,7 +173,7 @@ def _reannotate(node: fx.Node, shape, axis: int, d: int, mesh: Mesh, even: bool)
     current = SHARDING(node)
     inputs = tensor_inputs(node)
     outs = tuple(_sharded(x, v, shape, axis, d)
-                 for x, v in zip(current.outputs, tree_leaves(node.meta.get("val"))))
+                 for x, v in zip(current.outputs, leaves(node.meta.get("val"))))
     wanted_ins = tuple(_sharded(x, a.meta.get("val"), shape, axis, d)
                        for x, a in zip(current.inputs, inputs))
 

@@ -18,10 +18,9 @@ from typing import Sequence
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_leaves, tree_map
 
 from ddlc.errors import LoweringError
-from ddlc.ir import COLLECTIVE, GLOBAL_VAL, SHARDING, is_getitem, where
+from ddlc.ir import COLLECTIVE, GLOBAL_VAL, SHARDING, is_getitem, leaves, map_leaves, where
 from ddlc.mesh import Mesh
 from ddlc.printing import format_sharding
 from ddlc.sbp import local_shape
@@ -31,10 +30,10 @@ __all__ = ["localize"]
 
 
 def _expected(val, sbps, mesh: Mesh, coord: Sequence[int]) -> list:
-    leaves = tree_leaves(val)
-    sbps = list(sbps) + [None] * (len(leaves) - len(sbps))
+    values = leaves(val)
+    sbps = list(sbps) + [None] * (len(values) - len(sbps))
     return [local_shape(tuple(v.shape), x, mesh.shape, coord)
-            if isinstance(v, torch.Tensor) and x is not None else None for v, x in zip(leaves, sbps)]
+            if isinstance(v, torch.Tensor) and x is not None else None for v, x in zip(values, sbps)]
 
 
 class _Runs:
@@ -55,8 +54,8 @@ class _Runs:
         with mode:
             out = target(*args, **kwargs)
         if key is not None:
-            given = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            if not any(id(t) in given for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+            given = {id(t) for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            if not any(id(t) in given for t in leaves(out) if isinstance(t, torch.Tensor)):
                 self.outputs[key] = out
         return out
 
@@ -102,21 +101,21 @@ def localize(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.GraphMo
         GLOBAL_VAL.set(node, node.meta["val"])
         expected = _expected(node.meta["val"], info.outputs, mesh, coord)
         if node.op in ("placeholder", "get_attr"):
-            (val,) = tree_leaves(node.meta["val"])
+            (val,) = leaves(node.meta["val"])
             with mode:
                 node.meta["val"] = torch.empty(expected[0], dtype=val.dtype)
             continue
         if not (COLLECTIVE.has(node) or is_getitem(node)):
             in_shapes = [tuple(a.meta["val"].shape) for a in tensor_inputs(node)]
             node.args, node.kwargs = localize_args(node, in_shapes, expected)
-        args, kwargs = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a,
+        args, kwargs = map_leaves(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a,
                                 (node.args, node.kwargs))
         try:
             out = runs.run(node.target, args, kwargs, mode)
         except Exception as e:
             raise LoweringError(f"{node.name} ({node.target}) does not run on its local shards: "
                                 f"{type(e).__name__}: {e}", where=where(node)) from None
-        got = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in tree_leaves(out)]
+        got = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in leaves(out)]
         if any(e is not None and e != g for e, g in zip(expected, got)):
             raise LoweringError(f"{node.name} ({node.target}) computes local shapes {got} but its "
                                 f"SBP {format_sharding(info)} needs {expected}", where=where(node))

@@ -38,9 +38,8 @@ import operator
 import torch
 from torch import fx
 from torch._ops import OpOverload
-from torch.utils._pytree import tree_leaves, tree_map
 
-from ddlc.ir import ORIGIN, in_update, is_mutating
+from ddlc.ir import ORIGIN, in_update, is_mutating, leaves, map_leaves
 
 __all__ = ["VIEW_FORMS", "views_as_views"]
 
@@ -149,7 +148,7 @@ class _Walk:
     def run_on_meta(self, node: fx.Node):
         """``node``'s output on meta tensors of its inputs' run-time layouts, or None where
         its operator cannot run there (or refuses those strides)."""
-        args, kwargs = tree_map(lambda a: _meta(self.value(a)) if isinstance(a, fx.Node) else a,
+        args, kwargs = map_leaves(lambda a: _meta(self.value(a)) if isinstance(a, fx.Node) else a,
                                 (node.args, node.kwargs))
         try:
             return node.target(*args, **kwargs)
@@ -179,8 +178,8 @@ class _Walk:
                 self.contiguous[arg] = clone
             return self.contiguous[arg]
 
-        reader.args = tuple(tree_map(fix, list(reader.args)))
-        reader.kwargs = {k: tree_map(fix, v) for k, v in reader.kwargs.items()}
+        reader.args = tuple(map_leaves(fix, list(reader.args)))
+        reader.kwargs = {k: map_leaves(fix, v) for k, v in reader.kwargs.items()}
 
 
 def _transposes_a_product(node: fx.Node) -> bool:
@@ -222,12 +221,12 @@ def _meta(value):
         if isinstance(v, torch.Tensor) and v.device.type != "meta":
             return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
         return v
-    return tree_map(one, value)
+    return map_leaves(one, value)
 
 
 def _same_layout(a, b) -> bool:
     """Whether two values (tensors or trees of them) have the same shapes and strides."""
-    left, right = tree_leaves(a), tree_leaves(b)
+    left, right = leaves(a), leaves(b)
     return len(left) == len(right) and all(
         not isinstance(x, torch.Tensor) or (isinstance(y, torch.Tensor) and x.shape == y.shape
                                             and x.stride() == y.stride())

@@ -32,9 +32,8 @@ from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_leaves
 
-from ddlc.ir import NdSignature, Signature
+from ddlc.ir import NdSignature, Signature, leaves
 from ddlc.sbp import B, P, S, SBP, NdSBP, fills_every_piece, plannable
 
 log = logging.getLogger("ddlc.rules")
@@ -159,17 +158,17 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     the one input is ``args[0]``, standing for its selected leaf (``selected_leaf``)."""
     if node.target is operator.getitem:
         return [node.args[0]]
-    return [a for a in tree_leaves((node.args, node.kwargs)) if is_tensor_node(a)]
+    return [a for a in leaves((node.args, node.kwargs)) if is_tensor_node(a)]
 
 
 def selected_leaf(node: fx.Node) -> int:
     """For a getitem node: the index of the selected element among its source's output leaves."""
     source, index = node.args
-    return sum(len(tree_leaves(x)) for x in _val(source)[:index])
+    return sum(len(leaves(x)) for x in _val(source)[:index])
 
 
 def output_metas(val: Any) -> tuple[Optional[TensorMeta], ...]:
-    return tuple(_meta(x) if isinstance(x, torch.Tensor) else None for x in tree_leaves(val))
+    return tuple(_meta(x) if isinstance(x, torch.Tensor) else None for x in leaves(val))
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:
@@ -190,8 +189,8 @@ def _freeze(a: Any) -> Any:
 def call_key(node: fx.Node) -> tuple:
     """What a node's signatures depend on: op, tensor shapes/dtypes, non-tensor args."""
     if node.target is operator.getitem:
-        leaves = output_metas(_val(node))
-        return (operator.getitem, leaves)
+        outputs = output_metas(_val(node))
+        return (operator.getitem, outputs)
     return (node.target, _freeze(node.args), _freeze(node.kwargs), output_metas(_val(node)))
 
 

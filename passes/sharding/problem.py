@@ -40,12 +40,12 @@ from typing import Collection, Mapping, Sequence
 import numpy as np
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten
 
 from cost_models.boxing import boxing_table
 from cost_models.compute import op_time
 from ddlc.errors import ShardingError
-from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, is_scalar_valued, output_scalars, where
+from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, is_scalar_valued, leaves, map_leaves, output_scalars, where
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, local_shape, plannable
 from passes.rules import NdSignature, call_key, selected_leaf, signatures_nd, tensor_inputs
@@ -144,7 +144,7 @@ def fold_block(problem: ShardingProblem, block: Sequence[int],
 # -- candidates -----------------------------------------------------------------
 
 def _tensor_vals(node: fx.Node) -> list:
-    return [v for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    return [v for v in leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
 
 
 def _placement_candidates(shape: tuple[int, ...], mesh: Mesh) -> list[NdSBP]:
@@ -193,7 +193,7 @@ def compute_seconds(node: fx.Node, sig: NdSignature, mesh: Mesh) -> float:
             return a
         return _local(a.meta["val"], in_sbp[a], mesh) if a in in_sbp else a.meta.get("val")
 
-    args, kwargs = tree_map(to_local, (node.args, node.kwargs))
+    args, kwargs = map_leaves(to_local, (node.args, node.kwargs))
     return op_time(node.target, args, kwargs, out_spec.unflatten(local_out), mesh.profile)
 
 
@@ -210,7 +210,7 @@ class _NodeSeconds:
             self.inputs = tensor_inputs(node)
             self.in_shapes = {a: tuple(a.meta["val"].shape) for a in self.inputs}
             self.out_shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None
-                               for v in tree_leaves(node.meta.get("val"))]
+                               for v in leaves(node.meta.get("val"))]
         self.seconds: dict = {}
 
     def _local(self, shape, sbp):
@@ -392,12 +392,12 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | N
         for j, arg in enumerate(tensor_inputs(n)):
             u = var_of[arg]
             leaf = selected_leaf(n) if n.target is operator.getitem else None
-            if leaf is not None and not isinstance(tree_leaves(arg.meta["val"])[leaf], torch.Tensor):
+            if leaf is not None and not isinstance(leaves(arg.meta["val"])[leaf], torch.Tensor):
                 continue  # a getitem of a None output (e.g. an input gradient nobody needs)
             traffic = _parameter_traffic(arg, n)
             bucketed = traffic or (riding if n in tail else False)
             pinned = not (move_activations or traffic or
-                          tree_leaves(arg.meta["val"])[leaf or 0].numel() <= 1)
+                          leaves(arg.meta["val"])[leaf or 0].numel() <= 1)
             edges.append(Edge(u, v, prices.cached(
                 ("edge", kinds[u], leaf, kinds[v], j, bucketed, pinned),
                 lambda: _local_only(_edge_matrix(arg, leaf, candidates[u], [c.inputs[j] for c in candidates[v]],
@@ -405,7 +405,7 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | N
 
     output = next(n for n in gm.graph.nodes if n.op == "output")
     loop_target = {k: placeholders[name] for k, name in sig.loop_inputs().items()} if sig else {}
-    for k, arg in enumerate(tree_leaves(output.args[0])):
+    for k, arg in enumerate(leaves(output.args[0])):
         if not isinstance(arg, fx.Node):
             continue
         u = var_of[arg]
@@ -466,7 +466,7 @@ def lone_scalar_axes(gm: fx.GraphModule, mesh: Mesh) -> frozenset[int]:
 
     for n in gm.graph.nodes:
         if n.op == "output":
-            pairs = [(a, NdSBP.broadcast(mesh.ndim)) for a in tree_leaves(n.args[0])
+            pairs = [(a, NdSBP.broadcast(mesh.ndim)) for a in leaves(n.args[0])
                      if isinstance(a, fx.Node) and is_scalar_valued(a) and SHARDING.has(a)]
         elif n.op == "call_function" and SHARDING.has(n) and n.target is not operator.getitem:
             pairs = list(zip(tensor_inputs(n), SHARDING(n).inputs))
@@ -500,7 +500,7 @@ def _edge_matrix(arg: fx.Node, leaf: int | None, src_cands: Sequence[NdSignature
     """Boxing matrix of the tensor ``arg`` produces (its output ``leaf`` when read
     through getitem) from each producer candidate to each required input SBP."""
     if leaf is not None:
-        return prices.edge_matrix(tree_leaves(arg.meta["val"])[leaf],
+        return prices.edge_matrix(leaves(arg.meta["val"])[leaf],
                                   [c.outputs[leaf] for c in src_cands], dst_sbps, bucketed)
     return prices.edge_matrix(arg.meta["val"], [_output_sbp(c, arg) for c in src_cands], dst_sbps,
                               bucketed)
