@@ -40,7 +40,6 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves
 
 from cost_models.program import program_makespan
 from passes.canonicalize import canonicalize
@@ -56,16 +55,17 @@ from passes.sharding import mesh_shapes, shard
 from passes.views import views_as_views
 
 from .errors import MeshError, SBPError, ShardingError, UnsupportedInputError
-from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP
+from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP, leaves
 from .mesh import Mesh
 from .options import CompileOptions
 from .plan import Plan
 from .sbp import NdSBP, S, divides, parse_sbp
 from .tracing import trace
 
-__all__ = ["PLANNING", "LOWERING", "run_pass", "trace_step", "resolve_placements", "plan", "choose_plan", "ChosenPlan",
-           "data_parallel_placements", "lower",
-           "LoweringChoices", "mesh_shapes"]
+__all__ = ["PLANNING", "LOWERING", "run_pass", "trace_step",
+           "resolve_placements", "plan", "choose_plan", "ChosenPlan", "Candidate",
+           "data_parallel_reference", "plan_data_parallel", "named_alike_copy",
+           "data_parallel_placements", "lower", "LoweringChoices", "mesh_shapes"]
 
 log = logging.getLogger("ddlc.pipeline")
 
@@ -131,56 +131,115 @@ def plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
 
 
 class ChosenPlan(NamedTuple):
-    """What :func:`choose_plan` returns: the ``plan`` and, where it lowered the candidates,
-    the kept plan's program for mesh coordinate 0 (``program``, its process groups named
-    ``axis0``, ``axis1``, ...) and the ``choices`` it was lowered with; else both None."""
+    """What :func:`choose_plan` returns: the ``plan``; where it lowered the candidates, the
+    ``choices`` the kept plan's program for mesh coordinate 0 was lowered with (else None)
+    and that ``program`` (None where it was lowered elsewhere: ``data_parallel``)."""
 
     plan: Plan
     choices: LoweringChoices | None = None
     program: fx.GraphModule | None = None
 
 
+class Candidate(NamedTuple):
+    """The data-parallel plan as :func:`choose_plan` weighs it: the ``plan``, its
+    ``decisions`` (node name -> ``ir.SHARDING``), the modeled seconds of its program for
+    mesh coordinate 0 (``step``), the ``choices`` that program was lowered with and the
+    program of the coordinate it was made for (:func:`plan_data_parallel`; None where it is
+    not there)."""
+
+    plan: Plan
+    decisions: dict
+    step: float
+    choices: LoweringChoices
+    program: fx.GraphModule | None = None
+
+
 def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
-                fixed: Mapping[str, NdSBP]) -> ChosenPlan:
+                fixed: Mapping[str, NdSBP], groups: Sequence[str] | None = None,
+                data_parallel: Callable[[], Candidate | None] | None = None) -> ChosenPlan:
     """:func:`plan`, checked against data parallelism, the plan most users write by hand.
 
     The search minimises an additive objective (per node and per edge); the program's
     timeline adds what that leaves out: buckets sharing start-ups, overlap, the order. So
-    where nothing is pinned (``fixed`` empty, activations may move) and the search did not
-    choose data parallelism itself, the data-parallel plan
-    (:func:`data_parallel_placements`) is planned too, both are lowered for mesh coordinate
-    0 on copies, and ``gm`` keeps the plan whose program has the shorter modeled step
-    (:func:`cost_models.program.program_makespan`; the searched plan on ties, and where
-    the data-parallel plan cannot be made, e.g. over the memory budget). Where the two were
-    compared, the kept plan's lowered program and choices come with it (:func:`lower`
-    takes the choices instead of searching again). Deterministic: rank 0 runs it and
-    broadcasts the decisions (``ddlc.runtime``)."""
-    reference = (data_parallel_placements(gm, mesh)
-                 if not fixed and options.move_activations and mesh.size > 1 else None)
+    where :func:`data_parallel_reference` gives pins and the search did not choose them
+    itself, the searched plan is lowered for mesh coordinate 0 on a copy, the data-parallel
+    :class:`Candidate` is made (:func:`plan_data_parallel`, or ``data_parallel()`` where
+    another process made it meanwhile: ``ddlc.runtime``'s rank 1), and ``gm`` keeps the
+    plan whose program has the shorter modeled step
+    (:func:`cost_models.program.program_makespan`; the searched plan on ties and where no
+    candidate could be made, e.g. over the memory budget): adopting the candidate sets its
+    decisions on ``gm``. The kept plan's choices come with it (:func:`lower` takes them
+    instead of searching again), and its program where this process lowered it
+    (``groups`` names the program's process groups, default ``axis0``, ``axis1``, ...).
+    Deterministic: rank 0 runs it and broadcasts the decisions (``ddlc.runtime``)."""
+    reference = data_parallel_reference(gm, mesh, options, fixed)
     searched = plan(gm, mesh, options, fixed)
     if reference is None or all(SHARDING(n).outputs[0] == reference[n.name]
                                 for n in gm.graph.find_nodes(op="placeholder") if n.name in reference):
         return ChosenPlan(searched)
-    # planning annotates every node afresh (shard reads no earlier annotation), so a copy
-    # of the searched graph plans as the unplanned one would
-    unplanned = copy.deepcopy(gm)
-    try:
-        data_parallel = plan(unplanned, mesh, replace(options, move_activations=False), reference)
-    except ShardingError as e:
-        log.info("data-parallel plan: none (%s)", str(e).splitlines()[0])
-        return ChosenPlan(searched)
-    (mine, *my_program), (theirs, *their_program) = (_lowered_step(g, mesh, options)
-                                                      for g in (gm, unplanned))
+    mine, *my_program = _lowered_step(named_alike_copy(gm), mesh, options, groups)
+    candidate = data_parallel() if data_parallel is not None else \
+        plan_data_parallel(gm, mesh, options, reference, groups)
+    if candidate is None:
+        return ChosenPlan(searched, *my_program)
     log.info("modeled step of the searched plan %.3f ms, of data parallelism %.3f ms",
-             mine * 1e3, theirs * 1e3)
-    compared = dict(searched_step=mine, data_parallel_step=theirs)
-    if theirs >= mine:
+             mine * 1e3, candidate.step * 1e3)
+    compared = dict(searched_step=mine, data_parallel_step=candidate.step)
+    if candidate.step >= mine:
         searched.stats.update(compared)
         return ChosenPlan(searched, *my_program)
-    gm.graph = unplanned.graph
-    gm.meta.update(unplanned.meta)
-    data_parallel.stats.update(compared, chosen_over_search=True)
-    return ChosenPlan(data_parallel, *their_program)
+    for node in gm.graph.nodes:
+        if node.name in candidate.decisions:
+            SHARDING.set(node, candidate.decisions[node.name])
+    candidate.plan.stats.update(compared, chosen_over_search=True)
+    return ChosenPlan(candidate.plan, candidate.choices, candidate.program)
+
+
+def data_parallel_reference(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
+                            fixed: Mapping[str, NdSBP]) -> dict[str, NdSBP] | None:
+    """The pins :func:`choose_plan` compares the searched plan with: the
+    :func:`data_parallel_placements`, where nothing is pinned (``fixed`` empty), activations
+    may move and the mesh has more than one device; else None. The same on every rank."""
+    if fixed or not options.move_activations or mesh.size == 1:
+        return None
+    return data_parallel_placements(gm, mesh)
+
+
+def plan_data_parallel(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
+                       reference: Mapping[str, NdSBP], groups: Sequence[str] | None = None,
+                       coord: Sequence[int] | None = None) -> Candidate | None:
+    """The :class:`Candidate` of the plan with the pins ``reference`` (activations stay
+    where the pins put them), planned and lowered on a copy of ``gm``; None where it
+    cannot be planned (a ``ShardingError``, e.g. over the memory budget). Its program is
+    lowered for mesh coordinate ``coord`` (default 0) where the plan splits every tensor
+    evenly (then every rank's program models the same step and searches to the same
+    choices), else for coordinate 0 and left out of the candidate unless that is
+    ``coord``."""
+    planned = named_alike_copy(gm)  # planning annotates every node afresh: as if unplanned
+    try:
+        result = plan(planned, mesh, replace(options, move_activations=False), reference)
+    except ShardingError as e:
+        log.info("data-parallel plan: none (%s)", str(e).splitlines()[0])
+        return None
+    decisions = {n.name: SHARDING(n) for n in planned.graph.nodes if SHARDING.has(n)}
+    wanted = tuple(coord) if coord is not None else (0,) * mesh.ndim
+    lowered_for = wanted if _splits_evenly(planned, mesh) else (0,) * mesh.ndim
+    step, choices, program = _lowered_step(planned, mesh, options, groups, lowered_for)
+    return Candidate(result, decisions, step, choices, program if lowered_for == wanted else None)
+
+
+def named_alike_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """``copy.deepcopy(gm)`` that names new nodes as ``gm`` would. Lowering's choices name
+    nodes (their order), and every rank lowers a graph that keeps the namespace of the
+    traced one (torch.fx's: every name given, erased nodes' too, and the last number given
+    to each base name; ``ddlc.portable`` ships it), but a plain copy knows only the names of
+    its nodes, so a pass could name a new node ``getitem_63`` in it and ``getitem_80`` in
+    the graph (found on the example ResNet). The copy takes ``gm``'s namespace."""
+    new = copy.deepcopy(gm)
+    namespace, original = new.graph._graph_namespace, gm.graph._graph_namespace
+    namespace._used_names |= original._used_names
+    namespace._base_count.update(original._base_count)
+    return new
 
 
 def data_parallel_placements(gm: fx.GraphModule, mesh: Mesh) -> dict[str, NdSBP] | None:
@@ -200,12 +259,14 @@ def data_parallel_placements(gm: fx.GraphModule, mesh: Mesh) -> dict[str, NdSBP]
     return pins
 
 
-def _lowered_step(planned: fx.GraphModule, mesh: Mesh,
-                  options: CompileOptions) -> tuple[float, "LoweringChoices", fx.GraphModule]:
-    """The modeled seconds of mesh coordinate 0's program of ``planned``, the choices it
-    was lowered with, and that program (lowered on a copy)."""
-    program = copy.deepcopy(planned)
-    choices = lower(program, mesh, (0,) * mesh.ndim, [f"axis{k}" for k in range(mesh.ndim)], options)
+def _lowered_step(program: fx.GraphModule, mesh: Mesh, options: CompileOptions,
+                  groups: Sequence[str] | None,
+                  coord: Sequence[int] | None = None) -> tuple[float, "LoweringChoices", fx.GraphModule]:
+    """Lower the planned ``program`` for mesh coordinate ``coord`` (default 0) in place
+    (process groups ``groups``, default ``axis0``, ``axis1``, ...); return its modeled
+    seconds, the choices it was lowered with, and it."""
+    groups = groups if groups is not None else [f"axis{k}" for k in range(mesh.ndim)]
+    choices = lower(program, mesh, coord if coord is not None else (0,) * mesh.ndim, groups, options)
     return program_makespan(program, mesh.profile), choices, program
 
 
@@ -227,10 +288,10 @@ def _splits_evenly(gm: fx.GraphModule, mesh: Mesh) -> bool:
     shapes, modeled timelines and lowering choices are the same)."""
     for node in gm.graph.nodes:
         sharding = SHARDING.get(node)
-        leaves = tree_leaves(node.meta.get("val"))
+        values = leaves(node.meta.get("val"))
         if sharding is not None and any(isinstance(v, torch.Tensor) and x is not None
                                         and not divides(tuple(v.shape), x, mesh.shape)
-                                        for v, x in zip(leaves, sharding.outputs)):
+                                        for v, x in zip(values, sharding.outputs)):
             return False
     return True
 
@@ -263,6 +324,13 @@ def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence
 def _lower_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],
                   options: CompileOptions,
                   choices: LoweringChoices | Callable[[], LoweringChoices] | None) -> LoweringChoices:
+    with _Deferred(gm):  # every pass ends with code generation: generate the final code once
+        return _lowered_passes(gm, mesh, coord, groups, options, choices)
+
+
+def _lowered_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],
+                    options: CompileOptions,
+                    choices: LoweringChoices | Callable[[], LoweringChoices] | None) -> LoweringChoices:
     run_pass("collectives", insert_collectives, gm, mesh, groups, coord)
     run_pass("localize", localize, gm, mesh, coord)
     run_pass("random", draw_globally, gm, mesh, coord)
@@ -276,51 +344,44 @@ def _lower_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: 
 
     scheduler = order if options.schedule else None
     searched = None  # what the last search timed: the program as it stands, scheduled
-    with _Deferred(gm) as codegen:  # fuse and partition end with code the schedule replaces
-        cap = _bucket_cap(options.fuse) if choices is None else choices.bucket_cap
-        if cap == "auto":
-            searched = run_pass("fuse", fuse_search, gm, mesh, scheduler)
-            cap = BUCKET_CAP.set(gm, searched.option)
-        elif cap:
-            run_pass("fuse", fuse, gm, mesh, cap)
-        size = _bucket_cap(options.partition, none=math.inf) if choices is None else choices.piece_bytes
-        if size == "auto":
-            searched = run_pass("partition", partition_search, gm, mesh, scheduler, searched)
-            size = PIECE_BYTES.set(gm, searched.option)
-        elif size != math.inf:
-            run_pass("partition", partition, gm, mesh, size)
-            searched = None
-        # the final order alone chooses per group which updates run inside backward
-        search = scheduler is not None and options.updates_for_schedule == "auto" \
-            and searches_updates(gm)
-        if choices is not None and choices.order is not None:
-            reorder = (follow, gm, list(choices.order))
-        elif searched is not None and searched.order is not None and not search:
-            # the search scheduled this very program already: the scheduler would order it alike
-            reorder = (adopt, gm, searched, follow)
-        else:
-            reorder = (order, gm, search) if scheduler is not None else None
-        codegen.needed = reorder is None
-    if reorder is not None:
-        run_pass("schedule", *reorder)
+    cap = _bucket_cap(options.fuse) if choices is None else choices.bucket_cap
+    if cap == "auto":
+        searched = run_pass("fuse", fuse_search, gm, mesh, scheduler)
+        cap = BUCKET_CAP.set(gm, searched.option)
+    elif cap:
+        run_pass("fuse", fuse, gm, mesh, cap)
+    size = _bucket_cap(options.partition, none=math.inf) if choices is None else choices.piece_bytes
+    if size == "auto":
+        searched = run_pass("partition", partition_search, gm, mesh, scheduler, searched)
+        size = PIECE_BYTES.set(gm, searched.option)
+    elif size != math.inf:
+        run_pass("partition", partition, gm, mesh, size)
+        searched = None
+    # the final order alone chooses per group which updates run inside backward
+    search = scheduler is not None and options.updates_for_schedule == "auto" and searches_updates(gm)
+    if choices is not None and choices.order is not None:
+        run_pass("schedule", follow, gm, list(choices.order))
+    elif searched is not None and searched.order is not None and not search:
+        # the search scheduled this very program already: the scheduler would order it alike
+        run_pass("schedule", adopt, gm, searched, follow)
+    elif scheduler is not None:
+        run_pass("schedule", order, gm, search)
     check_waits(gm)  # invariant: every collective's output is read only through its wait
     chosen = LoweringChoices(cap, size, tuple(n.name for n in gm.graph.nodes) if options.schedule else None)
-    with _Deferred(gm):  # after the choices, which name the nodes before them; code once
-        run_pass("views", views_as_views, gm)
-        if options.inplace and options.backend == "eager":
-            run_pass("inplace", update_in_place, gm)
+    run_pass("views", views_as_views, gm)  # after the choices, which name the nodes before them
+    if options.inplace and options.backend == "eager":
+        run_pass("inplace", update_in_place, gm)
     return chosen
 
 
 class _Deferred:
     """Within, ``gm.recompile()`` (code generation, with which every pass ends) only notes
     that it was asked for; on leaving without an error, ``gm`` generates its code once if it
-    was, unless ``needed`` was set False (a pass after that regenerates it anyway: the
-    schedule's reorder). The graph module's code is then that of its final graph, as if each
-    pass had generated its own."""
+    was. The graph module's code is then that of its final graph, as if each pass had
+    generated its own."""
 
     def __init__(self, gm: fx.GraphModule):
-        self.gm, self.asked, self.needed = gm, False, True
+        self.gm, self.asked = gm, False
 
     def _ask(self) -> None:
         self.asked = True
@@ -331,7 +392,7 @@ class _Deferred:
 
     def __exit__(self, kind, *_) -> None:
         del self.gm.recompile
-        if kind is None and self.asked and self.needed:
+        if kind is None and self.asked:
             self.gm.recompile()
 
 

@@ -2,11 +2,13 @@
 
 Every rank of an initialised process group calls :func:`compile` with the same
 model, inputs and mesh; the ranks first check that they were given the same (in kind and
-shape) and take rank 0's parameter and buffer values. Rank 0 traces the step and sends the graph to the others (:mod:`ddlc.portable`:
-on one host, ranks that all traced would share its cores); rank 0 plans it and
-broadcasts every node's decision (so even a time-limited solver gives one
-plan); rank 0 lowers it and broadcasts lowering's choices (bucket cap, piece size,
-node order), with which each other rank lowers it for its own mesh coordinate; each
+shape) and take rank 0's parameter and buffer values. Rank 0 traces the step and sends the
+graph to the others (:mod:`ddlc.portable`: on one host, ranks that all traced would share
+its cores); rank 0 plans it (checking the search's plan against data parallelism, whose
+candidate rank 1 plans and lowers meanwhile) and broadcasts every node's decision (so even
+a time-limited solver gives one plan); rank 0 lowers it (where planning has not already)
+and broadcasts lowering's choices (bucket cap, piece size, node order), with which each
+other rank lowers it for its own mesh coordinate; each
 rank checks with the others that the collective sequence is identical, and keeps only
 its own shards of the parameters and optimizer state (:class:`CompiledStep`). The
 passes themselves are listed and run by :mod:`ddlc.pipeline`.
@@ -134,19 +136,43 @@ def _check_given(given: list[str]) -> None:
                 "loss, optimizer and options (rank 0 traces and plans for all)")
 
 
+#: Most bytes :func:`_take_rank0_state` broadcasts at once (``DistributedDataParallel``'s
+#: bucket for the same job is 250 MiB).
+STATE_BUCKET_BYTES = 256 * 2**20
+
+
 def _take_rank0_state(model: nn.Module) -> None:
     """Overwrite every rank's parameters and buffers with rank 0's, in place (as
     ``DistributedDataParallel`` does): ranks that initialised their models differently (no
     common seed) would otherwise each shard their own values, and replicated parameters
-    would differ between ranks."""
+    would differ between ranks. One broadcast per bucket of tensors of one dtype and
+    device (up to :data:`STATE_BUCKET_BYTES`), not one per tensor: each broadcast pays a
+    start-up on every rank."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.is_contiguous():
-                dist.broadcast(tensor, src=0)
-            else:
-                dense = tensor.contiguous()
-                dist.broadcast(dense, src=0)
-                tensor.copy_(dense)
+        for tensors in groups.values():
+            for bucket in _buckets(tensors, STATE_BUCKET_BYTES):
+                flat = torch.cat([t.reshape(-1) for t in bucket])
+                dist.broadcast(flat, src=0)
+                for tensor, value in zip(bucket, flat.split([t.numel() for t in bucket])):
+                    tensor.copy_(value.view_as(tensor))
+
+
+def _buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, in consecutive groups of at most ``cap`` bytes (a larger
+    tensor alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = cap
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if size + nbytes > cap:
+            out.append([])
+            size = 0
+        out[-1].append(tensor)
+        size += nbytes
+    return out
 
 
 def _trace_on_rank0(model: nn.Module, example_inputs, loss_fn, optimizer,
@@ -167,48 +193,110 @@ def _trace_on_rank0(model: nn.Module, example_inputs, loss_fn, optimizer,
     return pipeline.run_pass("receive trace", from_portable, shipped, device)
 
 
-def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> Plan:
-    """Rank 0 plans; every rank adopts its decisions (``ir.SHARDING`` by node name) and
-    the plan, so all ranks lower the same program whatever the solver does."""
-    plan = None
+def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> pipeline.ChosenPlan:
+    """Rank 0 plans (``make_plan() -> ChosenPlan``); every rank adopts its decisions
+    (``ir.SHARDING`` by node name), the plan and, where planning chose them already,
+    lowering's choices, so all ranks lower the same program whatever the solver does.
+    Rank 0 returns ``make_plan``'s result, the others a ``ChosenPlan`` without program."""
+    chosen = None
 
     def decide():
-        nonlocal plan
-        plan = make_plan()
-        shared = copy.copy(plan)
-        shared.problem, shared.choice = None, None
-        return shared, {n.name: SHARDING(n) for n in gm.graph.nodes if SHARDING.has(n)}
+        nonlocal chosen
+        chosen = make_plan()
+        decisions = {n.name: SHARDING(n) for n in gm.graph.nodes if SHARDING.has(n)}
+        return _shareable(chosen.plan), decisions, chosen.choices
 
-    shared, decisions = _on_rank0("planning", decide)
-    if dist.get_rank() != 0:
-        plan = shared
-        for node in gm.graph.nodes:
-            if node.name in decisions:
-                SHARDING.set(node, decisions[node.name])
-    return plan
+    shared, decisions, choices = _on_rank0("planning", decide)
+    if dist.get_rank() == 0:
+        return chosen
+    for node in gm.graph.nodes:
+        if node.name in decisions:
+            SHARDING.set(node, decisions[node.name])
+    return pipeline.ChosenPlan(shared, choices)
+
+
+def _plan_with_rank1(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], options: CompileOptions,
+                     fixed: dict, groups: list[str]) -> tuple[pipeline.ChosenPlan, fx.GraphModule | None]:
+    """:func:`_plan_on_rank0` with :func:`ddlc.pipeline.choose_plan`, and this rank's
+    program where planning lowered it already. Where choose_plan compares the searched plan
+    with data parallelism (:func:`ddlc.pipeline.data_parallel_reference`, the same on every
+    rank), rank 1 makes the data-parallel candidate (lowering its own coordinate's program
+    where the plan splits evenly) while rank 0 searches and lowers its own, and sends it to
+    rank 0 (``send_object_list``; rank 1's failure goes in its place and is raised on rank
+    0). Rank 0 receives it exactly once, whether or not it needed it and even where its own
+    planning failed, so no rank is left waiting. Rank 0 keeps the program choose_plan
+    lowered where its coordinate is 0, rank 1 its candidate's where rank 0 adopts it."""
+    reference = pipeline.data_parallel_reference(gm, mesh, options, fixed)
+    helper = reference is not None and dist.get_world_size() > 1
+    mine = None  # rank 1: the candidate's program, if it is this rank's
+    if helper and dist.get_rank() == 1:
+        try:
+            message = pipeline.plan_data_parallel(gm, mesh, options, reference, groups, coord)
+            if message is not None:
+                mine = message.program
+                message = message._replace(plan=_shareable(message.plan), program=None)
+        except Exception as error:  # raised on rank 0, which shares it with every rank
+            message = error if isinstance(error, DDLCError) else RuntimeMismatchError(
+                f"rank 1 failed while planning data parallelism: {type(error).__name__}: {error}")
+        dist.send_object_list([message], dst=0)
+    received = []
+
+    def receive() -> None:
+        message = [None]
+        dist.recv_object_list(message, src=1)
+        received.append(message[0])
+
+    def candidate() -> pipeline.Candidate | None:
+        if not received:
+            receive()
+        if isinstance(received[0], Exception):
+            raise received[0]
+        return received[0]
+
+    def make_plan() -> pipeline.ChosenPlan:
+        try:
+            return pipeline.choose_plan(gm, mesh, options, fixed, groups, candidate if helper else None)
+        finally:
+            if helper and not received:  # rank 1 sent it all the same
+                receive()
+
+    chosen = _plan_on_rank0(gm, make_plan)
+    if dist.get_rank() == 0:
+        return chosen, chosen.program if coord == (0,) * mesh.ndim else None
+    return chosen, mine if chosen.plan.stats.get("chosen_over_search") else None
+
+
+def _shareable(plan: Plan) -> Plan:
+    """``plan`` without the solver's problem and choice (large; rank 0 alone needs them)."""
+    shared = copy.copy(plan)
+    shared.problem, shared.choice = None, None
+    return shared
 
 
 def _lower_after_rank0(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], groups: list[str],
-                       options: CompileOptions, chosen: pipeline.LoweringChoices | None = None) -> None:
-    """Rank 0 lowers mesh coordinate 0's program, which chooses the bucket cap, piece size
-    and node order by searching over modeled timelines (unless planning lowered it already
-    and gives its ``chosen`` choices), and broadcasts those choices
-    (:class:`ddlc.pipeline.LoweringChoices`). Every other rank meanwhile localizes its own
-    program, then takes the choices and skips the searches."""
+                       options: CompileOptions, chosen: pipeline.ChosenPlan) -> fx.GraphModule:
+    """This rank's program. Where planning chose lowering's choices already (``chosen``,
+    from :func:`_plan_on_rank0`), every rank lowers with them. Else rank 0 lowers mesh
+    coordinate 0's program, which chooses the bucket cap, piece size and node order by
+    searching over modeled timelines, and broadcasts those choices
+    (:class:`ddlc.pipeline.LoweringChoices`); every other rank meanwhile localizes its own
+    program, then takes the choices and skips the searches. Returns ``gm``, lowered in place."""
     zero = (0,) * mesh.ndim
+    if chosen.choices is not None:
+        pipeline.lower(gm, mesh, coord, groups, options, chosen.choices)
+        return gm
     if dist.get_rank() != 0:
         pipeline.lower(gm, mesh, coord, groups, options, lambda: _on_rank0("lowering", None))
-        return
+        return gm
 
     def lead():
-        if chosen is not None and coord != zero:
-            return chosen
-        leader = gm if coord == zero else copy.deepcopy(gm)
-        return pipeline.lower(leader, mesh, zero, groups, options, chosen)
+        leader = gm if coord == zero else pipeline.named_alike_copy(gm)
+        return pipeline.lower(leader, mesh, zero, groups, options)
 
     choices = _on_rank0("lowering", lead)
     if coord != zero:
         pipeline.lower(gm, mesh, coord, groups, options, choices)
+    return gm
 
 
 def _from_rank0(value):
@@ -270,17 +358,11 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     _take_rank0_state(model)
     gm = _trace_on_rank0(model, example_inputs, loss_fn, optimizer, options)
     fixed = pipeline.resolve_placements(gm, options.placements, mesh.ndim)
-    lowering = []  # rank 0: the choices choose_plan lowered the kept plan with, if it did
-
-    def make_plan() -> Plan:
-        chosen = pipeline.choose_plan(gm, mesh, options, fixed)
-        lowering.append(chosen.choices)
-        return chosen.plan
-
-    plan = _plan_on_rank0(gm, make_plan)
     coord = tuple(device_mesh.get_coordinate())
     groups = [device_mesh.get_group(i).group_name for i in range(mesh.ndim)]
-    _lower_after_rank0(gm, mesh, coord, groups, options, lowering[0] if lowering else None)
+    chosen, lowered = _plan_with_rank1(gm, mesh, coord, options, fixed, groups)
+    gm = lowered if lowered is not None else _lower_after_rank0(gm, mesh, coord, groups, options, chosen)
+    plan = chosen.plan
     fingerprint = _check_fingerprint(gm)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")

@@ -49,7 +49,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from cost_models.collectives import repriced
-from cost_models.program import program_makespan
+from cost_models.program import compute_seconds, program_makespan
 from ddlc import comm
 from ddlc.ir import (BUCKETABLE, COLLECTIVE, FUSED, collective_kind, collective_sequence, is_wait,
                      output_scalars)
@@ -390,9 +390,15 @@ def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
     """:func:`choose_by_timeline`, returning a :class:`Timed` record of the chosen option.
     ``given``: the timing of ``gm`` as it stands, which option ``given.option`` leaves
     unchanged (a search before timed this very program): that option is not tried again
-    and, if chosen, ``gm`` is not transformed."""
+    and, if chosen, ``gm`` is not transformed. The transforms (fuse, partition) only add
+    operators, so no option's program models shorter than ``gm``'s compute alone
+    (:func:`cost_models.program.compute_seconds`): once an option reaches that, the later
+    ones are not tried (they could only tie, and ties go to the earlier option)."""
     best, seen = None, set()  # best: (makespan, option, trial, its nodes and meta before scheduling)
+    floor = compute_seconds(gm, mesh.profile)
     for option in options:
+        if best is not None and best[0] <= floor + 1e-12:
+            break
         if given is not None and option == given.option:
             key = tuple(collective_sequence(gm))
             if key not in seen:

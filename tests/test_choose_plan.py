@@ -7,7 +7,7 @@ import torch
 import ddlc
 from conftest import TOLERANCES, assert_matches_reference, batches, model_and_loss, optimizer, reference
 from ddlc import pipeline
-from ddlc.ir import SHARDING, STEP
+from ddlc.ir import SHARDING, STEP, collective_sequence
 from ddlc.launch import spawn
 from ddlc.options import CompileOptions
 from distributed_cases import compiled_run_preferring_data_parallel
@@ -74,6 +74,31 @@ def test_the_plan_whose_program_models_faster_is_kept(monkeypatch, faster):
         assert plan.stats["searched_step"] == 1.0 and plan.stats["data_parallel_step"] == 2.0
         assert {n.name: SHARDING(n) for n in gm.graph.nodes if SHARDING.has(n)} == \
             {n.name: SHARDING(n) for n in searched.graph.nodes if SHARDING.has(n)}
+
+
+def test_the_choices_fit_the_graph_every_rank_lowers():
+    """choose_plan lowers a copy of the graph, and lowering's choices name its nodes (their
+    order); another rank lowers the shipped graph (``ddlc.portable``), whose namespace
+    knows the names of erased nodes, with them. On this ResNet a plain copy named a new
+    node ``getitem_63`` that the shipped graph names ``getitem_80``."""
+    import torch.nn.functional as F
+    from ddlc.portable import from_portable, to_portable
+    from ddlc.zoo import resnet18
+    torch.manual_seed(0)
+    model = resnet18(num_classes=10, width=4)
+    batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,)))
+    gm = pipeline.trace_step(model, batch, F.cross_entropy, optimizer("sgd", model), CompileOptions())
+    shipped = from_portable(to_portable(gm))
+    mesh = ddlc.Mesh((4,))
+    chosen = pipeline.choose_plan(gm, mesh, CompileOptions(), {})
+    assert chosen.choices is not None and chosen.choices.order is not None
+    decisions = {n.name: SHARDING(n) for n in gm.graph.nodes if SHARDING.has(n)}
+    for node in shipped.graph.nodes:
+        if node.name in decisions:
+            SHARDING.set(node, decisions[node.name])
+    # follows the order by node name: a LoweringError if the names differ
+    pipeline.lower(shipped, mesh, (1,), ["axis0"], CompileOptions(), chosen.choices)
+    assert collective_sequence(shipped) == collective_sequence(chosen.program)
 
 
 def test_pins_leave_the_searched_plan_alone(monkeypatch):
