@@ -371,6 +371,7 @@ _c10d = torch.ops._c10d_functional
 
 #: Every ``_c10d_functional`` collective issue op -> its kind.
 COLLECTIVE_KINDS = {_c10d.all_reduce.default: "all_reduce",
+                    _c10d.all_reduce_.default: "all_reduce",   # in place: passes.inplace
                     _c10d.reduce_scatter_tensor.default: "reduce_scatter",
                     _c10d.all_gather_into_tensor.default: "all_gather",
                     _c10d.all_to_all_single.default: "all_to_all"}

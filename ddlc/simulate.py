@@ -47,7 +47,7 @@ def _collective(target, args_by_rank: dict[int, tuple], mesh: Mesh) -> dict[int,
         group = _group(mesh, rank, args[-1])
         values = [args_by_rank[r][0] for r in group]
         me = group.index(rank)
-        if target is _c10d.all_reduce.default:
+        if target in (_c10d.all_reduce.default, _c10d.all_reduce_.default):
             out[rank] = torch.stack(values).sum(0)
         elif target is _c10d.all_gather_into_tensor.default:
             out[rank] = torch.cat(values, 0)
@@ -58,6 +58,9 @@ def _collective(target, args_by_rank: dict[int, tuple], mesh: Mesh) -> dict[int,
             out[rank] = torch.cat([v.chunk(parts, split_dim)[me] for v in values], cat_dim)
         else:
             raise NotImplementedError(f"no simulation of {target}")
+    if target is _c10d.all_reduce_.default:  # in place: every rank's sum in its input
+        for rank, args in args_by_rank.items():
+            out[rank] = args[0].copy_(out[rank])
     return out
 
 

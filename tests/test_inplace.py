@@ -102,6 +102,41 @@ def test_a_collective_reads_its_input_until_its_wait(wait_first):
             and n.target._schema.is_mutable} == expected
 
 
+@pytest.mark.parametrize("input_kind", ["packed", "temporary", "undonated input", "read after"])
+def test_an_all_reduce_sums_into_an_input_nothing_else_reads(input_kind):
+    """The functional all-reduce copies its input before reducing; a temporary made for
+    it (a bucket's packed gradients) takes the sum in place instead: ``all_reduce_``, with
+    its ``ir.COLLECTIVE`` kept. Not so for an input the program may not write, nor for one
+    read after the collective's wait."""
+    from ddlc.ir import COLLECTIVE, CollectiveInfo, collective_kind
+    from ddlc.sbp import NdSBP, P
+    from passes.fuse import pack
+
+    def build(g, x, expected):
+        source = x if input_kind == "undonated input" else g.call_function(aten.mul.Tensor, (x, 2.0))
+        if input_kind == "packed":  # a bucket: passes.fuse.pack, a torch.cat
+            source = g.call_function(pack, ("all_reduce", [source, g.call_function(aten.neg.default, (x,))], 4))
+        issued = g.call_function(c10d.all_reduce.default, (source, "sum", "group"))
+        waited = g.call_function(c10d.wait_tensor.default, (issued,))
+        if input_kind in ("packed", "temporary"):
+            expected.append(issued)
+        outputs = [waited]
+        if input_kind == "read after":  # the last reader of the temporary: abs_ instead
+            outputs.append(g.call_function(aten.abs.default, (source,)))
+            expected.append(outputs[-1])
+        return outputs
+    gm, expected = _update_graph(build)
+    issued = next(n for n in gm.graph.nodes if n.target is c10d.all_reduce.default)
+    info = CollectiveInfo("all_reduce", 0, "dp", 4, 48, 1e-6, NdSBP((P,)), NdSBP.broadcast(1))
+    COLLECTIVE.set(issued, info)
+    update_in_place(gm)
+    assert {n.name for n in gm.graph.nodes if n.op == "call_function"
+            and getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable} == expected
+    assert COLLECTIVE(issued) is info and collective_kind(issued) == "all_reduce"
+    in_place = input_kind in ("packed", "temporary")
+    assert issued.target is (c10d.all_reduce_.default if in_place else c10d.all_reduce.default)
+
+
 def test_a_view_read_later_keeps_its_memory_unwritten():
     def build(g, x, expected):
         t = g.call_function(aten.mul.Tensor, (x, 2.0))
