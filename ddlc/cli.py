@@ -20,6 +20,7 @@ traceback). Each subcommand imports the compiler only when it runs, so ``--help`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -29,7 +30,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, replace
 
-from .errors import DDLCError, OptionError
+from .errors import DDLCError, OptionError, RuntimeMismatchError
 
 TRACE_ITERATIONS = 2
 SEARCH_SHOWN = 5
@@ -199,14 +200,79 @@ def _compile_rank0(args) -> Compiled:
 
 
 def _plan_and_lower(gm, mesh, options):
-    """Plan ``gm`` (in place) on ``mesh`` and lower mesh coordinate 0's program."""
+    """Plan ``gm`` (in place) on ``mesh`` and lower mesh coordinate 0's program. Where
+    ``choose_plan`` weighs data parallelism against the search, a forked process makes that
+    candidate on the machine's other cores meanwhile (:func:`_candidate_elsewhere`)."""
     from . import pipeline
     from .simulate import axis_group_names
-    chosen = pipeline.choose_plan(gm, mesh, options, {})
+    groups = axis_group_names(mesh)
+    reference = pipeline.data_parallel_reference(gm, mesh, options, {})
+    with _candidate_elsewhere(gm, mesh, options, reference, groups) as candidate:
+        chosen = pipeline.choose_plan(gm, mesh, options, {}, groups, candidate)
     if chosen.program is not None:  # choose_plan lowered it already
         return chosen.plan, chosen.program
-    pipeline.lower(gm, mesh, (0,) * mesh.ndim, axis_group_names(mesh), options)
+    pipeline.lower(gm, mesh, (0,) * mesh.ndim, groups, options, chosen.choices)
     return chosen.plan, gm
+
+
+@contextlib.contextmanager
+def _candidate_elsewhere(gm, mesh, options, reference, groups):
+    """Within, a forked process plans and lowers the data-parallel candidate
+    (``pipeline.plan_data_parallel`` with the pins ``reference``) on ``gm`` as it is on
+    entry, one intra-op thread, and the function yielded receives it (without its program;
+    the child's error is raised instead). Yields None, and forks nothing, where there is
+    nothing to compare (``reference`` None), where operators are timed by running them
+    (``compute="measured"``: the child would time them against this process) or where the
+    platform cannot fork; ``choose_plan`` then makes the candidate itself. The child is
+    stopped on leaving if its candidate was not needed."""
+    import multiprocessing
+    if reference is None or options.compute == "measured" \
+            or "fork" not in multiprocessing.get_all_start_methods():
+        yield None
+        return
+    context = multiprocessing.get_context("fork")
+    reader, writer = context.Pipe(duplex=False)
+    child = context.Process(target=_send_candidate, args=(writer, gm, mesh, options, reference, groups),
+                            daemon=True)
+    child.start()
+    writer.close()
+
+    def receive():
+        try:
+            message = reader.recv()
+        except EOFError:
+            child.join()
+            raise RuntimeMismatchError(f"the process planning data parallelism for comparison died "
+                                f"(exit code {child.exitcode})") from None
+        if isinstance(message, BaseException):
+            raise message
+        return message
+
+    try:
+        yield receive
+    finally:
+        reader.close()
+        if child.is_alive():
+            child.kill()
+        child.join()
+
+
+def _send_candidate(writer, gm, mesh, options, reference, groups) -> None:
+    """In the forked child: the data-parallel candidate (its plan without the solver's
+    state, no program) or the error that stopped it, sent through ``writer``."""
+    import torch
+
+    from . import pipeline
+    torch.set_num_threads(1)   # the parent's OpenMP threads do not exist here
+    try:
+        candidate = pipeline.plan_data_parallel(gm, mesh, options, reference, groups)
+        message = None if candidate is None else candidate._replace(
+            plan=candidate.plan.without_solver(), program=None)
+    except Exception as error:
+        message = error if isinstance(error, DDLCError) else RuntimeMismatchError(
+            f"planning data parallelism for comparison failed: {type(error).__name__}: {error}")
+    writer.send(message)
+    writer.close()
 
 
 def _search_meshes(gm, devices: int, profile, options):

@@ -7,7 +7,7 @@ straight from the solver (:func:`passes.sharding.shard`), the problem it solved,
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .printing import format_sbps
@@ -52,6 +52,11 @@ class Plan:
     @property
     def memory(self) -> float:
         return sum(n.memory for n in self.nodes)
+
+    def without_solver(self) -> "Plan":
+        """This plan without the solver's ``problem`` and ``choice`` (large; only the
+        process that solved needs them): what is sent to other processes."""
+        return replace(self, problem=None, choice=None)
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:

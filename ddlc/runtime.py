@@ -204,7 +204,7 @@ def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> pipeline.ChosenPlan:
         nonlocal chosen
         chosen = make_plan()
         decisions = {n.name: SHARDING(n) for n in gm.graph.nodes if SHARDING.has(n)}
-        return _shareable(chosen.plan), decisions, chosen.choices
+        return chosen.plan.without_solver(), decisions, chosen.choices
 
     shared, decisions, choices = _on_rank0("planning", decide)
     if dist.get_rank() == 0:
@@ -234,7 +234,7 @@ def _plan_with_rank1(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], opt
             message = pipeline.plan_data_parallel(gm, mesh, options, reference, groups, coord)
             if message is not None:
                 mine = message.program
-                message = message._replace(plan=_shareable(message.plan), program=None)
+                message = message._replace(plan=message.plan.without_solver(), program=None)
         except Exception as error:  # raised on rank 0, which shares it with every rank
             message = error if isinstance(error, DDLCError) else RuntimeMismatchError(
                 f"rank 1 failed while planning data parallelism: {type(error).__name__}: {error}")
@@ -264,13 +264,6 @@ def _plan_with_rank1(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], opt
     if dist.get_rank() == 0:
         return chosen, chosen.program if coord == (0,) * mesh.ndim else None
     return chosen, mine if chosen.plan.stats.get("chosen_over_search") else None
-
-
-def _shareable(plan: Plan) -> Plan:
-    """``plan`` without the solver's problem and choice (large; rank 0 alone needs them)."""
-    shared = copy.copy(plan)
-    shared.problem, shared.choice = None, None
-    return shared
 
 
 def _lower_after_rank0(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], groups: list[str],

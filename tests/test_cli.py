@@ -225,3 +225,36 @@ def test_factories_load_by_module_path_too():
 def test_factory_names_that_do_not_load(spec, cause):
     with pytest.raises(FactoryError, match=re.escape(cause)):
         load_factory(spec)
+
+
+def test_the_forked_data_parallel_candidate_gives_the_plan_of_one_process():
+    """``ddlc plan`` makes the data-parallel candidate in a forked process while it
+    searches; the kept plan, its statistics and rank 0's program are those ``choose_plan``
+    gives in one process (on this GPT data parallelism is kept)."""
+    import copy
+
+    import torch
+
+    from ddlc import pipeline
+    from ddlc.cli import _plan_and_lower
+    from ddlc.ir import SHARDING, collective_sequence
+    from ddlc.mesh import Mesh
+    from ddlc.options import CompileOptions
+    from ddlc.zoo import GPT, lm_loss
+    torch.manual_seed(0)
+    model = GPT(vocab=512, d_model=192, n_heads=4, n_layers=3, seq_len=64)
+    g = torch.Generator().manual_seed(1)
+    batch = tuple(torch.randint(0, 512, (16, 64), generator=g) for _ in range(2))
+    options = CompileOptions()
+    gm = pipeline.trace_step(model, batch, lm_loss, torch.optim.AdamW(model.parameters()), options)
+    mesh = Mesh((4,))
+    forked, alone = copy.deepcopy(gm), copy.deepcopy(gm)
+    plan, program = _plan_and_lower(forked, mesh, options)
+    chosen = pipeline.choose_plan(alone, mesh, options, {})
+    assert plan.stats["chosen_over_search"] and chosen.plan.stats["chosen_over_search"]
+    assert (plan.stats["searched_step"], plan.stats["data_parallel_step"]) == \
+        (chosen.plan.stats["searched_step"], chosen.plan.stats["data_parallel_step"])
+    assert {n.name: SHARDING(n) for n in program.graph.nodes if SHARDING.has(n)} == \
+        {n.name: SHARDING(n) for n in chosen.program.graph.nodes if SHARDING.has(n)}
+    assert [n.name for n in program.graph.nodes] == [n.name for n in chosen.program.graph.nodes]
+    assert collective_sequence(program) == collective_sequence(chosen.program)
