@@ -243,15 +243,6 @@ def program_makespan(gm: fx.GraphModule, profile: HardwareProfile) -> float:
     return order_makespan(list(gm.graph.nodes), profile)
 
 
-def compute_seconds(gm: fx.GraphModule, profile: HardwareProfile) -> float:
-    """The seconds of ``gm``'s operators that are not collectives: the compute stream runs
-    them one after another, so no order of ``gm``, nor any program that only adds
-    operators to it (packing into buckets, splitting into pieces), models shorter."""
-    costs = NodeCosts(profile)
-    return sum(costs.seconds(n) for n in gm.graph.nodes
-               if n.op == "call_function" and costs.channel(n) is None)
-
-
 def order_makespan(nodes: list[fx.Node], profile: HardwareProfile, costs: NodeCosts | None = None) -> float:
     """``order_timeline(nodes, profile, costs).makespan``, worked out without the tasks, the
     memory and the trace: the same start and end times by the same arithmetic (a task starts

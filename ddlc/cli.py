@@ -30,7 +30,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, replace
 
-from .errors import DDLCError, OptionError, RuntimeMismatchError
+from .errors import DDLCError, OptionError, RuntimeMismatchError, as_shared
 
 TRACE_ITERATIONS = 2
 SEARCH_SHOWN = 5
@@ -266,11 +266,9 @@ def _send_candidate(writer, gm, mesh, options, reference, groups) -> None:
     torch.set_num_threads(1)   # the parent's OpenMP threads do not exist here
     try:
         candidate = pipeline.plan_data_parallel(gm, mesh, options, reference, groups)
-        message = None if candidate is None else candidate._replace(
-            plan=candidate.plan.without_solver(), program=None)
+        message = None if candidate is None else candidate.to_send()
     except Exception as error:
-        message = error if isinstance(error, DDLCError) else RuntimeMismatchError(
-            f"planning data parallelism for comparison failed: {type(error).__name__}: {error}")
+        message = as_shared(error, "planning data parallelism for comparison failed")
     writer.send(message)
     writer.close()
 

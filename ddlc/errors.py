@@ -49,3 +49,12 @@ class RuntimeMismatchError(DDLCError, RuntimeError):
 
 class OptionError(DDLCError, ValueError):
     """An unknown, malformed or contradictory ``compile`` option (the message names it)."""
+
+
+def as_shared(error: Exception, what: str) -> DDLCError:
+    """``error`` as another process raises it: itself where it is a ddlc error, else a
+    :class:`RuntimeMismatchError` naming ``what`` failed (e.g. "rank 0 failed while
+    planning") and the original error."""
+    if isinstance(error, DDLCError):
+        return error
+    return RuntimeMismatchError(f"{what}: {type(error).__name__}: {error}")

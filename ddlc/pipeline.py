@@ -153,6 +153,10 @@ class Candidate(NamedTuple):
     choices: LoweringChoices
     program: fx.GraphModule | None = None
 
+    def to_send(self) -> "Candidate":
+        """This candidate as another process takes it: no program, no solver state."""
+        return self._replace(plan=self.plan.without_solver(), program=None)
+
 
 def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
                 fixed: Mapping[str, NdSBP], groups: Sequence[str] | None = None,

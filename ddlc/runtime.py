@@ -33,7 +33,7 @@ from cost_models.measured import local_gloo_ranks
 from cost_models.program import program_timeline
 
 from . import inductor, pipeline
-from .errors import DDLCError, LoweringError, RuntimeMismatchError, UnsupportedInputError
+from .errors import DDLCError, LoweringError, RuntimeMismatchError, UnsupportedInputError, as_shared
 from .ir import GLOBAL_VAL, SHARDING, STEP, collective_sequence
 from .mesh import Mesh
 from .optim import hyperparameter_values, structure as optimizer_structure
@@ -80,9 +80,7 @@ def _on_rank0(what: str, decide):
         try:
             message = [decide()]
         except Exception as error:
-            shared = error if isinstance(error, DDLCError) else RuntimeMismatchError(
-                f"rank 0 failed while {what}: {type(error).__name__}: {error}")
-            dist.broadcast_object_list([shared], src=0)
+            dist.broadcast_object_list([as_shared(error, f"rank 0 failed while {what}")], src=0)
             raise
     else:
         message = [None]
@@ -136,43 +134,19 @@ def _check_given(given: list[str]) -> None:
                 "loss, optimizer and options (rank 0 traces and plans for all)")
 
 
-#: Most bytes :func:`_take_rank0_state` broadcasts at once (``DistributedDataParallel``'s
-#: bucket for the same job is 250 MiB).
-STATE_BUCKET_BYTES = 256 * 2**20
-
-
 def _take_rank0_state(model: nn.Module) -> None:
     """Overwrite every rank's parameters and buffers with rank 0's, in place (as
     ``DistributedDataParallel`` does): ranks that initialised their models differently (no
     common seed) would otherwise each shard their own values, and replicated parameters
-    would differ between ranks. One broadcast per bucket of tensors of one dtype and
-    device (up to :data:`STATE_BUCKET_BYTES`), not one per tensor: each broadcast pays a
-    start-up on every rank."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    would differ between ranks."""
     with torch.no_grad():
-        for tensors in groups.values():
-            for bucket in _buckets(tensors, STATE_BUCKET_BYTES):
-                flat = torch.cat([t.reshape(-1) for t in bucket])
-                dist.broadcast(flat, src=0)
-                for tensor, value in zip(bucket, flat.split([t.numel() for t in bucket])):
-                    tensor.copy_(value.view_as(tensor))
-
-
-def _buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
-    """``tensors`` in order, in consecutive groups of at most ``cap`` bytes (a larger
-    tensor alone)."""
-    out: list[list[torch.Tensor]] = []
-    size = cap
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if size + nbytes > cap:
-            out.append([])
-            size = 0
-        out[-1].append(tensor)
-        size += nbytes
-    return out
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_contiguous():
+                dist.broadcast(tensor, src=0)
+            else:
+                dense = tensor.contiguous()
+                dist.broadcast(dense, src=0)
+                tensor.copy_(dense)
 
 
 def _trace_on_rank0(model: nn.Module, example_inputs, loss_fn, optimizer,
@@ -233,11 +207,9 @@ def _plan_with_rank1(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], opt
         try:
             message = pipeline.plan_data_parallel(gm, mesh, options, reference, groups, coord)
             if message is not None:
-                mine = message.program
-                message = message._replace(plan=message.plan.without_solver(), program=None)
+                mine, message = message.program, message.to_send()
         except Exception as error:  # raised on rank 0, which shares it with every rank
-            message = error if isinstance(error, DDLCError) else RuntimeMismatchError(
-                f"rank 1 failed while planning data parallelism: {type(error).__name__}: {error}")
+            message = as_shared(error, "rank 1 failed while planning data parallelism")
         dist.send_object_list([message], dst=0)
     received = []
 

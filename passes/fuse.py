@@ -49,9 +49,9 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from cost_models.collectives import repriced
-from cost_models.program import compute_seconds, program_makespan
+from cost_models.program import program_makespan
 from ddlc import comm
-from ddlc.ir import (BUCKETABLE, COLLECTIVE, FUSED, collective_kind, collective_sequence, is_wait,
+from ddlc.ir import (BUCKETABLE, COLLECTIVE, FUSED, collective_kind, collective_sequence, is_wait, map_leaves,
                      output_scalars)
 from ddlc.mesh import Mesh
 
@@ -297,16 +297,8 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
 
 
 def _tensors_mapped(x, f):
-    """``x`` with every tensor ``t`` in it (in lists, tuples and dict values) replaced by ``f(t)``."""
-    if isinstance(x, torch.Tensor):
-        return f(x)
-    if isinstance(x, list):
-        return [_tensors_mapped(i, f) for i in x]
-    if isinstance(x, tuple):
-        return tuple(_tensors_mapped(i, f) for i in x)
-    if isinstance(x, dict):
-        return {k: _tensors_mapped(v, f) for k, v in x.items()}
-    return x
+    """``x`` with every tensor ``t`` in it replaced by ``f(t)``."""
+    return map_leaves(lambda t: f(t) if isinstance(t, torch.Tensor) else t, x)
 
 
 def _identities(x, held: list):
@@ -390,15 +382,9 @@ def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
     """:func:`choose_by_timeline`, returning a :class:`Timed` record of the chosen option.
     ``given``: the timing of ``gm`` as it stands, which option ``given.option`` leaves
     unchanged (a search before timed this very program): that option is not tried again
-    and, if chosen, ``gm`` is not transformed. The transforms (fuse, partition) only add
-    operators, so no option's program models shorter than ``gm``'s compute alone
-    (:func:`cost_models.program.compute_seconds`): once an option reaches that, the later
-    ones are not tried (they could only tie, and ties go to the earlier option)."""
+    and, if chosen, ``gm`` is not transformed."""
     best, seen = None, set()  # best: (makespan, option, trial, its nodes and meta before scheduling)
-    floor = compute_seconds(gm, mesh.profile)
     for option in options:
-        if best is not None and best[0] <= floor + 1e-12:
-            break
         if given is not None and option == given.option:
             key = tuple(collective_sequence(gm))
             if key not in seen:

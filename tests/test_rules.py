@@ -739,3 +739,21 @@ def test_gpu_attention_rule_data_is_consistent():
         is_backward = "backward" in str(node.target)
         assert any(P in s.outputs for s in sigs) == is_backward
         assert not any(S(2) in s.inputs or S(3) in s.inputs for s in sigs)
+
+
+def test_leaves_and_map_leaves_are_pytree_s_over_fx_arguments():
+    """``ddlc.ir.leaves`` / ``map_leaves`` walk fx's containers themselves: the same leaves
+    in the same order as ``tree_leaves``, and the same containers as ``tree_map``."""
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    from ddlc.ir import leaves, map_leaves
+    t = torch.zeros(2)
+    trees = [None, 1, (1, None, [t, 2.0]), {"a": (t, None), "b": [slice(1, 2)]},
+             immutable_list([1, immutable_dict(x=t)]), torch.return_types.max((t, t)),
+             (torch.float32, "s", True), ()]
+    tag = lambda x: ("leaf", type(x).__name__)   # noqa: E731
+    for tree in trees:
+        assert [id(x) for x in leaves(tree)] == [id(x) for x in tree_leaves(tree)]
+        mine, theirs = map_leaves(tag, tree), tree_map(tag, tree)
+        assert mine == theirs and type(mine) is type(theirs)
