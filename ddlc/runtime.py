@@ -2,9 +2,9 @@
 
 Every rank of an initialised process group calls :func:`compile` with the same
 model, inputs and mesh; the ranks first check that they were given the same (in kind and
-shape) and take rank 0's parameter and buffer values. Rank 0 traces the step and sends the
-graph to the others (:mod:`ddlc.portable`: on one host, ranks that all traced would share
-its cores); rank 0 plans it (checking the search's plan against data parallelism, whose
+shape) and take rank 0's parameter and buffer values. Ranks 0 and 1 trace the step and
+rank 0 sends its graph to the others (:mod:`ddlc.portable`: on one host, ranks that all
+traced would share its cores); rank 0 plans it (checking the search's plan against data parallelism, whose
 candidate rank 1 plans and lowers meanwhile) and broadcasts every node's decision (so even
 a time-limited solver gives one plan); rank 0 lowers it (where planning has not already)
 and broadcasts lowering's choices (bucket cap, piece size, node order), with which each
@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import hashlib
 import logging
+import pickle
 from typing import Mapping, Sequence
 
 import torch
@@ -149,22 +150,59 @@ def _take_rank0_state(model: nn.Module) -> None:
                 tensor.copy_(dense)
 
 
-def _trace_on_rank0(model: nn.Module, example_inputs, loss_fn, optimizer,
-                    options: CompileOptions) -> fx.GraphModule:
-    """Rank 0 traces the step; every other rank receives its graph (:mod:`ddlc.portable`)
-    instead of tracing it again. Rank 0's tracing error is raised on every rank."""
-    traced = None
+def _trace_on_ranks01(model: nn.Module, example_inputs, loss_fn, optimizer,
+                      options: CompileOptions) -> fx.GraphModule:
+    """Ranks 0 and 1 trace the step, each on its own core (rank 1 plans data parallelism
+    from its graph while rank 0 searches: :func:`_plan_with_rank1`); every other rank
+    receives rank 0's graph (:mod:`ddlc.portable`) instead of tracing it again, as ranks
+    that all traced would share the host's cores. Tracing is deterministic (the ranks were
+    given the same, :func:`_check_given`), so the graphs are the same, node names included.
+    Rank 0's tracing error is raised on every rank: rank 1 waits for rank 0's outcome
+    before going on. Rank 1's own failure is sent to rank 0 as its one message
+    (:func:`_send_to_rank0`) and raised there."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank >= 2:
+        shipped = _receive_from(0)
+        if isinstance(shipped, Exception):
+            raise shipped
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))  # this rank's GPU
+        return pipeline.run_pass("receive trace", from_portable, shipped, device)
+    try:
+        traced, failure = pipeline.trace_step(model, example_inputs, loss_fn, optimizer, options), None
+    except Exception as error:
+        traced, failure = None, error
+    if rank == 0:
+        shared = None if failure is None else as_shared(failure, "rank 0 failed while tracing")
+        if world > 2:
+            payload = pickle.dumps(shared or to_portable(traced))
+            for other in range(2, world):
+                dist.send_object_list([payload], dst=other)
+        if world > 1:
+            dist.send_object_list([shared], dst=1)
+    else:
+        status = _receive_from(0)
+        if isinstance(status, Exception):
+            raise status
+        if failure is not None:  # rank 0 raises it while planning, and shares it with all
+            _send_to_rank0(as_shared(failure, "rank 1 failed while tracing"))
+            _on_rank0("planning", None)
+    if failure is not None:
+        raise failure
+    return traced
 
-    def trace():
-        nonlocal traced
-        traced = pipeline.trace_step(model, example_inputs, loss_fn, optimizer, options)
-        return to_portable(traced)
 
-    shipped = _on_rank0("tracing", trace)
-    if traced is not None:
-        return traced
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))  # this rank's GPU
-    return pipeline.run_pass("receive trace", from_portable, shipped, device)
+def _receive_from(source: int):
+    """The one object ``source`` sends this rank (pickled once by the sender where it goes
+    to several ranks)."""
+    message = [None]
+    dist.recv_object_list(message, src=source)
+    return pickle.loads(message[0]) if isinstance(message[0], bytes) else message[0]
+
+
+def _send_to_rank0(message) -> None:
+    """Rank 1's one message to rank 0 during ``compile``: its data-parallel
+    :class:`ddlc.pipeline.Candidate` (as sent), None, or its failure."""
+    dist.send_object_list([message], dst=0)
 
 
 def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> pipeline.ChosenPlan:
@@ -201,36 +239,37 @@ def _plan_with_rank1(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], opt
     planning failed, so no rank is left waiting. Rank 0 keeps the program choose_plan
     lowered where its coordinate is 0, rank 1 its candidate's where rank 0 adopts it."""
     reference = pipeline.data_parallel_reference(gm, mesh, options, fixed)
-    helper = reference is not None and dist.get_world_size() > 1
+    world = dist.get_world_size()
     mine = None  # rank 1: the candidate's program, if it is this rank's
-    if helper and dist.get_rank() == 1:
-        try:
-            message = pipeline.plan_data_parallel(gm, mesh, options, reference, groups, coord)
-            if message is not None:
-                mine, message = message.program, message.to_send()
-        except Exception as error:  # raised on rank 0, which shares it with every rank
-            message = as_shared(error, "rank 1 failed while planning data parallelism")
-        dist.send_object_list([message], dst=0)
+    if dist.get_rank() == 1:
+        message = None
+        if reference is not None:
+            try:
+                message = pipeline.plan_data_parallel(gm, mesh, options, reference, groups, coord)
+                if message is not None:
+                    mine, message = message.program, message.to_send()
+            except Exception as error:  # raised on rank 0, which shares it with every rank
+                message = as_shared(error, "rank 1 failed while planning data parallelism")
+        _send_to_rank0(message)
     received = []
-
-    def receive() -> None:
-        message = [None]
-        dist.recv_object_list(message, src=1)
-        received.append(message[0])
 
     def candidate() -> pipeline.Candidate | None:
         if not received:
-            receive()
+            received.append(_receive_from(1))
         if isinstance(received[0], Exception):
             raise received[0]
         return received[0]
 
     def make_plan() -> pipeline.ChosenPlan:
         try:
-            return pipeline.choose_plan(gm, mesh, options, fixed, groups, candidate if helper else None)
+            chosen = pipeline.choose_plan(gm, mesh, options, fixed, groups,
+                                          candidate if reference is not None and world > 1 else None)
         finally:
-            if helper and not received:  # rank 1 sent it all the same
-                receive()
+            if world > 1 and not received:  # rank 1 sent its message all the same
+                received.append(_receive_from(1))
+        if world > 1:
+            candidate()  # rank 1's failure, even where its candidate was not needed
+        return chosen
 
     chosen = _plan_on_rank0(gm, make_plan)
     if dist.get_rank() == 0:
@@ -321,7 +360,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     mesh, device_mesh, device_type = _mesh_for_world(mesh, options)
     _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options))
     _take_rank0_state(model)
-    gm = _trace_on_rank0(model, example_inputs, loss_fn, optimizer, options)
+    gm = _trace_on_ranks01(model, example_inputs, loss_fn, optimizer, options)
     fixed = pipeline.resolve_placements(gm, options.placements, mesh.ndim)
     coord = tuple(device_mesh.get_coordinate())
     groups = [device_mesh.get_group(i).group_name for i in range(mesh.ndim)]

@@ -328,3 +328,36 @@ def test_a_planning_error_on_rank_0_reaches_every_rank_at_once():
     # the other rank gets rank 0's error instead of waiting out the collective timeout
     messages = spawn(_infeasible_budget, 2, timeout=300, deadline=100)
     assert messages[0] == messages[1] and "memory budget" in messages[0]
+
+
+class _FailsOnRank(torch.nn.Module):
+    """An MLP whose forward raises on the ranks ``failing`` (while tracing, too)."""
+
+    def __init__(self, failing):
+        super().__init__()
+        self.fc, self.failing = torch.nn.Linear(8, 4), failing
+
+    def forward(self, x):
+        import torch.distributed as dist
+        if dist.get_rank() in self.failing:
+            raise ValueError(f"forward refused on rank {dist.get_rank()}")
+        return self.fc(x)
+
+
+def _compile_failing(rank, failing):
+    try:
+        ddlc.compile(_FailsOnRank(failing), (3,), (torch.randn(6, 8), torch.randn(6, 4)), F.mse_loss)
+    except ddlc.errors.DDLCError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("failing", [(0,), (1,), (0, 1, 2)])
+def test_a_tracing_error_on_rank_0_or_1_reaches_every_rank(failing):
+    # ranks 0 and 1 trace (the others receive rank 0's graph): whichever fails, every rank
+    # raises the first tracing rank's error instead of waiting out the collective timeout
+    messages = spawn(_compile_failing, 3, failing, timeout=300, deadline=100)
+    first = min(failing)
+    assert len(set(messages)) == 1 and f"forward refused on rank {first}" in messages[0], messages
