@@ -230,24 +230,27 @@ def test_factory_names_that_do_not_load(spec, cause):
 def test_the_forked_data_parallel_candidate_gives_the_plan_of_one_process():
     """``ddlc plan`` makes the data-parallel candidate in a forked process while it
     searches; the kept plan, its statistics and rank 0's program are those ``choose_plan``
-    gives in one process (on this GPT data parallelism is kept)."""
+    gives in one process (on this GPT data parallelism is kept, on ``cpu-gloo`` with the
+    compute and links it measured on 2026-12-02: half today's FLOP/s and link bandwidth)."""
     import copy
+    import dataclasses
 
     import torch
 
     from ddlc import pipeline
     from ddlc.cli import _plan_and_lower
     from ddlc.ir import SHARDING, collective_sequence
-    from ddlc.mesh import Mesh
+    from ddlc.mesh import LinkModel, Mesh, load_profile
     from ddlc.options import CompileOptions
     from ddlc.zoo import GPT, lm_loss
+    slower = dataclasses.replace(load_profile("cpu-gloo"), flops=(("float32", 7.5e10),), memory_bandwidth=8.9e9)
     torch.manual_seed(0)
     model = GPT(vocab=512, d_model=192, n_heads=4, n_layers=3, seq_len=64)
     g = torch.Generator().manual_seed(1)
     batch = tuple(torch.randint(0, 512, (16, 64), generator=g) for _ in range(2))
     options = CompileOptions()
     gm = pipeline.trace_step(model, batch, lm_loss, torch.optim.AdamW(model.parameters()), options)
-    mesh = Mesh((4,))
+    mesh = Mesh((4,), profile=slower, links=[LinkModel(8.7e-4, 6.2e8)])
     forked, alone = copy.deepcopy(gm), copy.deepcopy(gm)
     plan, program = _plan_and_lower(forked, mesh, options)
     chosen = pipeline.choose_plan(alone, mesh, options, {})

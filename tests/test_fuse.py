@@ -178,7 +178,7 @@ def test_piece_size_is_chosen_by_the_timeline_model(latency, splits):
     millisecond. Fusion is off: bucketing, chosen before the pieces, would put both
     all-gathers in one collective."""
     gm = _fsdp_mlp()
-    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(latency, 1e8)])
+    mesh = ddlc.Mesh((4,), profile=FAST_GLOO, links=[ddlc.LinkModel(latency, 1e8)])
     chosen = lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False)
     whole = lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh), fuse=False, partition=False)
     made = program_timeline(chosen, mesh.profile).makespan
