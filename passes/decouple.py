@@ -264,24 +264,26 @@ def _decoupling_pays(chain: list[fx.Node], new: dict, nbytes: int, share: float,
     reduce-scatter and an all-gather, priced as the backend runs them (gloo runs a
     reduce-scatter as an all-reduce), against the all-reduce they replace, bandwidth
     terms for ``nbytes`` (gradient collectives are bucketed, so start-ups are shared, as
-    in the sharding cost model), plus ``share`` of one all-gather start-up (this
-    parameter's part of the bucket of gathers that decoupling adds: :func:`_startup_shares`)."""
+    in the sharding cost model), plus ``share`` of the start-ups of one all-gather and one
+    reduce-scatter (this parameter's part of the buckets that decoupling adds, of gathers
+    and of reduce-scatters beside the all-reduce bucket: :func:`_startup_shares`)."""
     bucketed = mesh.bucketed()
 
     def seconds(kind: str) -> float:
         return axis_time(kind, nbytes, bucketed, axis)
 
     saved = sum(compute_seconds(n, SHARDING(n), mesh) - compute_seconds(n, new[n], mesh) for n in chain)
-    startup = axis_time("all_gather", 0, mesh, axis)
+    startup = axis_time("all_gather", 0, mesh, axis) + axis_time("reduce_scatter", 0, mesh, axis)
     return seconds("reduce_scatter") + seconds("all_gather") + share * startup <= seconds("all_reduce") + saved
 
 
 def _startup_shares(chains: dict, placeholders: dict, mesh: Mesh) -> list[float]:
-    """Per mesh axis, the share of one all-gather start-up that decoupling charges per byte
-    of a parameter whose gradient arrives as a partial sum there: 1 / the bytes of all
-    such parameters (the gathers decoupling adds go in one bucket, whose start-up they
-    share), or 0 where some update is fed a gradient already split on that axis (its
-    all-gather comes anyway, and the others join its bucket)."""
+    """Per mesh axis, the share of the start-ups decoupling adds (one all-gather and one
+    reduce-scatter) that it charges per byte of a parameter whose gradient arrives as a
+    partial sum there: 1 / the bytes of all such parameters (the gathers decoupling adds
+    go in one bucket, and the reduce-scatters in another, whose start-ups they share), or
+    0 where some update is fed a gradient already split on that axis (its reduce-scatter
+    and all-gather come anyway, and the others join their buckets)."""
     shares = []
     for axis in range(mesh.ndim):
         total, free = 0, False
