@@ -84,21 +84,28 @@ def test_decoupling_only_where_the_backend_makes_it_pay(profile, decoupled):
     assert decouple(gm, mesh, "backward", always=True)  # forced: decoupled all the same
 
 
+def _replicated_adamw_mlp(d_in: int, d_hidden: int, mesh) -> tuple:
+    """(model, planned step) of a data-parallel AdamW MLP (3 layers, batch 16) on ``mesh``
+    with every update replicated: every gradient arrives as a partial sum."""
+    torch.manual_seed(0)
+    model = MLP(d_in=d_in, d_hidden=d_hidden, d_out=8, depth=3)
+    batch = (torch.randn(16, d_in), torch.randn(16, 8))
+    placements = {"input0": "(S0)", "input1": "(S0)"} | {k: "(B)" for k, _ in model.named_parameters()}
+    opts = CompileOptions.from_kwargs(placements=placements, move_activations=False, decouple=False)
+    gm = pipeline.trace_step(model, batch, F.mse_loss, torch.optim.AdamW(model.parameters()), opts)
+    pipeline.plan(gm, mesh, opts, pipeline.resolve_placements(gm, opts.placements, 1))
+    replicate_updates(gm, mesh)
+    return model, gm
+
+
 @pytest.mark.parametrize("latency, decouples", [(0.0, True), (1.0, False)])
 def test_the_start_up_of_the_gathers_decoupling_adds_is_charged(latency, decouples):
     """Decoupling every update of a data-parallel plan (every gradient arrives as a partial
     sum) adds one bucket of all-gathers. On NCCL a reduce-scatter + all-gather moves what
     the all-reduce did, so on a start-up-free link every update moves onto its shard; with
     a start-up far dearer than the update compute the shards save, none does."""
-    torch.manual_seed(0)
-    model = MLP(d_in=16, d_hidden=32, d_out=8, depth=3)
-    batch = (torch.randn(16, 16), torch.randn(16, 8))
-    placements = {"input0": "(S0)", "input1": "(S0)"} | {k: "(B)" for k, _ in model.named_parameters()}
-    opts = CompileOptions.from_kwargs(placements=placements, move_activations=False, decouple=False)
-    gm = pipeline.trace_step(model, batch, F.mse_loss, torch.optim.AdamW(model.parameters()), opts)
     mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(latency, 1e9)], profile="dgx-h100-ib")
-    pipeline.plan(gm, mesh, opts, pipeline.resolve_placements(gm, opts.placements, 1))
-    replicate_updates(gm, mesh)
+    model, gm = _replicated_adamw_mlp(16, 32, mesh)
     done = decouple(gm, mesh, "forward")
     assert sorted(done) == (sorted(k for k, _ in model.named_parameters()) if decouples else [])
 
@@ -111,15 +118,8 @@ def test_decoupling_never_makes_the_lowered_program_model_slower(latency):
     with every gradient all-reduced; at 0.32 ms a start-up (the MLP's updates save less
     than two) none decouples, where charging the all-gather's start-up alone decoupled all
     six and modeled 7% slower."""
-    torch.manual_seed(0)
-    model = MLP(d_in=64, d_hidden=512, d_out=8, depth=3)
-    batch = (torch.randn(16, 64), torch.randn(16, 8))
-    placements = {"input0": "(S0)", "input1": "(S0)"} | {k: "(B)" for k, _ in model.named_parameters()}
-    opts = CompileOptions.from_kwargs(placements=placements, move_activations=False, decouple=False)
-    gm = pipeline.trace_step(model, batch, F.mse_loss, torch.optim.AdamW(model.parameters()), opts)
     mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(latency, 1e11)], profile=FAST_GLOO)
-    pipeline.plan(gm, mesh, opts, pipeline.resolve_placements(gm, opts.placements, 1))
-    replicate_updates(gm, mesh)
+    _, gm = _replicated_adamw_mlp(64, 512, mesh)
     plain = copy.deepcopy(gm)
     done = decouple(gm, mesh, "forward")
     assert bool(done) == (latency < 3e-4)
