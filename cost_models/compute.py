@@ -23,7 +23,7 @@ from ddlc.mesh import HardwareProfile
 
 from .measured import measured_time
 
-__all__ = ["FLOP_ALIASES", "op_flops", "op_bytes", "op_time", "tensors"]
+__all__ = ["FLOP_ALIASES", "op_flops", "op_bytes", "op_time", "memory_seconds", "tensors"]
 
 _aten = torch.ops.aten
 
@@ -67,6 +67,17 @@ def op_time(target, args, kwargs, out, profile: HardwareProfile) -> float:
     ins = tensors((args, kwargs))
     dtype = (ins or outs)[0].dtype
     flop_time = op_flops(target, args, kwargs, out) / profile.flops_for(str(dtype))
-    nbytes = _nbytes(ins) + _nbytes(outs)
-    cached = profile.cache_bandwidth > 0 and nbytes <= profile.cache_bytes
-    return max(flop_time, nbytes / (profile.cache_bandwidth if cached else profile.memory_bandwidth))
+    return max(flop_time, memory_seconds(_nbytes(ins) + _nbytes(outs), profile))
+
+
+def memory_seconds(nbytes: float, profile: HardwareProfile) -> float:
+    """Seconds to move ``nbytes`` through memory: the first ``profile.cache_bytes`` at the
+    cache level's bandwidth, the rest at memory's. A working set a little larger than the
+    cache streams only its excess from further out: on the 2-core Xeon, one process alone,
+    an add runs at 130 GB/s with its three tensors in 1 MiB and at 25 GB/s in 4-16 MiB;
+    in 1.5 MiB it takes 22 µs, which this prices at 29 µs, where pricing all of it at
+    memory's bandwidth gave 63 µs; far beyond the cache the two agree."""
+    if profile.cache_bandwidth <= 0:
+        return nbytes / profile.memory_bandwidth
+    cached = min(nbytes, profile.cache_bytes)
+    return cached / profile.cache_bandwidth + (nbytes - cached) / profile.memory_bandwidth

@@ -10,7 +10,7 @@ compute stream when a collective is launched, and gloo runs on the issuing
 thread), so where the scheduler issues a collective matters. Its
 ``wait_tensor`` is an empty compute task that ends when the collective does:
 the compute stream stalls there if the collective has not finished. Where the ranks
-share cores (a profile in measured mode with a measured contention, ``shared_cores``),
+share cores (a profile with a measured contention, ``shared_cores``),
 collectives run on the compute stream instead: they need the cores the compute needs, so
 nothing overlaps.
 

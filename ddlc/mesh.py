@@ -47,7 +47,10 @@ class Contention:
     (what a call loses to the other ranks' use of the caches and the scheduler, which
     small operators feel most), a collective ``startup`` times the links' start-ups and
     ``transfer`` times their time per byte, and collectives do not overlap compute (they
-    need the same cores). Used in measured mode only (``HardwareProfile.shared_cores``)."""
+    need the same cores). The operators' factors apply in measured mode only (the
+    roofline's FLOP/s and bandwidths were measured with every rank running); the
+    collectives' factors and their not overlapping apply in both modes
+    (``HardwareProfile.shared_cores``)."""
 
     local_ranks: int
     compute: float
@@ -68,7 +71,7 @@ class HardwareProfile:
     intra_node: LinkModel
     inter_node: LinkModel
     description: str = ""
-    cache_bytes: float = 0.0                  # an op whose bytes fit here runs at cache_bandwidth
+    cache_bytes: float = 0.0                  # an op's first cache_bytes move at cache_bandwidth
     cache_bandwidth: float = 0.0              # bytes/s (0: no cache level modeled)
     emulated: tuple[tuple[str, str], ...] = ()  # collective -> the one the backend runs instead
     compute: str = "roofline"                 # operator times: "roofline", or "measured" here
@@ -81,8 +84,9 @@ class HardwareProfile:
 
     @property
     def shared_cores(self) -> Contention | None:
-        """The contention the cost models apply: the measured one, in measured mode."""
-        return self.contention if self.compute == "measured" else None
+        """The contention the cost models apply where the ranks share cores: the measured
+        one, in either compute mode (its operator factors in measured mode only)."""
+        return self.contention
 
     def for_local_ranks(self, ranks: int | None) -> "HardwareProfile":
         """This profile for ``ranks`` processes sharing one host (None: not such ranks):

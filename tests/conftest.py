@@ -10,6 +10,8 @@ still loads while a pass is being rewritten.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,11 @@ FAST_GLOO_DICT = {
     "emulated_collectives": {"reduce_scatter": "all_reduce"},
     "links": dict.fromkeys(["intra_node", "inter_node"], {"latency": 5.0e-5, "bandwidth": 2.0e9})}
 FAST_GLOO = ddlc.mesh.HardwareProfile.from_dict(FAST_GLOO_DICT)
+
+#: ``cpu-gloo`` without its measured contention: its collectives priced on the links alone
+#: and overlapping compute, as if on cores of their own (tests of the collective fits and
+#: of hiding communication; ranks that share cores are tested in test_measured).
+GLOO_ALONE = dataclasses.replace(ddlc.mesh.load_profile("cpu-gloo"), contention=None)
 
 #: Optimizers by name. The attention key bias has a gradient that is zero up to rounding
 #: noise, and Adam with a tiny eps turns that noise into a full-size step; eps=1e-4 keeps

@@ -4,6 +4,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from conftest import GLOO_ALONE
 from cost_models import STEP_KINDS, boxing_cost, boxing_seconds, collective_expr, collective_time
 from ddlc.errors import SBPError
 from ddlc.mesh import LinkModel, Mesh
@@ -46,7 +47,7 @@ def test_each_one_axis_transition_is_one_step_priced_by_hand(src, dst, kind):
 
 def test_an_emulated_collective_is_priced_as_what_the_backend_runs():
     """Gloo runs a reduce-scatter as an all-reduce (keeping its chunk): cpu-gloo says so."""
-    plan = cost((8, 16), "P", "S1", mesh(4, profile="cpu-gloo"))
+    plan = cost((8, 16), "P", "S1", mesh(4, profile=GLOO_ALONE))
     (step,) = plan.steps
     assert (step.kind, step.runs_as) == ("reduce_scatter", "all_reduce")
     assert plan.seconds == pytest.approx(ring("all_reduce", N, 4), rel=1e-12)
@@ -60,7 +61,7 @@ def test_a_measured_collective_runs_on_its_own_fit(kind):
     link: a kind is priced with its start-up and bandwidth scaled so (the all-reduce, which
     the link holds, as it is)."""
     from cost_models.collectives import axis_time
-    m = mesh(4, profile="cpu-gloo")
+    m = mesh(4, profile=GLOO_ALONE)
     link = m.links[0]
     latency, bandwidth = dict(m.profile.collective_factors).get(kind, (1.0, 1.0))
     scaled = LinkModel(link.latency * latency, link.bandwidth * bandwidth)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ddlc
-from conftest import assert_matches_reference, batches, model_and_loss, optimizer, reference
+from conftest import GLOO_ALONE as GLOO, assert_matches_reference, batches, model_and_loss, optimizer, reference
 from cost_models import measured
 from cost_models.compute import op_time
 from cost_models.program import order_makespan, program_timeline
@@ -25,7 +25,6 @@ from ddlc.zoo import MLP
 
 aten = torch.ops.aten
 #: the default CPU profile without its measured contention: operator times as measured alone
-GLOO = dataclasses.replace(load_profile("cpu-gloo"), contention=None)
 
 
 @pytest.fixture(autouse=True)
@@ -104,8 +103,9 @@ def test_unseen_shapes_fall_back_to_the_roofline_scaled_by_the_ops_measured_rati
         key = measured.op_key(add, (meta(n), meta(n)), {})
         table.entries[key] = (str(add), factor * r, r)
     r3 = op_time(add, (meta(2**18), meta(2**18)), {}, meta(2**18), profile)
-    assert 3 * 2**20 > profile.cache_bytes
-    assert r3 == pytest.approx(3 * 2**20 / profile.memory_bandwidth)   # 3 tensors of 1 MiB
+    assert 3 * 2**20 > profile.cache_bytes   # 3 tensors of 1 MiB: the excess from memory
+    assert r3 == pytest.approx(profile.cache_bytes / profile.cache_bandwidth
+                               + (3 * 2**20 - profile.cache_bytes) / profile.memory_bandwidth)
     assert table.seconds(add, (meta(2**18), meta(2**18)), {}, r3) == pytest.approx(4.0 * r3)
     assert table.ratio(str(aten.mul.Tensor)) == 1.0
     assert table.seconds(aten.mul.Tensor, (meta(8), meta(8)), {}, 2e-6) == 2e-6
@@ -193,11 +193,12 @@ def test_peers_of_rank0_read_its_file_instead_of_measuring(cache, monkeypatch):
     assert measured.MeasuredTable(path).seconds(aten.mm.default, args, {}, 3e-6) == t
 
 
-def test_a_measured_contention_prices_operators_and_collectives_in_measured_mode_only(monkeypatch):
+def test_a_measured_contention_prices_operators_in_measured_mode_and_collectives_in_both(monkeypatch):
     """Where the profile has a measured contention, measured mode takes operators at its
     compute factor times their time alone plus its per-operator seconds, and collectives at
     its start-up and transfer factors times the links'; ``$DDLC_SHARING`` still overrides
-    the compute factor; roofline mode ignores it."""
+    the compute factor; roofline mode prices its collectives so too, and its operators on
+    the roofline alone (whose FLOP/s were measured with every rank running)."""
     monkeypatch.delenv("DDLC_SHARING")
     base = GLOO
     plain = measured.measured_profile(base)
@@ -213,7 +214,8 @@ def test_a_measured_contention_prices_operators_and_collectives_in_measured_mode
     assert link.latency == pytest.approx(3.0 * base.intra_node.latency)
     assert link.bandwidth == pytest.approx(base.intra_node.bandwidth / 1.5)
     roofline = dataclasses.replace(shared, compute="roofline")
-    assert roofline.shared_cores is None and roofline.link_for("all_reduce", base.intra_node) == base.intra_node
+    assert roofline.shared_cores == shared.contention and roofline.link_for("all_reduce", base.intra_node) == link
+    assert op_time(aten.mm.default, args, {}, out, roofline) == op_time(aten.mm.default, args, {}, out, base)
     assert measured.cache_path(shared) == measured.cache_path(plain)   # op times do not depend on it
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ddlc
-from conftest import FAST_GLOO, assert_matches_reference, batches, model_and_loss, optimizer, replicate_updates, train
+from conftest import FAST_GLOO, GLOO_ALONE, assert_matches_reference, batches, model_and_loss, optimizer, replicate_updates, train
 from cost_models.program import live_bytes
 from ddlc.errors import LoweringError
 from ddlc.ir import COLLECTIVE, collective_sequence, is_collective as is_issue, is_wait
@@ -30,7 +30,7 @@ def _planned(mesh_shape, fixed_by_key):
     gm = canonicalize(ddlc.trace(model, batch, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1,
                                                                        momentum=0.9)))
     names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
-    mesh = ddlc.Mesh(mesh_shape)
+    mesh = ddlc.Mesh(mesh_shape, profile=GLOO_ALONE)  # collectives may overlap compute
     shard(gm, mesh, fixed={names[k]: ddlc.sbp.parse_sbp(v) for k, v in fixed_by_key.items()})
     return gm, mesh
 
