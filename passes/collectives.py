@@ -101,7 +101,8 @@ class _Emitter:
                                     "(S->P is refused)")
             cur = x
             for step in plan.steps:
-                cur = self.step(cur, step)
+                if self.mesh.shape[step.axis] > 1:  # on a one-device axis every step is the identity
+                    cur = self.step(cur, step)
             self.cache[(x, dst)] = cur
         return self.cache[(x, dst)]
 

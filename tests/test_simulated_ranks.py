@@ -7,7 +7,7 @@ import pytest
 
 import ddlc
 from conftest import assert_matches_reference, batches, model_and_loss, optimizer, reference
-from ddlc.ir import collective_sequence
+from ddlc.ir import COLLECTIVE, collective_sequence
 from ddlc.sbp import parse_sbp
 from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
 from passes.canonicalize import canonicalize
@@ -71,3 +71,23 @@ def test_taking_coordinate_0s_choices_gives_the_searched_program_without_searchi
     taken = lower_rank(copy.deepcopy(gm), mesh, (1, 1), groups, choices=choices)
     assert [n.name for n in taken.graph.nodes] == [n.name for n in searched.graph.nodes]
     assert collective_sequence(taken) == collective_sequence(searched)
+
+
+def test_a_mesh_axis_of_one_device_issues_no_collective():
+    """On an axis of one device, split, broadcast and partial sum hold the same values (the
+    whole tensor; a sum of one), so redistributing along it is the identity: a plan that
+    splits the batch over both axes of a 2x1 mesh communicates only on the first, and its
+    numbers are the single device's."""
+    model, loss_fn = model_and_loss("gpt")
+    data = batches("gpt")
+    gm = canonicalize(ddlc.trace(model, data[0], loss_fn, optimizer("sgd", model)))
+    names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
+    mesh = ddlc.Mesh((2, 1))
+    shard(gm, mesh, fixed={names[k]: parse_sbp("(S0, S0)") for k in ("input0", "input1")})
+    for coord in ((0, 0), (1, 0)):
+        program = lower_rank(copy.deepcopy(gm), mesh, coord, axis_group_names(mesh))
+        steps = [info for n in program.graph.nodes if (info := COLLECTIVE.get(n)) is not None]
+        assert collective_sequence(program) and {info.axis for info in steps} == {0}, steps
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    losses, params, _, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data)
+    assert_matches_reference({"losses": losses, "params": params}, reference("gpt", "sgd"))
