@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 from torch import fx, nn
 
-from cost_models.program import program_makespan
+from cost_models.program import NodeCosts, program_makespan
 from passes.canonicalize import canonicalize
 from passes.collectives import insert_collectives
 from passes.decouple import decouple
@@ -342,9 +342,9 @@ def _lowered_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups
     if callable(choices):
         choices = choices()
 
-    def order(graph: fx.GraphModule, search: bool = False) -> fx.GraphModule:
+    def order(graph: fx.GraphModule, costs: NodeCosts | None = None, search: bool = False) -> fx.GraphModule:
         return schedule(graph, options.max_inflight_bytes, options.max_live_bytes, mesh.profile,
-                        options.updates_for_schedule, search)
+                        options.updates_for_schedule, search, costs)
 
     scheduler = order if options.schedule else None
     searched = None  # what the last search timed: the program as it stands, scheduled
@@ -369,7 +369,7 @@ def _lowered_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups
         # the search scheduled this very program already: the scheduler would order it alike
         run_pass("schedule", adopt, gm, searched, follow)
     elif scheduler is not None:
-        run_pass("schedule", order, gm, search)
+        run_pass("schedule", order, gm, search=search)
     check_waits(gm)  # invariant: every collective's output is read only through its wait
     chosen = LoweringChoices(cap, size, tuple(n.name for n in gm.graph.nodes) if options.schedule else None)
     run_pass("views", views_as_views, gm)  # after the choices, which name the nodes before them

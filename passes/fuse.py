@@ -49,7 +49,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from cost_models.collectives import repriced
-from cost_models.program import program_makespan
+from cost_models.program import NodeCosts, order_makespan
 from ddlc import comm
 from ddlc.ir import (BUCKETABLE, COLLECTIVE, FUSED, collective_kind, collective_sequence, is_wait, map_leaves,
                      output_scalars)
@@ -372,7 +372,9 @@ def choose_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
     (after ``schedule_fn``) has the shortest modeled makespan; ties go to the earlier
     option, and an option giving the same collectives as an earlier one is not re-timed,
     nor tried at all if ``tried_alike(option)`` says it transforms like an earlier one.
-    Each option is tried on a :class:`Trial` copy of ``gm``. Returns the option.
+    Each option is tried on a :class:`Trial` copy of ``gm``; ``schedule_fn(trial, costs)``
+    orders it, pricing its nodes in ``costs`` (a :class:`cost_models.program.NodeCosts`),
+    which the trial's timing then reuses. Returns the option.
     Deterministic: the same graph gives the same choice on every rank."""
     return search_by_timeline(gm, mesh, options, transform, schedule_fn, tried_alike).option
 
@@ -399,11 +401,11 @@ def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
         if key in seen:
             continue
         seen.add(key)
-        before = None
+        before, costs = None, NodeCosts(mesh.profile)  # the trial's node costs, shared
         if schedule_fn is not None:
             before = (list(trial.graph.nodes), dict(trial.meta), [dict(n.meta) for n in trial.graph.nodes])
-            schedule_fn(trial)
-        makespan = program_makespan(trial, mesh.profile)
+            schedule_fn(trial, costs)
+        makespan = order_makespan(list(trial.graph.nodes), mesh.profile, costs)
         if best is None or makespan < best[0] - 1e-12:
             best = (makespan, option, trial, before)
     makespan, option, trial, before = best

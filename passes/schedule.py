@@ -452,7 +452,8 @@ class _Scheduler:
 
 def schedule(gm: fx.GraphModule, max_inflight_bytes: float = float("inf"),
              max_live_bytes: float | None = None, profile: HardwareProfile | None = None,
-             updates: str = "end", search: bool = False) -> fx.GraphModule:
+             updates: str = "end", search: bool = False,
+             costs: NodeCosts | None = None) -> fx.GraphModule:
     """Reorder ``gm`` in place (see the module docstring) and return it. ``max_live_bytes``
     applies only if the order without it exceeds it (a refused hoist can also keep an input
     alive that the hoist would free). ``profile`` times the program for holding back the
@@ -463,14 +464,17 @@ def schedule(gm: fx.GraphModule, max_inflight_bytes: float = float("inf"),
     chooses per group of updates which run early (:func:`_search_updates`; at most
     :data:`SEARCH_NODES` / (nodes of ``gm``) more scheduler runs; none where
     :func:`searches_updates` says the budget is too small), "mixed" where neither whole
-    order is best. The choice is recorded in ``ir.UPDATES``."""
+    order is best. The choice is recorded in ``ir.UPDATES``. ``costs``: a
+    :class:`cost_models.program.NodeCosts` of ``gm``'s nodes on ``profile`` to price them in
+    (a caller that times the scheduled program after reuses it; default: a new one)."""
     options = UPDATES if updates == "auto" else (updates,)
     if updates not in UPDATES + ("auto",):
         raise ValueError(f"updates must be one of {UPDATES + ('auto',)}, got {updates!r}")
     if profile is None and "early" in options:
         raise ValueError(f"updates={updates!r} needs a profile to time the program")
     program = _Program(list(gm.graph.nodes))
-    costs = NodeCosts(profile) if profile is not None else None  # the nodes stay as they are
+    if costs is None and profile is not None:  # the nodes stay as they are: one table serves
+        costs = NodeCosts(profile)
 
     def order_of(early: frozenset[fx.Node]) -> tuple[list[fx.Node], float | None]:
         return _order(program, max_inflight_bytes, max_live_bytes, profile, costs, early)

@@ -307,7 +307,7 @@ def test_skipping_caps_that_fuse_alike_keeps_the_choice(unfused):
     from passes.fuse import CAPS, Trial, choose_by_timeline, fuse, fuse_best
     from passes.schedule import schedule
     gm, mesh = unfused
-    order = lambda g: schedule(g, profile=mesh.profile, updates="auto")  # noqa: E731
+    order = lambda g, costs=None: schedule(g, profile=mesh.profile, updates="auto", costs=costs)  # noqa: E731
     every, skipping = Trial(gm), Trial(gm)
     assert choose_by_timeline(every, mesh, CAPS, lambda g, cap: fuse(g, mesh, cap), order) == \
         fuse_best(skipping, mesh, order)
@@ -363,7 +363,7 @@ def test_sizes_that_split_alike_are_tried_once(unfused, monkeypatch):
     sizes = (math.inf, 2**16, 4096, 1024, 512, 256, 128)
     assert _splits(fused, 256) == _splits(fused, 128) != _splits(fused, 512)
     monkeypatch.setattr(partition_module, "SIZES", sizes)
-    order = lambda g: schedule(g, profile=mesh.profile, updates="auto")  # noqa: E731
+    order = lambda g, costs=None: schedule(g, profile=mesh.profile, updates="auto", costs=costs)  # noqa: E731
     tried = [s for s in sizes if s == math.inf or _splits(fused, s)]
     every, skipping = Trial(fused), Trial(fused)
     assert choose_by_timeline(every, mesh, tried, lambda g, s: partition(g, mesh, s), order) == \
@@ -414,7 +414,7 @@ def _searched_and_scheduled_again(gm, mesh):
     from passes.fuse import adopt, fuse_best, fuse_search
     from passes.partition import partition_best, partition_search
     from passes.schedule import follow, schedule
-    order = lambda g: schedule(g, profile=mesh.profile, updates="auto")  # noqa: E731
+    order = lambda g, costs=None: schedule(g, profile=mesh.profile, updates="auto", costs=costs)  # noqa: E731
     searched, again = copy.deepcopy(gm), copy.deepcopy(gm)
     fused = fuse_search(searched, mesh, order)
     timed = partition_search(searched, mesh, order, fused)
