@@ -4,14 +4,14 @@ Every rank of an initialised process group calls :func:`compile` with the same
 model, inputs and mesh; the ranks first check that they were given the same (in kind and
 shape) and take rank 0's parameter and buffer values. Ranks 0 and 1 trace the step and
 rank 0 sends its graph to the others (:mod:`ddlc.portable`: on one host, ranks that all
-traced would share its cores); rank 0 plans it (checking the search's plan against data parallelism, whose
-candidate rank 1 plans and lowers meanwhile) and broadcasts every node's decision (so even
-a time-limited solver gives one plan); rank 0 lowers it (where planning has not already)
-and broadcasts lowering's choices (bucket cap, piece size, node order), with which each
-other rank lowers it for its own mesh coordinate; each
-rank checks with the others that the collective sequence is identical, and keeps only
-its own shards of the parameters and optimizer state (:class:`CompiledStep`). The
-passes themselves are listed and run by :mod:`ddlc.pipeline`.
+traced would share its cores); rank 0 plans it (checking the search's plan against data
+parallelism, whose candidate rank 1 plans and lowers meanwhile from its own graph) and
+broadcasts every node's decision (so even a time-limited solver gives one plan); rank 0
+lowers it (where planning has not already) and broadcasts lowering's choices (bucket
+cap, piece size, node order), with which each other rank lowers it for its own mesh
+coordinate; each rank checks with the others that the collective sequence is identical,
+and keeps only its own shards of the parameters and optimizer state
+(:class:`CompiledStep`). The passes themselves are listed and run by :mod:`ddlc.pipeline`.
 """
 from __future__ import annotations
 
