@@ -156,10 +156,12 @@ def _trace_on_ranks01(model: nn.Module, example_inputs, loss_fn, optimizer,
     from its graph while rank 0 searches: :func:`_plan_with_rank1`); every other rank
     receives rank 0's graph (:mod:`ddlc.portable`) instead of tracing it again, as ranks
     that all traced would share the host's cores. Tracing is deterministic (the ranks were
-    given the same, :func:`_check_given`), so the graphs are the same, node names included.
+    given the same, :func:`_check_given`), so the graphs are the same, node names included;
+    rank 1 checks it against rank 0's :func:`_graph_digest` (a step that traces otherwise
+    on another rank, e.g. one whose forward reads the rank, would run another program).
     Rank 0's tracing error is raised on every rank: rank 1 waits for rank 0's outcome
-    before going on. Rank 1's own failure is sent to rank 0 as its one message
-    (:func:`_send_to_rank0`) and raised there."""
+    before going on. Rank 1's own failure, or a graph of its own, is sent to rank 0 as its
+    one message (:func:`_send_to_rank0`) and raised there."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank >= 2:
         shipped = _receive_from(0)
@@ -178,17 +180,27 @@ def _trace_on_ranks01(model: nn.Module, example_inputs, loss_fn, optimizer,
             for other in range(2, world):
                 dist.send_object_list([payload], dst=other)
         if world > 1:
-            dist.send_object_list([shared], dst=1)
+            dist.send_object_list([shared or _graph_digest(traced)], dst=1)
     else:
         status = _receive_from(0)
         if isinstance(status, Exception):
             raise status
+        if failure is None and _graph_digest(traced) != status:
+            failure = RuntimeMismatchError(
+                "rank 1 traced another training step than rank 0: the model's forward, loss "
+                "and optimizer must trace alike on every rank (does the forward depend on the "
+                "rank, on Python's random numbers or on the environment?)")
         if failure is not None:  # rank 0 raises it while planning, and shares it with all
             _send_to_rank0(as_shared(failure, "rank 1 failed while tracing"))
             _on_rank0("planning", None)
     if failure is not None:
         raise failure
     return traced
+
+
+def _graph_digest(gm: fx.GraphModule) -> str:
+    """A digest of ``gm``'s nodes as fx prints them (names, targets, arguments)."""
+    return hashlib.sha256("\n".join(n.format_node() for n in gm.graph.nodes).encode()).hexdigest()
 
 
 def _receive_from(source: int):

@@ -361,3 +361,32 @@ def test_a_tracing_error_on_rank_0_or_1_reaches_every_rank(failing):
     messages = spawn(_compile_failing, 3, failing, timeout=300, deadline=100)
     first = min(failing)
     assert len(set(messages)) == 1 and f"forward refused on rank {first}" in messages[0], messages
+
+
+class _TracesAlikeOnRank0Only(torch.nn.Module):
+    """A linear layer whose forward adds an operation on rank 1 (same values, another graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        import torch.distributed as dist
+        h = self.fc(x)
+        return h * 1.0 if dist.get_rank() == 1 else h
+
+
+def _compile_rank_dependent(rank):
+    try:
+        ddlc.compile(_TracesAlikeOnRank0Only(), (3,), (torch.randn(6, 8), torch.randn(6, 4)), F.mse_loss)
+    except ddlc.errors.RuntimeMismatchError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_step_that_traces_otherwise_on_rank_1_is_refused_on_every_rank():
+    # rank 1 plans from its own trace: a graph other than rank 0's would be another program
+    messages = spawn(_compile_rank_dependent, 3, timeout=300, deadline=100)
+    assert len(set(messages)) == 1 and "rank 1 traced another training step" in messages[0], messages
