@@ -330,23 +330,25 @@ def test_a_planning_error_on_rank_0_reaches_every_rank_at_once():
     assert messages[0] == messages[1] and "memory budget" in messages[0]
 
 
-class _FailsOnRank(torch.nn.Module):
-    """An MLP whose forward raises on the ranks ``failing`` (while tracing, too)."""
+class _RankDependent(torch.nn.Module):
+    """A linear layer whose forward raises on the ranks ``failing`` (while tracing, too)
+    and adds an operation (same values, another graph) on the ranks ``extra``."""
 
-    def __init__(self, failing):
+    def __init__(self, failing, extra):
         super().__init__()
-        self.fc, self.failing = torch.nn.Linear(8, 4), failing
+        self.fc, self.failing, self.extra = torch.nn.Linear(8, 4), failing, extra
 
     def forward(self, x):
         import torch.distributed as dist
         if dist.get_rank() in self.failing:
             raise ValueError(f"forward refused on rank {dist.get_rank()}")
-        return self.fc(x)
+        h = self.fc(x)
+        return h * 1.0 if dist.get_rank() in self.extra else h
 
 
-def _compile_failing(rank, failing):
+def _compile_rank_dependent(rank, failing, extra):
     try:
-        ddlc.compile(_FailsOnRank(failing), (3,), (torch.randn(6, 8), torch.randn(6, 4)), F.mse_loss)
+        ddlc.compile(_RankDependent(failing, extra), (3,), (torch.randn(6, 8), torch.randn(6, 4)), F.mse_loss)
     except ddlc.errors.DDLCError as e:
         return str(e).splitlines()[0]
     return None
@@ -358,35 +360,14 @@ def _compile_failing(rank, failing):
 def test_a_tracing_error_on_rank_0_or_1_reaches_every_rank(failing):
     # ranks 0 and 1 trace (the others receive rank 0's graph): whichever fails, every rank
     # raises the first tracing rank's error instead of waiting out the collective timeout
-    messages = spawn(_compile_failing, 3, failing, timeout=300, deadline=100)
+    messages = spawn(_compile_rank_dependent, 3, failing, (), timeout=300, deadline=100)
     first = min(failing)
     assert len(set(messages)) == 1 and f"forward refused on rank {first}" in messages[0], messages
-
-
-class _TracesAlikeOnRank0Only(torch.nn.Module):
-    """A linear layer whose forward adds an operation on rank 1 (same values, another graph)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 4)
-
-    def forward(self, x):
-        import torch.distributed as dist
-        h = self.fc(x)
-        return h * 1.0 if dist.get_rank() == 1 else h
-
-
-def _compile_rank_dependent(rank):
-    try:
-        ddlc.compile(_TracesAlikeOnRank0Only(), (3,), (torch.randn(6, 8), torch.randn(6, 4)), F.mse_loss)
-    except ddlc.errors.RuntimeMismatchError as e:
-        return str(e).splitlines()[0]
-    return None
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_step_that_traces_otherwise_on_rank_1_is_refused_on_every_rank():
     # rank 1 plans from its own trace: a graph other than rank 0's would be another program
-    messages = spawn(_compile_rank_dependent, 3, timeout=300, deadline=100)
+    messages = spawn(_compile_rank_dependent, 3, (), (1,), timeout=300, deadline=100)
     assert len(set(messages)) == 1 and "rank 1 traced another training step" in messages[0], messages
