@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from torch.distributed.tensor import Partial, Replicate, Shard
-
 from .errors import SBPError
 
 __all__ = ["SBP", "S", "B", "P", "NdSBP", "parse_sbp", "local_shape", "local_slices",
@@ -51,12 +49,14 @@ class SBP:
     __repr__ = __str__
 
     def to_placement(self):
+        from torch.distributed.tensor import Partial, Replicate, Shard  # 0.5 s: only when asked
         if self.is_split:
             return Shard(self.dim)
         return Replicate() if self.is_broadcast else Partial("sum")
 
     @staticmethod
     def from_placement(placement) -> "SBP":
+        from torch.distributed.tensor import Partial, Replicate, Shard
         if isinstance(placement, Shard) and type(placement) is Shard:
             return S(placement.dim)
         if isinstance(placement, Replicate):
