@@ -193,10 +193,9 @@ def solve_elimination(unary: Sequence[np.ndarray], edges: Sequence, order: Seque
     Factors (``add``): one per variable, its unary cost; one per edge, ``cost`` over the
     scope ``(min(src, dst), max(src, dst))`` (transposed when ``src > dst``), or
     ``diag(cost)`` over ``(v,)`` for a self-loop (the two loops before ``steps``).
-    Eliminating ``v`` (the ``for v in order`` loop) builds
-    ``total[rest, v] = sum of the factors that mention v`` over the union ``rest`` of
-    their scopes (``v`` as the last axis, each factor broadcast into it), adds the new
-    factor ``min_v total`` over ``rest`` and logs ``argmin_v total``; the last loop
+    Eliminating ``v`` (the ``for v in order`` loop) minimizes, over ``v``, the sum of the
+    factors that mention ``v``, a table over the union ``rest`` of their scopes: the new
+    factor ``min_v`` and ``argmin_v`` over ``rest`` (:func:`_minimize_out`); the last loop
     back-substitutes those argmins in reverse order."""
     factors = {}
     by_var = [set() for _ in unary]
@@ -219,42 +218,56 @@ def solve_elimination(unary: Sequence[np.ndarray], edges: Sequence, order: Seque
             add((e.dst, e.src), e.cost.T)
     sizes = [len(u) for u in unary]
     steps = []
-    workspace = np.empty(0)
     for v in order:
         bucket = sorted(by_var[v])
         rest = tuple(sorted({w for i in bucket for w in factors[i][0]} - {v}))
-        shape = tuple([sizes[w] for w in rest] + [sizes[v]])  # v last: contiguous argmin
-        # total = 0 + factor + factor + ..., added left to right as always; each partial
-        # sum is kept at the shape its factors span and broadcast only when a factor
-        # widens it (the same additions per entry, so the same values), and the full
-        # table reuses one buffer (a fresh one per step costs its page faults)
-        total, full = 0.0, False
+        pieces = []  # each factor with v first and broadcastable to (sizes[v], *rest)
         for i in bucket:
             sub, table = factors.pop(i)
             for w in sub:
                 by_var[w].discard(i)
-            if v in sub:
-                table = np.moveaxis(table, sub.index(v), -1)
-            piece = table.reshape([sizes[w] if w in sub else 1 for w in rest]
-                                  + [sizes[v] if v in sub else 1])
-            if full:
-                total += piece
-            elif np.broadcast_shapes(np.shape(total), piece.shape) == shape:
-                size = math.prod(shape)
-                if size > workspace.size:
-                    workspace = np.empty(size)
-                total = np.add(total, piece, out=workspace[:size].reshape(shape))
-                full = True
-            else:
-                total = np.add(total, piece)
-        total = np.broadcast_to(total, shape)
-        arg = np.argmin(total, axis=-1)
+            table = np.moveaxis(table, sub.index(v), 0) if v in sub else table[None]
+            pieces.append(table.reshape([table.shape[0]] + [sizes[w] if w in sub else 1 for w in rest]))
+        least, arg = _minimize_out(pieces, sizes[v], tuple(sizes[w] for w in rest))
         steps.append((v, rest, arg))
-        add(rest, np.take_along_axis(total, arg[..., None], axis=-1)[..., 0])
+        add(rest, least)
     choice = [0] * len(unary)
     for v, rest, arg in reversed(steps):
         choice[v] = int(arg[tuple(choice[w] for w in rest)])
     return choice
+
+
+def _minimize_out(pieces: Sequence[np.ndarray], n: int, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """``(min, argmin)`` over the first axis (of length ``n``) of ``0 + pieces[0] +
+    pieces[1] + ...`` (each broadcast to ``(n, *shape)``; a first axis of 1 is the same
+    for every index), without building that table: one slab (index ``j`` of the first
+    axis, a table of ``shape``) at a time, its sum kept at the shape its pieces span and
+    broadcast only when a piece widens it (the same additions per entry, in the same
+    order, so the same values), the full slab in one buffer; the running minimum takes a
+    slab's entry only where it is strictly less, so ties keep the first index, as
+    ``np.argmin`` does. The argmin is stored in the smallest integer type that holds
+    ``n - 1`` (the back-substitution keeps one per eliminated variable)."""
+    buffer, better = np.empty(shape), np.empty(shape, dtype=bool)
+    least = arg = None
+    for j in range(n):
+        total, full = 0.0, False
+        for piece in pieces:
+            part = piece[j if piece.shape[0] > 1 else 0]
+            if full:
+                total += part
+            elif np.broadcast_shapes(np.shape(total), part.shape) == shape:
+                total = np.add(total, part, out=buffer)
+                full = True
+            else:
+                total = np.add(total, part)
+        total = np.broadcast_to(total, shape)
+        if least is None:
+            least, arg = np.array(total), np.zeros(shape, dtype=np.min_scalar_type(n - 1))
+            continue
+        np.less(total, least, out=better)
+        np.copyto(arg, j, where=better)
+        np.minimum(least, total, out=least)
+    return least, arg
 
 
 def smallest_footprint(problem: ShardingProblem, time_limit: float = 30.0) -> tuple[list[int], float]:
