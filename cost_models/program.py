@@ -20,10 +20,10 @@ alias: a wait, a getitem; a collective reads its input until its wait) ends. The
 state, batch: the caller holds them) are resident throughout, and what it
 returns is never released. The result shows how much communication the order
 hides: makespan, exposed communication, a lower bound, peak memory and a Chrome
-trace. :class:`ProgramClock` builds the same timeline node by node, so the
-scheduler can ask when a channel becomes free; clocks over the same nodes can share
-one :class:`NodeCosts`, so each node's time is worked out once. :func:`order_makespan`
-gives the makespan alone, by the same arithmetic, for searches that compare programs.
+trace. :class:`ProgramClock` works out the same start and end times node by node,
+without the rest, so the scheduler can ask when a channel becomes free and searches
+can compare makespans (:func:`order_makespan`); clocks over the same nodes can share
+one :class:`NodeCosts`, so each node's time is worked out once.
 """
 from __future__ import annotations
 
@@ -164,18 +164,21 @@ class NodeCosts:
 
 
 class ProgramClock:
-    """The program timeline built node by node in program order (see the module docstring).
-    ``released``: :func:`releases` of the final order, for memory; omit it for times only.
-    ``costs``: a :class:`NodeCosts` on ``profile`` to share with other clocks over the same
-    nodes (default: a new one)."""
+    """The start and end times of a program order's tasks, node by node (the times
+    :func:`order_timeline` gives them, by the same arithmetic: a task starts at the latest
+    of its stream's previous end and its inputs' ends, and a collective not before its
+    issue point, the end of the compute issued before it), without the tasks, memory or
+    trace: what the scheduler asks as it builds an order (when a channel becomes free,
+    when a collective ends) and the makespan that searches compare. ``costs``: a
+    :class:`NodeCosts` on ``profile`` to share with other clocks over the same nodes
+    (default: a new one)."""
 
-    def __init__(self, profile: HardwareProfile, released: dict | None = None,
-                 costs: NodeCosts | None = None):
-        self.profile, self.released = profile, released or {}
+    def __init__(self, profile: HardwareProfile, costs: NodeCosts | None = None):
         self.costs = costs if costs is not None else NodeCosts(profile)
-        self.timeline = Timeline()
-        self.task_of: dict[fx.Node, int] = {}
-        self.issue_point: int | None = None  # the last compute task so far
+        self._ends: dict[fx.Node, float] = {}
+        self._free: dict[str, float] = {COMPUTE: 0.0}  # the resident inputs' empty task
+        self._issue_point = 0.0
+        self.makespan = 0.0  # when the last task added so far ends
 
     def channel(self, node: fx.Node) -> str | None:
         """The stream a collective runs on; None for work on the compute stream."""
@@ -187,19 +190,14 @@ class ProgramClock:
     @property
     def now(self) -> float:
         """When the compute stream finishes the work added so far."""
-        return self.timeline.free_at(COMPUTE)
+        return self._free[COMPUTE]
 
     def free_at(self, stream: str) -> float:
-        return self.timeline.free_at(stream)
+        return self._free.get(stream, 0.0)
 
     def ends(self, node: fx.Node) -> float:
         """When the task of ``node`` (added already) ends."""
-        return self.timeline.end[self.task_of[node]]
-
-    @property
-    def makespan(self) -> float:
-        """When the last task added so far ends (the makespan once every node is added)."""
-        return max(self.timeline.end, default=0.0)
+        return self._ends[node]
 
     def add(self, node: fx.Node) -> None:
         """Add ``node``'s task (none for placeholders and the output; a wait is an empty
@@ -207,18 +205,21 @@ class ProgramClock:
         if node.op != "call_function":
             return
         costs = self.costs
-        deps = {self.task_of[a] for a in node.all_input_nodes if a in self.task_of}
-        channel = costs.channel(node)
-        if channel is not None and self.issue_point is not None:
-            deps.add(self.issue_point)
-        free = sum(costs.alloc(b) for b in self.released.get(node, ()))
-        task = self.timeline.add(node.name, costs.stream(node), costs.seconds(node), sorted(deps),
-                                 alloc=costs.alloc(node), free=free,
-                                 category=COLLECTIVE(node).kind if channel else "compute",
-                                 communication=channel is not None)
-        self.task_of[node] = task
+        channel, stream, duration = costs.channel(node), costs.stream(node), costs.seconds(node)
+        if not (math.isfinite(duration) and duration >= 0):
+            raise ValueError(f"task {node.name!r}: duration must be a finite number >= 0, got {duration}")
+        start = self._free.get(stream, 0.0)
+        if channel is not None and self._issue_point > start:
+            start = self._issue_point
+        for arg in node.all_input_nodes:
+            end = self._ends.get(arg)
+            if end is not None and end > start:
+                start = end
+        end = self._free[stream] = self._ends[node] = start + duration
         if channel is None:
-            self.issue_point = task
+            self._issue_point = end
+        if end > self.makespan:
+            self.makespan = end
 
 
 def program_timeline(gm: fx.GraphModule, profile: HardwareProfile) -> TimelineResult:
@@ -229,13 +230,30 @@ def program_timeline(gm: fx.GraphModule, profile: HardwareProfile) -> TimelineRe
 def order_timeline(nodes: list[fx.Node], profile: HardwareProfile,
                    costs: NodeCosts | None = None) -> TimelineResult:
     """Simulate the nodes of a lowered graph in the program order ``nodes`` (``costs``: a
-    :class:`NodeCosts` of these nodes on ``profile`` to reuse)."""
-    clock = ProgramClock(profile, releases(nodes), costs)
-    resident = sum(clock.costs.alloc(n) for n in nodes if n.op in ("placeholder", "get_attr"))
-    clock.timeline.add("inputs (resident)", COMPUTE, 0.0, alloc=resident, category="inputs")
+    :class:`NodeCosts` of these nodes on ``profile`` to reuse): one task per operator,
+    collective and wait, with what it allocates and frees (:func:`releases`)."""
+    costs = costs if costs is not None else NodeCosts(profile)
+    released = releases(nodes)
+    timeline = Timeline()
+    resident = sum(costs.alloc(n) for n in nodes if n.op in ("placeholder", "get_attr"))
+    timeline.add("inputs (resident)", COMPUTE, 0.0, alloc=resident, category="inputs")
+    task_of: dict[fx.Node, int] = {}
+    issue_point = None  # the last compute task so far
     for node in nodes:
-        clock.add(node)
-    return clock.timeline.run()
+        if node.op != "call_function":
+            continue
+        deps = {task_of[a] for a in node.all_input_nodes if a in task_of}
+        channel = costs.channel(node)
+        if channel is not None and issue_point is not None:
+            deps.add(issue_point)
+        task_of[node] = timeline.add(node.name, costs.stream(node), costs.seconds(node), sorted(deps),
+                                     alloc=costs.alloc(node),
+                                     free=sum(costs.alloc(b) for b in released.get(node, ())),
+                                     category=COLLECTIVE(node).kind if channel else "compute",
+                                     communication=channel is not None)
+        if channel is None:
+            issue_point = task_of[node]
+    return timeline.run()
 
 
 def program_makespan(gm: fx.GraphModule, profile: HardwareProfile) -> float:
@@ -244,33 +262,10 @@ def program_makespan(gm: fx.GraphModule, profile: HardwareProfile) -> float:
 
 
 def order_makespan(nodes: list[fx.Node], profile: HardwareProfile, costs: NodeCosts | None = None) -> float:
-    """``order_timeline(nodes, profile, costs).makespan``, worked out without the tasks, the
-    memory and the trace: the same start and end times by the same arithmetic (a task starts
-    at the latest of its stream's previous end and its dependencies' ends, a collective's
-    dependencies include its issue point), kept for the makespan alone. For the searches
-    that compare many programs by makespan only."""
-    costs = costs if costs is not None else NodeCosts(profile)
-    ends: dict[fx.Node, float] = {}
-    free: dict[str, float] = {COMPUTE: 0.0}  # the resident inputs' empty task
-    issued_after = None  # the end of the last compute task so far (a collective's issue point)
-    makespan = 0.0
+    """``order_timeline(nodes, profile, costs).makespan``, by :class:`ProgramClock`: the same
+    start and end times by the same arithmetic, without the tasks, the memory and the trace.
+    For the searches that compare many programs by makespan only."""
+    clock = ProgramClock(profile, costs)
     for node in nodes:
-        if node.op != "call_function":
-            continue
-        channel = costs.channel(node)
-        stream = costs.stream(node)
-        duration = costs.seconds(node)
-        if not (math.isfinite(duration) and duration >= 0):
-            raise ValueError(f"task {node.name!r}: duration must be a finite number >= 0, got {duration}")
-        start = free.get(stream, 0.0)
-        for a in node.all_input_nodes:
-            if a in ends and ends[a] > start:
-                start = ends[a]
-        if channel is not None and issued_after is not None and issued_after > start:
-            start = issued_after
-        end = free[stream] = ends[node] = start + float(duration)
-        if channel is None:
-            issued_after = end
-        if end > makespan:
-            makespan = end
-    return makespan
+        clock.add(node)
+    return clock.makespan
