@@ -40,7 +40,7 @@ gradient and is waited just before the optimizer update reads it (at the end
 of backward, or inside it with early updates), and a parameter's all-gather
 for the forward pass starts ahead of the layers before it. ``updates="auto"``
 builds both orders and keeps the one with the shorter modeled makespan
-(:func:`cost_models.program.order_timeline`, or the scheduler's own clock where it
+(:func:`cost_models.program.order_makespan`, or the scheduler's own clock where it
 timed the order as it built it; ties: "end"). With ``search=True`` (the final
 order of a program) it then chooses per group of updates (one parameter's, or a
 bucket's) which run early, PipeDAP's per-layer choice: hill climbing from the
@@ -71,7 +71,7 @@ import numpy as np
 import torch
 from torch import fx
 
-from cost_models.program import (NodeCosts, ProgramClock, allocated_bytes, live_bytes, order_timeline,
+from cost_models.program import (NodeCosts, ProgramClock, allocated_bytes, live_bytes, order_makespan,
                                   owner, reads_until, releases)
 from ddlc.errors import LoweringError
 from ddlc.ir import ORIGIN, PIECE, ROLE, UPDATES as UPDATES_KEY, is_collective as is_issue, is_wait
@@ -253,6 +253,8 @@ class _Pieces:
             return []
         index = queue.index(piece)
         taken, queue[:] = queue[:index], queue[index + 1:]
+        if not queue:  # the split is issued: ``due`` and ``most_urgent`` no longer look at it
+            del self.queues[PIECE(piece).split]
         return taken
 
     def most_urgent(self) -> fx.Node | None:
@@ -516,14 +518,14 @@ def _makespan(built: tuple[list[fx.Node], float | None], profile: HardwareProfil
               costs: NodeCosts | None) -> float:
     """The modeled makespan of an ``_order`` result: the scheduler's own if it timed it."""
     order, timed = built
-    return timed if timed is not None else order_timeline(order, profile, costs).makespan
+    return timed if timed is not None else order_makespan(order, profile, costs)
 
 
 def _shortest(orders: dict[str, tuple[list[fx.Node], float | None]], profile: HardwareProfile | None,
               costs: NodeCosts | None) -> str:
     """The key of the order with the shortest modeled makespan; ties go to the earlier key
     (a single order, or one equal to the best so far, is not timed; an order the scheduler
-    timed as it built it is not timed again: :func:`order_timeline` gives the same)."""
+    timed as it built it is not timed again: :func:`order_makespan` gives the same)."""
     best = None
     for key, built in orders.items():
         if best is not None and built[0] == orders[best[1]][0]:
