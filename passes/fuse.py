@@ -386,6 +386,7 @@ def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
     unchanged (a search before timed this very program): that option is not tried again
     and, if chosen, ``gm`` is not transformed."""
     best, seen = None, set()  # best: (makespan, option, trial, its nodes and meta before scheduling)
+    costs = None  # the last trial's node costs (most of its operators are the next one's)
     for option in options:
         if given is not None and option == given.option:
             key = tuple(collective_sequence(gm))
@@ -401,7 +402,7 @@ def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
         if key in seen:
             continue
         seen.add(key)
-        before, costs = None, NodeCosts(mesh.profile)  # the trial's node costs, shared
+        before, costs = None, NodeCosts(mesh.profile, earlier=costs)  # the trial's, shared
         if schedule_fn is not None:
             before = (list(trial.graph.nodes), dict(trial.meta), [dict(n.meta) for n in trial.graph.nodes])
             schedule_fn(trial, costs)
