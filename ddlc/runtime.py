@@ -372,6 +372,15 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     mesh, device_mesh, device_type = _mesh_for_world(mesh, options)
     _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options))
     _take_rank0_state(model)
+    with pipeline.collections_deferred():
+        return _compile(model, mesh, device_mesh, device_type, example_inputs, loss_fn, optimizer,
+                        options, rng_state)
+
+
+def _compile(model, mesh, device_mesh, device_type, example_inputs, loss_fn, optimizer, options,
+             rng_state) -> "CompiledStep":
+    """:func:`compile`'s work once its arguments are checked: trace, plan, lower, check the
+    collective fingerprints and build the step."""
     gm = _trace_on_ranks01(model, example_inputs, loss_fn, optimizer, options)
     fixed = pipeline.resolve_placements(gm, options.placements, mesh.ndim)
     coord = tuple(device_mesh.get_coordinate())
