@@ -125,3 +125,25 @@ def test_a_data_parallel_plan_chosen_over_the_search_matches_single_device(mesh)
     for results in per_rank[1:]:
         for a, b in zip(got["losses"], results[0]["losses"]):
             torch.testing.assert_close(a, b)
+
+
+def test_collections_deferred_restores_the_collector_even_on_an_error():
+    """pipeline.collections_deferred: no cyclic collection within; the collector as it was
+    on entry afterwards, also when the work inside raises (and left off if it was off)."""
+    import gc
+
+    from ddlc.pipeline import collections_deferred
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with collections_deferred():
+            assert not gc.isenabled()
+            raise RuntimeError("a pass failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collections_deferred():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

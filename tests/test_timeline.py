@@ -128,3 +128,52 @@ def test_tensors_are_the_tensor_leaves_in_pytree_order(tree):
             torch.return_types.max((t[5], t[0])), torch.Size([2, 3]))
     expected = [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
     assert [id(x) for x in tensors(tree)] == [id(x) for x in expected]
+
+
+def test_node_costs_reuse_an_earlier_graphs_prices_only_for_the_same_call(monkeypatch):
+    """NodeCosts(earlier=...) over a copied graph (a search's trial) prices every node as a
+    fresh table does: an operator reuses the earlier price only where its name, target,
+    value and argument values are the same; one given a new value (a pass rewrote it) is
+    priced again."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import ddlc
+    from cost_models.program import NodeCosts
+    from ddlc.simulate import axis_group_names, lower_rank
+    from ddlc.zoo import MLP
+    from passes.canonicalize import canonicalize
+    from passes.fuse import Trial
+    from passes.sharding import shard
+
+    torch.manual_seed(0)
+    model = MLP()
+    batch = (torch.randn(8, 32), torch.randn(8, 16))
+    gm = canonicalize(ddlc.trace(model, batch, F.mse_loss, torch.optim.AdamW(model.parameters())))
+    mesh = ddlc.Mesh((4,))
+    names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
+    shard(gm, mesh, fixed={names["input0"]: ddlc.sbp.parse_sbp("(S0)")})
+    program = lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh))
+    first = NodeCosts(mesh.profile)
+    before = {n.name: first.seconds(n) for n in program.graph.nodes if n.op == "call_function"}
+    trial = Trial(program)
+    product = next(n for n in trial.graph.nodes if n.target is torch.ops.aten.mm.default)
+    val = product.meta["val"]
+    with val.fake_mode:
+        product.meta["val"] = torch.empty(val.shape[0] * 4, val.shape[1], dtype=val.dtype)
+    import cost_models.program as program_costs
+    from cost_models.compute import op_time
+    priced = []
+    monkeypatch.setattr(program_costs, "op_time", lambda target, *a: priced.append(target)
+                        or op_time(target, *a))
+    reused = NodeCosts(mesh.profile, earlier=first)
+    prices = {n: reused.seconds(n) for n in trial.graph.nodes if n.op == "call_function"}
+    # only the rewritten operator and those reading it were priced anew
+    assert priced[0] is product.target and len(priced) <= 1 + len(product.users)
+    assert set(priced[1:]) <= {u.target for u in product.users}
+    monkeypatch.undo()
+    fresh = NodeCosts(mesh.profile)
+    assert prices == {n: fresh.seconds(n) for n in prices}
+    assert prices[product] != before[product.name]
