@@ -88,6 +88,13 @@ def build(name):
 
 
 def measure(name: str) -> dict[str, float]:
+    """Seconds to trace, plan and lower ``name``, with the garbage collector deferred as
+    ``ddlc.compile`` defers it."""
+    with pipeline.collections_deferred():
+        return _measure(name)
+
+
+def _measure(name: str) -> dict[str, float]:
     model, batch, loss_fn = build(name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     options = CompileOptions()
