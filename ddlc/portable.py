@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 __all__ = ["FakeSpec", "PortableGraph", "to_portable", "from_portable"]
 
@@ -162,6 +163,6 @@ def from_portable(portable: PortableGraph, device: torch.device | None = None) -
         new.meta.update(rebuilt(meta))
     graph._graph_namespace._used_names.update(portable.used_names)
     graph._graph_namespace._base_count.update(portable.name_counters)
-    gm = fx.GraphModule(dict(portable.attributes), graph)
+    gm = _LazyGraphModule(dict(portable.attributes), graph)  # its code generated when first run
     gm.meta.update(rebuilt(portable.meta))
     return gm

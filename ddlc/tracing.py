@@ -25,6 +25,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.func import functional_call, functionalize, grad_and_value
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.modules import module as module_mod
 from torch.overrides import TorchFunctionMode
@@ -455,8 +456,11 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
     hooks = [module_mod.register_module_forward_pre_hook(annotator.pre),
              module_mod.register_module_forward_hook(annotator.post)]
     try:
+        # a lazy graph module generates its Python code when first run or printed: the
+        # passes rewrite the graph many times before anything runs it (0.25 s a time on a
+        # GPT-2-small step)
         with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model), \
-                _forward_frames_only():
+                _forward_frames_only(), _use_lazy_graph_module(True):
             return make_fx(functionalize(fn, remove="mutations_and_views"), tracing_mode="fake",
                            record_stack_traces=True)(*flat)
     except (UnsupportedInputError, TraceError):
