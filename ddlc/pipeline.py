@@ -348,13 +348,9 @@ def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence
 def _lower_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],
                   options: CompileOptions,
                   choices: LoweringChoices | Callable[[], LoweringChoices] | None) -> LoweringChoices:
-    with _Deferred(gm):  # every pass ends with code generation: generate the final code once
-        return _lowered_passes(gm, mesh, coord, groups, options, choices)
-
-
-def _lowered_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],
-                    options: CompileOptions,
-                    choices: LoweringChoices | Callable[[], LoweringChoices] | None) -> LoweringChoices:
+    """The lowering passes on ``gm`` (see :func:`lower`). Every pass ends with
+    ``gm.recompile()``; a traced step is a lazy graph module, whose code is generated once,
+    when the program first runs."""
     run_pass("collectives", insert_collectives, gm, mesh, groups, coord)
     run_pass("localize", localize, gm, mesh, coord)
     run_pass("random", draw_globally, gm, mesh, coord)
@@ -396,28 +392,6 @@ def _lowered_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups
     if options.inplace and options.backend == "eager":
         run_pass("inplace", update_in_place, gm)
     return chosen
-
-
-class _Deferred:
-    """Within, ``gm.recompile()`` (code generation, with which every pass ends) only notes
-    that it was asked for; on leaving without an error, ``gm`` generates its code once if it
-    was. The graph module's code is then that of its final graph, as if each pass had
-    generated its own."""
-
-    def __init__(self, gm: fx.GraphModule):
-        self.gm, self.asked = gm, False
-
-    def _ask(self) -> None:
-        self.asked = True
-
-    def __enter__(self) -> "_Deferred":
-        self.gm.recompile = self._ask  # an instance attribute: shadows the method
-        return self
-
-    def __exit__(self, kind, *_) -> None:
-        del self.gm.recompile
-        if kind is None and self.asked:
-            self.gm.recompile()
 
 
 def _bucket_cap(option: bool | float, none: float = 0) -> float | str:
