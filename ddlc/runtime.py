@@ -372,9 +372,11 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     mesh, device_mesh, device_type = _mesh_for_world(mesh, options)
     _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options))
     _take_rank0_state(model)
-    with pipeline.collections_deferred():
-        return _compile(model, mesh, device_mesh, device_type, example_inputs, loss_fn, optimizer,
-                        options, rng_state)
+    # the garbage collector is not deferred here as ``ddlc plan`` defers it: with it
+    # deferred, a later step of a gloo worker once aborted on a corrupted heap (as with
+    # ``gc.freeze`` before), so a collection's timing can expose a buffer freed too early
+    return _compile(model, mesh, device_mesh, device_type, example_inputs, loss_fn, optimizer,
+                    options, rng_state)
 
 
 def _compile(model, mesh, device_mesh, device_type, example_inputs, loss_fn, optimizer, options,
