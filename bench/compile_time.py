@@ -89,7 +89,7 @@ def build(name):
 
 def measure(name: str) -> dict[str, float]:
     """Seconds to trace, plan and lower ``name``, with the garbage collector deferred as
-    ``ddlc.compile`` defers it."""
+    ``ddlc plan`` defers it (``ddlc.compile`` does not: see the README)."""
     with pipeline.collections_deferred():
         return _measure(name)
 
