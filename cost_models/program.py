@@ -129,8 +129,7 @@ class NodeCosts:
         self._seconds: dict[fx.Node, float] = {}
         self._alloc: dict[fx.Node, int] = {}
         self._priced: dict[str, fx.Node] = {}  # operators priced here, by name
-        self._earlier = earlier._priced if earlier is not None and earlier.profile is profile else {}
-        self._earlier_seconds = earlier.seconds if self._earlier else None
+        self._earlier = earlier if earlier is not None and earlier.profile is profile else None
 
     def channel(self, node: fx.Node) -> str | None:
         """The stream a collective runs on; None for work on the compute stream."""
@@ -162,9 +161,9 @@ class NodeCosts:
         if node.target is _c10d.wait_tensor.default:
             return 0.0
         self._priced[node.name] = node
-        alike = self._earlier.get(node.name)
+        alike = self._earlier._priced.get(node.name) if self._earlier is not None else None
         if alike is not None and _same_call(alike, node):
-            return self._earlier_seconds(alike)
+            return self._earlier.seconds(alike)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
         return op_time(node.target, args, kwargs, node.meta.get("val"), self.profile)
 

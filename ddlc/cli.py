@@ -179,32 +179,25 @@ def _compile_rank0(args) -> Compiled:
     shape, devices = _mesh_request(args.mesh)
     budget = parse_bytes(args.memory) if args.memory else None
     from . import pipeline
-    from .mesh import load_profile
+    from .factory import call_factory
+    from .ir import STEP
+    from .mesh import Mesh, load_profile
     from .options import CompileOptions
     profile = replace(load_profile(args.profile or "cpu-gloo"), compute=args.compute)
     profile = profile.for_local_ranks(devices or math.prod(shape))   # as many ranks on this host
     options = CompileOptions.from_kwargs(solver=args.solver, memory_budget=budget, profile=profile,
                                          compute=args.compute)
     with pipeline.collections_deferred():
-        return _trace_plan_lower(args, shape, devices, budget, profile, options)
-
-
-def _trace_plan_lower(args, shape, devices, budget, profile, options) -> Compiled:
-    """:func:`_compile_rank0`'s work, once the request is parsed."""
-    from . import pipeline
-    from .factory import call_factory
-    from .ir import STEP
-    from .mesh import Mesh
-    start = time.perf_counter()
-    model, inputs, loss_fn = call_factory(args.factory)
-    log.info("factory      %8.1f ms  %s", (time.perf_counter() - start) * 1e3, args.factory)
-    gm = pipeline.trace_step(model, inputs, loss_fn, _optimizer(args.optimizer, model), options)
-    if devices is not None:
-        (mesh, plan, program), searched = _search_meshes(gm, devices, profile, options)
-        return Compiled(plan, program, mesh, STEP(program), budget or profile.memory_capacity, searched)
-    mesh = Mesh(shape, profile=profile)
-    plan, program = _plan_and_lower(gm, mesh, options)
-    return Compiled(plan, program, mesh, STEP(program), budget or profile.memory_capacity, [])
+        start = time.perf_counter()
+        model, inputs, loss_fn = call_factory(args.factory)
+        log.info("factory      %8.1f ms  %s", (time.perf_counter() - start) * 1e3, args.factory)
+        gm = pipeline.trace_step(model, inputs, loss_fn, _optimizer(args.optimizer, model), options)
+        if devices is not None:
+            (mesh, plan, program), searched = _search_meshes(gm, devices, profile, options)
+            return Compiled(plan, program, mesh, STEP(program), budget or profile.memory_capacity, searched)
+        mesh = Mesh(shape, profile=profile)
+        plan, program = _plan_and_lower(gm, mesh, options)
+        return Compiled(plan, program, mesh, STEP(program), budget or profile.memory_capacity, [])
 
 
 def _plan_and_lower(gm, mesh, options):

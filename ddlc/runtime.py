@@ -375,14 +375,6 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     # the garbage collector is not deferred here as ``ddlc plan`` defers it: with it
     # deferred, a later step of a gloo worker once aborted on a corrupted heap (as with
     # ``gc.freeze`` before), so a collection's timing can expose a buffer freed too early
-    return _compile(model, mesh, device_mesh, device_type, example_inputs, loss_fn, optimizer,
-                    options, rng_state)
-
-
-def _compile(model, mesh, device_mesh, device_type, example_inputs, loss_fn, optimizer, options,
-             rng_state) -> "CompiledStep":
-    """:func:`compile`'s work once its arguments are checked: trace, plan, lower, check the
-    collective fingerprints and build the step."""
     gm = _trace_on_ranks01(model, example_inputs, loss_fn, optimizer, options)
     fixed = pipeline.resolve_placements(gm, options.placements, mesh.ndim)
     coord = tuple(device_mesh.get_coordinate())

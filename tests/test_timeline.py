@@ -81,16 +81,12 @@ def test_bad_tasks_are_rejected(kwargs, message):
         tl.add("bad", COMPUTE, **kwargs)
 
 
-def test_shared_node_costs_time_like_fresh_ones():
-    """Clocks over the same nodes may share one NodeCosts: each node's time, stream and
-    bytes are worked out once, and every order times as with costs of its own."""
-    import copy
-
+def _lowered_mlp():
+    """(mesh, rank 0's lowered program) of the zoo MLP with AdamW on (4,), batch split."""
     import torch
     import torch.nn.functional as F
 
     import ddlc
-    from cost_models.program import NodeCosts, order_timeline
     from ddlc.simulate import axis_group_names, lower_rank
     from ddlc.zoo import MLP
     from passes.canonicalize import canonicalize
@@ -103,7 +99,16 @@ def test_shared_node_costs_time_like_fresh_ones():
     mesh = ddlc.Mesh((4,))
     names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
     shard(gm, mesh, fixed={names["input0"]: ddlc.sbp.parse_sbp("(S0)")})
-    nodes = list(lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh)).graph.nodes)
+    return mesh, lower_rank(gm, mesh, (0,), axis_group_names(mesh))
+
+
+def test_shared_node_costs_time_like_fresh_ones():
+    """Clocks over the same nodes may share one NodeCosts: each node's time, stream and
+    bytes are worked out once, and every order times as with costs of its own."""
+    from cost_models.program import NodeCosts, order_timeline
+
+    mesh, program = _lowered_mlp()
+    nodes = list(program.graph.nodes)
     fresh, costs = order_timeline(nodes, mesh.profile), NodeCosts(mesh.profile)
     for _ in range(2):  # working the costs out, then reusing them
         shared = order_timeline(nodes, mesh.profile, costs)
@@ -135,27 +140,12 @@ def test_node_costs_reuse_an_earlier_graphs_prices_only_for_the_same_call(monkey
     fresh table does: an operator reuses the earlier price only where its name, target,
     value and argument values are the same; one given a new value (a pass rewrote it) is
     priced again."""
-    import copy
-
     import torch
-    import torch.nn.functional as F
 
-    import ddlc
     from cost_models.program import NodeCosts
-    from ddlc.simulate import axis_group_names, lower_rank
-    from ddlc.zoo import MLP
-    from passes.canonicalize import canonicalize
     from passes.fuse import Trial
-    from passes.sharding import shard
 
-    torch.manual_seed(0)
-    model = MLP()
-    batch = (torch.randn(8, 32), torch.randn(8, 16))
-    gm = canonicalize(ddlc.trace(model, batch, F.mse_loss, torch.optim.AdamW(model.parameters())))
-    mesh = ddlc.Mesh((4,))
-    names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
-    shard(gm, mesh, fixed={names["input0"]: ddlc.sbp.parse_sbp("(S0)")})
-    program = lower_rank(copy.deepcopy(gm), mesh, (0,), axis_group_names(mesh))
+    mesh, program = _lowered_mlp()
     first = NodeCosts(mesh.profile)
     before = {n.name: first.seconds(n) for n in program.graph.nodes if n.op == "call_function"}
     trial = Trial(program)
