@@ -158,3 +158,24 @@ def test_optimizer_state_inputs_keep_their_metadata():
     for name, t in want.items():
         assert (got[name].shape, got[name].stride(), got[name].dtype, got[name].device) == \
             (t.shape, t.stride(), t.dtype, t.device)
+
+
+def test_passes_generate_no_code_until_the_program_runs():
+    """A traced step is a lazy graph module: the passes' ``recompile()`` calls only mark it,
+    the code is generated once when the lowered program first runs (or is printed), and
+    that code is the final graph's."""
+    import torch.fx as fx
+
+    from ddlc.simulate import axis_group_names, lower_rank
+    from passes.canonicalize import canonicalize
+    from passes.sharding import shard
+
+    model = MLP()
+    gm = canonicalize(ddlc.trace(model, batches("mlp", 8)[0], F.mse_loss,
+                                 torch.optim.AdamW(model.parameters())))
+    mesh = ddlc.Mesh((1,))
+    shard(gm, mesh)
+    lower_rank(gm, mesh, (0,), axis_group_names(mesh))
+    assert type(gm)._needs_recompile()  # marked, not generated
+    expected = fx.GraphModule(gm, gm.graph).code  # what generating it now gives
+    assert gm.code == expected and not type(gm)._needs_recompile()
