@@ -2,7 +2,8 @@
 
 Recipe (see TORCH_NOTES.md): ``make_fx(functionalize(step), tracing_mode="fake")``
 where ``step`` runs ``torch.func.grad_and_value`` over ``functional_call`` of the
-model and then the functional optimizer update of :mod:`ddlc.optim`. Parameters,
+model; the functional optimizer update of :mod:`ddlc.optim` is then traced once per
+kind of parameter and copied for each (:mod:`ddlc.updates`). Parameters,
 buffers, optimizer state and batch inputs are flat graph inputs with their role
 recorded in a :class:`ddlc.ir.StepSignature` (``ir.STEP``); every node keeps
 ``meta["val"]``, its role (``ir.ROLE``, placeholders) and an :class:`ddlc.ir.Origin`
@@ -36,6 +37,7 @@ from .errors import TraceError, UnsupportedInputError
 from .ir import (ORIGIN, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
                  hyperparameter_tensors)
 from .optim import hyperparameter_key, optimizer_spec
+from .updates import Update, stamp_updates
 
 __all__ = ["trace"]
 
@@ -97,6 +99,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         outputs = ([OutputSpec("loss", "loss"), *clip] + [OutputSpec("param", k) for k in specs]
                    + [OutputSpec("opt_state", k) for k in opt_state])
     outputs_tree = None
+    scalar_names: dict[int, tuple[str, ...]] = {}  # per param group, its update's scalars
 
     n_model_inputs = len(batch) - n_targets
     annotator = _ModuleAnnotator(model)
@@ -144,16 +147,13 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         new_buffers = [updated[k] for k in buffers]
         if optimizer is None:
             return (loss, *norm, *(grads[k] for k in trainable), *new_buffers)
+        # the updates themselves are stamped in after tracing (ddlc.updates): the step
+        # returns what they read, the gradients and each group's scalars
         scalars = {g: spec.derived({name: hp[hyperparameter_key(g, name)] for name in spec.inputs})
                    for g, spec in groups.items()}
-        new_params, new_state = [], []
-        for k in specs:
-            names = specs[k].state_names
-            new_p, st = specs[k].update(p[k], grads[k], {s: state[f"{k}:{s}"] for s in names},
-                                        scalars[group_of[k]])
-            new_params.append(new_p)
-            new_state.extend(st[s] for s in names)
-        return (loss, *norm, *new_params, *new_state, *new_buffers)
+        scalar_names.update({g: tuple(s) for g, s in scalars.items()})
+        return (loss, *norm, *(grads[k] for k in specs), *(v for s in scalars.values() for v in s.values()),
+                *new_buffers)
 
     hyper_tensors = hyperparameter_tensors(hyper)
     tables = {"param": params, "buffer": buffers, "opt_state": opt_state, "hparam": hyper_tensors,
@@ -162,6 +162,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     fn = train_step if training else forward_only
     gm = _make_fx(fn, flat, annotator, batch.tensors, model)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if training and optimizer is not None:
+        _stamp_updates(gm, placeholders, inputs, specs, group_of, scalar_names, len(clip))
     inputs = [InputSpec(_rename_placeholder(n, spec), spec.role, spec.key)
               for n, spec in zip(placeholders, inputs)]
     if outputs is None:
@@ -176,6 +178,27 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
                                n_targets, tuple(groups.items()), tuple(hyper.items()),
                                keyword_batch=batch.keyword, output_tree=outputs_tree))
     return gm
+
+
+def _stamp_updates(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: Sequence[InputSpec],
+                   specs: Mapping[str, Any], group_of: Mapping[str, int],
+                   scalar_names: Mapping[int, tuple[str, ...]], n_norm: int) -> None:
+    """Turn the traced ``(loss, *norm, *grads, *scalars, *buffers)`` outputs of the step
+    into ``(loss, *norm, *new_params, *new_state, *buffers)`` by stamping in every
+    parameter's update (:func:`ddlc.updates.stamp_updates`)."""
+    node_of = {(i.role, i.key): n for i, n in zip(inputs, placeholders)}
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = list(output.args[0])
+    head, grads = values[:1 + n_norm], values[1 + n_norm:1 + n_norm + len(specs)]
+    rest = iter(values[1 + n_norm + len(specs):])
+    scalars = {g: tuple(next(rest) for _ in names) for g, names in scalar_names.items()}
+    buffers = list(rest)
+    updates = [Update(spec, node_of["param", k], grad,
+                      tuple(node_of["opt_state", f"{k}:{s}"] for s in spec.state_names),
+                      scalar_names[group_of[k]], scalars[group_of[k]])
+               for (k, spec), grad in zip(specs.items(), grads)]
+    new = stamp_updates(gm.graph, updates, {"ddlc_phase": "optimizer", "ddlc_module": None})
+    output.args = ((*head, *(n[0] for n in new), *(s for n in new for s in n[1:]), *buffers),)
 
 
 def _initial_state(spec, param: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import ddlc
 from conftest import MODELS, OPTIMIZERS, assert_matches_reference, batches, model_and_loss, optimizer, train
 from ddlc.errors import TraceError, UnsupportedInputError
+from ddlc.optim import AdamSpec, AdamWSpec, SGDSpec
 from ddlc.zoo import GPT, MLP, lm_loss
 
 
@@ -179,3 +180,50 @@ def test_passes_generate_no_code_until_the_program_runs():
     assert type(gm)._needs_recompile()  # marked, not generated
     expected = fx.GraphModule(gm, gm.graph).code  # what generating it now gives
     assert gm.code == expected and not type(gm)._needs_recompile()
+
+
+@pytest.mark.parametrize("spec", [SGDSpec(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
+                                  AdamSpec(lr=0.1, weight_decay=0.01),
+                                  AdamWSpec(lr=0.1)], ids=lambda s: type(s).__name__)
+def test_updates_stamped_per_kind_equal_a_trace_of_each_parameters_update(spec):
+    """ddlc.updates traces one update per kind of parameter and copies it: the graph is
+    node for node (names, targets, arguments, values' metadata, phase) the one tracing
+    every parameter's update gives. Three parameters, two of one shape."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from ddlc.updates import Update, stamp_updates
+    shapes = [(4, 3), (5,), (4, 3)]
+    n_state, names = len(spec.state_names), tuple(spec.derived({k: torch.tensor(1.0) for k in spec.inputs}))
+    inputs = [torch.randn(s) for s in shapes + shapes] + [torch.zeros(s) for s in shapes for _ in range(n_state)] \
+        + [torch.tensor(0.5) for _ in spec.inputs]
+
+    def unpack(flat):
+        params, grads = flat[:3], flat[3:6]
+        state = [dict(zip(spec.state_names, flat[6 + i * n_state:6 + (i + 1) * n_state])) for i in range(3)]
+        return params, grads, state, spec.derived(dict(zip(spec.inputs, flat[6 + 3 * n_state:])))
+
+    def each(*flat):
+        params, grads, state, hp = unpack(flat)
+        new = [spec.update(p, g, s, hp) for p, g, s in zip(params, grads, state)]
+        return (*(p for p, _ in new), *(s[k] for _, s in new for k in spec.state_names))
+
+    def up_to_updates(*flat):
+        params, grads, state, hp = unpack(flat)
+        return (*grads, *hp.values())
+
+    def described(gm):
+        return [(n.format_node(), tuple(n.meta["val"].shape), n.meta["val"].stride(), n.meta["val"].dtype)
+                if n.op != "output" else n.format_node() for n in gm.graph.nodes]
+
+    reference = make_fx(each, tracing_mode="fake")(*inputs)
+    stamped = make_fx(up_to_updates, tracing_mode="fake")(*inputs)
+    holders = [n for n in stamped.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in stamped.graph.nodes if n.op == "output")
+    grads, scalars = output.args[0][:3], tuple(output.args[0][3:])
+    updates = [Update(spec, holders[i], grads[i], tuple(holders[6 + i * n_state:6 + (i + 1) * n_state]),
+                      names, scalars) for i in range(3)]
+    traced = set(stamped.graph.nodes)
+    new = stamp_updates(stamped.graph, updates, {"ddlc_phase": "optimizer", "ddlc_module": None})
+    output.args = ((*(n[0] for n in new), *(s for n in new for s in n[1:])),)
+    stamped.graph.eliminate_dead_code()
+    assert described(stamped) == described(reference)
+    assert all(n.meta["custom"]["ddlc_phase"] == "optimizer" for n in stamped.graph.nodes if n not in traced)
