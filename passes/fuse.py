@@ -380,14 +380,20 @@ def choose_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
 
 
 def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, schedule_fn=None,
-                       tried_alike=None, given: Timed | None = None) -> Timed:
+                       tried_alike=None, given: Timed | None = None, bound=None) -> Timed:
     """:func:`choose_by_timeline`, returning a :class:`Timed` record of the chosen option.
     ``given``: the timing of ``gm`` as it stands, which option ``given.option`` leaves
     unchanged (a search before timed this very program): that option is not tried again
-    and, if chosen, ``gm`` is not transformed."""
+    and, if chosen, ``gm`` is not transformed. ``bound(option, costs)``: a lower bound of
+    the makespan of ``option``'s program from ``costs`` (a :class:`NodeCosts` of ``gm`` as
+    it stands), without transforming; an option whose bound exceeds the best makespan so
+    far cannot be chosen and is not tried."""
     best, seen = None, set()  # best: (makespan, option, trial, its nodes and meta before scheduling)
     costs = None  # the last trial's node costs (most of its operators are the next one's)
+    base = NodeCosts(mesh.profile) if bound is not None else None  # of gm as it stands
     for option in options:
+        if base is not None and best is not None and bound(option, base) > best[0] * (1 + 1e-9):
+            continue
         if given is not None and option == given.option:
             key = tuple(collective_sequence(gm))
             if key not in seen:
@@ -402,7 +408,7 @@ def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
         if key in seen:
             continue
         seen.add(key)
-        before, costs = None, NodeCosts(mesh.profile, earlier=costs)  # the trial's, shared
+        before, costs = None, NodeCosts(mesh.profile, earlier=costs or base)  # the trial's, shared
         if schedule_fn is not None:
             before = (list(trial.graph.nodes), dict(trial.meta), [dict(n.meta) for n in trial.graph.nodes])
             schedule_fn(trial, costs)

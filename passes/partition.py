@@ -33,6 +33,7 @@ import torch
 from torch import fx
 
 from cost_models.collectives import repriced
+from cost_models.program import NodeCosts
 from ddlc.ir import COLLECTIVE, PIECE, Piece
 from ddlc.mesh import Mesh
 
@@ -97,6 +98,32 @@ def _pieces(node: fx.Node, size: float) -> int:
     return max(1, min(wanted, MAX_PIECES, x.meta["val"].numel() // info.group_size))
 
 
+def _piece_bytes(node: fx.Node, k: int) -> list[int]:
+    """The bytes of each of the ``k`` pieces of collective ``node`` (:func:`_split`'s
+    chunks: of the flat input, or of the reduce-scatter input's ``(p, n / p)`` columns)."""
+    info, numel = COLLECTIVE(node), node.args[0].meta["val"].numel()
+    if bucketable_kind(node) == "reduce_scatter":
+        p = info.group_size
+        return [info.nbytes * p * (b - a) // numel for a, b in _chunks(numel // p, k)]
+    return [info.nbytes * (b - a) // numel for a, b in _chunks(numel, k)]
+
+
+def _busiest_stream(costs: NodeCosts, nodes, splits: list[tuple[fx.Node, int]], mesh: Mesh) -> float:
+    """A lower bound of the modeled makespan of the program of ``nodes`` (priced in
+    ``costs``) with ``splits`` made: each stream runs its tasks one at a time, and splitting
+    a collective puts its pieces' seconds on its stream in its place (and adds slices and
+    concatenations to the compute stream, counted as nothing here)."""
+    totals: dict[str, float] = {}
+    for n in nodes:
+        if n.op == "call_function":
+            stream = costs.stream(n)
+            totals[stream] = totals.get(stream, 0.0) + costs.seconds(n)
+    for node, k in splits:
+        pieces = sum(repriced(COLLECTIVE(node), b, mesh).seconds for b in _piece_bytes(node, k))
+        totals[costs.stream(node)] += pieces - costs.seconds(node)
+    return max(totals.values())
+
+
 def _split_one(graph: fx.Graph, node: fx.Node, k: int, mesh: Mesh, values: FakeValues) -> None:
     """Replace collective ``node`` (and its wait) by ``k`` pieces and their merge (their
     fake values from ``values``)."""
@@ -106,10 +133,8 @@ def _split_one(graph: fx.Graph, node: fx.Node, k: int, mesh: Mesh, values: FakeV
     call = _Builder(graph, values)
     with graph.inserting_before(node):
         inputs = _split(call, kind, x, p, k)
-        total = sum(i.meta["val"].numel() for i in inputs)
         waits = []
-        for index, piece in enumerate(inputs):
-            nbytes = info.nbytes * piece.meta["val"].numel() // total
+        for index, (piece, nbytes) in enumerate(zip(inputs, _piece_bytes(node, k))):
             issued = call(node.target, *issue_args(kind, piece, p, group))
             COLLECTIVE.set(issued, repriced(info, nbytes, mesh))
             PIECE.set(issued, Piece(node.name, index, k))
@@ -164,5 +189,7 @@ def partition_search(gm: fx.GraphModule, mesh: Mesh, schedule_fn=None, given: Ti
     if sizes == [math.inf]:
         return unsplit or Timed(math.inf)
     values = FakeValues()  # shared by the trials and the final partition
+    nodes = list(gm.graph.nodes)
     return search_by_timeline(gm, mesh, sizes, lambda g, size: partition(g, mesh, size, values),
-                              schedule_fn, given=unsplit)
+                              schedule_fn, given=unsplit,
+                              bound=lambda size, costs: _busiest_stream(costs, nodes, plans[sizes.index(size)], mesh))

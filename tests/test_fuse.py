@@ -1,6 +1,7 @@
 """Tensor fusion and partitioning: bucketed collectives give the same numbers with fewer
 start-ups, split ones the same numbers in pieces; the sizes come from the timeline model."""
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -369,6 +370,47 @@ def test_sizes_that_split_alike_are_tried_once(unfused, monkeypatch):
     assert choose_by_timeline(every, mesh, tried, lambda g, s: partition(g, mesh, s), order) == \
         partition_best(skipping, mesh, order)
     assert _program(every) == _program(skipping)
+
+
+@pytest.mark.parametrize("latency, shared, pruned", [(1e-7, False, False), (1e-3, False, True),
+                                                     (1e-7, True, True)],
+                         ids=["fast link", "slow start-ups", "ranks sharing cores"])
+def test_sizes_that_cannot_beat_the_best_are_not_tried(unfused, monkeypatch, latency, shared, pruned):
+    """partition_search skips a size whose busiest stream (its pieces' seconds in place of
+    the collectives they split) already exceeds the best makespan: that bound never
+    exceeds the size's scheduled makespan, and trying every size chooses the same. Where
+    ranks share cores, collectives run on the compute stream, so no split can pay: none
+    is tried; nor where a start-up costs a millisecond."""
+    import passes.partition as partition_module
+    from cost_models.program import NodeCosts, order_makespan
+    from passes.fuse import Trial, choose_by_timeline, fuse
+    from passes.partition import _busiest_stream, _splits, partition, partition_search
+    from passes.schedule import schedule
+    gm, mesh = unfused
+    profile = FAST_GLOO if not shared else dataclasses.replace(
+        FAST_GLOO, contention=ddlc.mesh.Contention(4, 2.0, 1e-6, 1.0, 1.0))
+    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(latency, 1e9)], profile=profile)
+    fused = fuse(Trial(gm), mesh, 2**16)
+    monkeypatch.setattr(partition_module, "SIZES", (math.inf, 2**16, 4096, 1024))
+    order = lambda g, costs=None: schedule(g, profile=mesh.profile, updates="auto", costs=costs)  # noqa: E731
+    sizes = [s for s in partition_module.SIZES if s == math.inf or _splits(fused, s)]
+    assert len(sizes) > 1
+    makespans = {}
+    for size in sizes:
+        trial = order(partition(Trial(fused), mesh, size))
+        makespans[size] = order_makespan(list(trial.graph.nodes), mesh.profile)
+        bound = _busiest_stream(NodeCosts(mesh.profile), list(fused.graph.nodes), _splits(fused, size), mesh)
+        assert bound <= makespans[size] * (1 + 1e-12)
+    tried = []
+    monkeypatch.setattr(partition_module, "partition",
+                        lambda g, m, size, values=None: tried.append(size) or partition(g, m, size, values))
+    every, skipping = Trial(fused), Trial(fused)
+    chosen = partition_search(skipping, mesh, order).option
+    assert choose_by_timeline(every, mesh, sizes, lambda g, s: partition(g, mesh, s), order) == chosen
+    assert _program(every) == _program(skipping)
+    assert chosen == min(sizes, key=lambda s: (makespans[s], -s))
+    splits_tried = [s for s in tried if s < math.inf]
+    assert splits_tried == ([] if pruned else sizes[1:])
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
