@@ -387,7 +387,11 @@ def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
     and, if chosen, ``gm`` is not transformed. ``bound(option, costs)``: a lower bound of
     the makespan of ``option``'s program from ``costs`` (a :class:`NodeCosts` of ``gm`` as
     it stands), without transforming; an option whose bound exceeds the best makespan so
-    far cannot be chosen and is not tried."""
+    far cannot be chosen and is not tried. Where the ranks share cores
+    (``profile.shared_cores``) every task runs on the compute stream, so every order of a
+    program has the same makespan: trials are timed without ``schedule_fn``."""
+    if mesh.profile.shared_cores is not None:
+        schedule_fn = None
     best, seen = None, set()  # best: (makespan, option, trial, its nodes and meta before scheduling)
     costs = None  # the last trial's node costs (most of its operators are the next one's)
     base = NodeCosts(mesh.profile) if bound is not None else None  # of gm as it stands

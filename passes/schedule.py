@@ -41,7 +41,9 @@ of backward, or inside it with early updates), and a parameter's all-gather
 for the forward pass starts ahead of the layers before it. ``updates="auto"``
 builds both orders and keeps the one with the shorter modeled makespan
 (:func:`cost_models.program.order_makespan`, or the scheduler's own clock where it
-timed the order as it built it; ties: "end"). With ``search=True`` (the final
+timed the order as it built it; ties: "end"), except where the ranks share cores
+(``profile.shared_cores``): there every task runs on the compute stream, every order has
+the same makespan, and the updates stay at the end. With ``search=True`` (the final
 order of a program) it then chooses per group of updates (one parameter's, or a
 bucket's) which run early, PipeDAP's per-layer choice: hill climbing from the
 better whole order, toggling one group or two consecutive ones while the modeled
@@ -469,7 +471,10 @@ def schedule(gm: fx.GraphModule, max_inflight_bytes: float = float("inf"),
     order is best. The choice is recorded in ``ir.UPDATES``. ``costs``: a
     :class:`cost_models.program.NodeCosts` of ``gm``'s nodes on ``profile`` to price them in
     (a caller that times the scheduled program after reuses it; default: a new one)."""
-    options = UPDATES if updates == "auto" else (updates,)
+    # where the ranks share cores every task runs on the compute stream: the updates' place
+    # cannot change the makespan, so "auto" keeps them at the end
+    shared = profile is not None and profile.shared_cores is not None
+    options = (UPDATES[:1] if shared else UPDATES) if updates == "auto" else (updates,)
     if updates not in UPDATES + ("auto",):
         raise ValueError(f"updates must be one of {UPDATES + ('auto',)}, got {updates!r}")
     if profile is None and "early" in options:
@@ -483,7 +488,7 @@ def schedule(gm: fx.GraphModule, max_inflight_bytes: float = float("inf"),
     orders = {u: order_of(program.early(u)) for u in options}
     chosen = _shortest(orders, profile, costs)
     order = orders[chosen][0]
-    if search and updates == "auto" and searches_updates(gm):
+    if search and updates == "auto" and not shared and searches_updates(gm):
         chosen, order = _per_group(program, order_of, orders, chosen, profile, costs)
     UPDATES_KEY.set(gm, chosen)
     _reorder(gm, order)

@@ -413,6 +413,28 @@ def test_sizes_that_cannot_beat_the_best_are_not_tried(unfused, monkeypatch, lat
     assert splits_tried == ([] if pruned else sizes[1:])
 
 
+def test_where_ranks_share_cores_the_order_does_not_change_the_makespan(unfused):
+    """Where the ranks share cores every task runs on the compute stream: a program's
+    order with its updates at the end and with them inside backward differ, but have one
+    modeled makespan. So "auto" keeps the updates at the end, and the searches time their
+    trials without scheduling them."""
+    from cost_models.program import order_makespan
+    from passes.fuse import Trial, fuse, fuse_search
+    from passes.schedule import schedule
+    gm, _ = unfused
+    profile = dataclasses.replace(FAST_GLOO, contention=ddlc.mesh.Contention(4, 2.0, 1e-6, 1.0, 1.0))
+    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-5, 1e9)], profile=profile)
+    fused = fuse(Trial(gm), mesh, 2**16)
+    end, early = (schedule(Trial(fused), profile=profile, updates=u) for u in ("end", "early"))
+    assert [n.name for n in end.graph.nodes] != [n.name for n in early.graph.nodes]
+    assert order_makespan(list(end.graph.nodes), profile) == \
+        pytest.approx(order_makespan(list(early.graph.nodes), profile), rel=1e-12)
+    assert schedule(Trial(fused), profile=profile, updates="auto", search=True).meta["ddlc_updates"] == "end"
+    scheduled = []
+    timed = fuse_search(Trial(gm), mesh, lambda g, costs=None: scheduled.append(g))
+    assert scheduled == [] and timed.order is None and timed.makespan > 0
+
+
 @pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
 def test_fake_values_are_those_the_fake_mode_gives(kind):
     """FakeValues works values out on meta tensors, not under the fake mode: the buckets'
