@@ -41,7 +41,8 @@ from .compute import op_time, tensors
 from .timeline import COMPUTE, Timeline, TimelineResult
 
 __all__ = ["ALIASES", "NodeCosts", "ProgramClock", "allocated_bytes", "live_bytes", "order_makespan",
-           "order_timeline", "owner", "program_makespan", "program_timeline", "reads_until", "releases"]
+           "order_timeline", "owner", "program_makespan", "program_timeline", "reads_until", "releases",
+           "stream_totals"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -278,6 +279,17 @@ def order_timeline(nodes: list[fx.Node], profile: HardwareProfile,
 def program_makespan(gm: fx.GraphModule, profile: HardwareProfile) -> float:
     """``program_timeline(gm, profile).makespan`` (see :func:`order_makespan`)."""
     return order_makespan(list(gm.graph.nodes), profile)
+
+
+def stream_totals(nodes, costs: NodeCosts) -> dict[str, float]:
+    """Per stream, the summed seconds of the tasks of ``nodes``: a stream runs its tasks
+    one at a time, so every order's makespan is at least the largest total."""
+    totals: dict[str, float] = {}
+    for node in nodes:
+        if node.op == "call_function":
+            stream = costs.stream(node)
+            totals[stream] = totals.get(stream, 0.0) + costs.seconds(node)
+    return totals
 
 
 def order_makespan(nodes: list[fx.Node], profile: HardwareProfile, costs: NodeCosts | None = None) -> float:

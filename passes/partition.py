@@ -33,7 +33,7 @@ import torch
 from torch import fx
 
 from cost_models.collectives import repriced
-from cost_models.program import NodeCosts
+from cost_models.program import NodeCosts, stream_totals
 from ddlc.ir import COLLECTIVE, PIECE, Piece
 from ddlc.mesh import Mesh
 
@@ -113,11 +113,7 @@ def _busiest_stream(costs: NodeCosts, nodes, splits: list[tuple[fx.Node, int]], 
     ``costs``) with ``splits`` made: each stream runs its tasks one at a time, and splitting
     a collective puts its pieces' seconds on its stream in its place (and adds slices and
     concatenations to the compute stream, counted as nothing here)."""
-    totals: dict[str, float] = {}
-    for n in nodes:
-        if n.op == "call_function":
-            stream = costs.stream(n)
-            totals[stream] = totals.get(stream, 0.0) + costs.seconds(n)
+    totals = stream_totals(nodes, costs)
     for node, k in splits:
         pieces = sum(repriced(COLLECTIVE(node), b, mesh).seconds for b in _piece_bytes(node, k))
         totals[costs.stream(node)] += pieces - costs.seconds(node)
