@@ -32,7 +32,7 @@ from torch.nn.modules import module as module_mod
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from . import rng
+from . import rng, strided_views
 from .errors import TraceError, UnsupportedInputError
 from .ir import (ORIGIN, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
                  hyperparameter_tensors)
@@ -161,6 +161,9 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     flat = [tables[i.role][i.key].detach() for i in inputs]
     fn = train_step if training else forward_only
     gm = _make_fx(fn, flat, annotator, batch.tensors, model)
+    if strided_views.needs_repair(gm):  # an in-place update of a view: see ddlc.strided_views
+        with_views = _make_fx(fn, flat, annotator, batch.tensors, model, remove="mutations")
+        strided_views.repair(gm, with_views, lambda n: _source_from_stack(n.meta.get("stack_trace")) or None)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if training and optimizer is not None:
         _stamp_updates(gm, placeholders, inputs, specs, group_of, scalar_names, len(clip))
@@ -475,7 +478,7 @@ _CAUSES = (
 
 
 def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor],
-             model: nn.Module) -> fx.GraphModule:
+             model: nn.Module, remove: str = "mutations_and_views") -> fx.GraphModule:
     hooks = [module_mod.register_module_forward_pre_hook(annotator.pre),
              module_mod.register_module_forward_hook(annotator.post)]
     try:
@@ -484,7 +487,7 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
         # GPT-2-small step)
         with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model), \
                 _forward_frames_only(), _use_lazy_graph_module(True):
-            return make_fx(functionalize(fn, remove="mutations_and_views"), tracing_mode="fake",
+            return make_fx(functionalize(fn, remove=remove), tracing_mode="fake",
                            record_stack_traces=True)(*flat)
     except (UnsupportedInputError, TraceError):
         raise

@@ -34,7 +34,7 @@ LAYERS = (
     ("core", ("ddlc.ir", "ddlc.sbp", "ddlc.mesh", "ddlc.errors", "ddlc.plan", "ddlc.printing",
               "ddlc.comm", "ddlc.optim", "ddlc.options", "ddlc.portable", "ddlc.rng")),
     ("cost_models", ("cost_models", "cost_models.")),
-    ("passes", ("passes", "passes.", "ddlc.tracing", "ddlc.updates")),
+    ("passes", ("passes", "passes.", "ddlc.tracing", "ddlc.updates", "ddlc.strided_views")),
     ("pipeline", ("ddlc.pipeline",)),
     ("runtime", ("ddlc.inductor", "ddlc.runtime", "ddlc.simulate")),
     ("public", ("ddlc", "ddlc.__main__", "ddlc.calibrate", "ddlc.cli", "ddlc.factory", "ddlc.launch",

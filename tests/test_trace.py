@@ -227,3 +227,41 @@ def test_updates_stamped_per_kind_equal_a_trace_of_each_parameters_update(spec):
     stamped.graph.eliminate_dead_code()
     assert described(stamped) == described(reference)
     assert all(n.meta["custom"]["ddlc_phase"] == "optimizer" for n in stamped.graph.nodes if n not in traced)
+
+
+class _InPlaceOnViews(torch.nn.Module):
+    """In-place updates of non-contiguous views, as Hugging Face models write them:
+    DeBERTa divides a permuted projection in place (``pos_query_layer /= c``), RWKV fills
+    rows of a preallocated tensor through a strided view (``out[:, t] = ...``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+        self.k = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        q = self.q(x).view(x.shape[0], 2, 2, 2).permute(0, 2, 1, 3)  # (B, 2, 2, 2), permuted
+        q /= 2.0
+        h = self.k(x).view(x.shape[0], 2, 4)
+        out = torch.zeros_like(h)
+        for t in range(h.shape[1]):
+            out[:, t] = h[:, t] * (t + 1)
+        return (q * q.sum(-1, keepdim=True)).sum((1, 2, 3)) + out.tanh().sum((1, 2))
+
+
+def test_in_place_updates_of_views_get_eager_gradients():
+    """functionalize(remove="mutations_and_views") replays such a view with the contiguous
+    strides of its copy, so the gradient lands on the wrong elements (torch 2.13);
+    ddlc.strided_views gives each replay the strides the trace with views records: the
+    traced step's gradients equal eager autograd's. The replays are there to repair."""
+    from ddlc.strided_views import needs_repair
+    torch.manual_seed(0)
+    model, x, y = _InPlaceOnViews(), torch.randn(6, 8), torch.randn(6)
+    gm = ddlc.trace(model, (x, y), F.mse_loss)
+    assert needs_repair(gm)
+    sig = gm.meta["ddlc_step"]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    out = sig.unflatten(gm(*sig.flatten(params, {}, {}, (x, y))))
+    F.mse_loss(model(x), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(out["grad"][k], p.grad, rtol=1e-5, atol=1e-6)
