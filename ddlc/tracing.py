@@ -176,6 +176,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     _check_no_input_mutation(gm)
     _annotate_origins(gm, inputs, annotator)
     _check_random_ops(gm)
+    _check_static_shapes(gm)
     gm.recompile()
     STEP.set(gm, StepSignature(tuple(inputs), tuple(outputs), tuple((k, specs[k]) for k in specs),
                                n_targets, tuple(groups.items()), tuple(hyper.items()),
@@ -619,6 +620,22 @@ def _check_no_input_mutation(gm: fx.GraphModule) -> None:
                 f"the step mutates its input {node.args[0].name!r} in place (a batch tensor "
                 "or a tensor captured from outside the model); ddlc carries in-place updates "
                 "of the model's own buffers only")
+
+
+def _check_static_shapes(gm: fx.GraphModule) -> None:
+    """Refuse a step with a tensor whose size depends on tensor values (an unbacked
+    symbolic size: ``x[mask]``, ``h[mask] = v``, ``nonzero``): one static plan cannot
+    split or size it."""
+    for node in gm.graph.nodes:
+        vals = [v for v in tree_flatten(node.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
+        if any(isinstance(d, torch.SymInt) for v in vals for d in v.shape):
+            origin = ORIGIN.get(node)
+            raise TraceError(
+                f"the step computes a tensor whose size depends on tensor values ({node.target}), "
+                "e.g. a boolean-mask index `x[mask]` or assignment `h[mask] = v`, which one static "
+                "graph cannot plan; write it with a fixed size, e.g. "
+                "`h = torch.where(mask[..., None], v, h)`",
+                where=origin.where(node.name) if origin else node.name)
 
 
 def _check_random_ops(gm: fx.GraphModule) -> None:

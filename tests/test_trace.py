@@ -265,3 +265,22 @@ def test_in_place_updates_of_views_get_eager_gradients():
     F.mse_loss(model(x), y).backward()
     for k, p in model.named_parameters():
         torch.testing.assert_close(out["grad"][k], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_tensors_sized_by_tensor_values_are_refused():
+    """A boolean-mask assignment (Wav2Vec2's SpecAugment: ``h[mask] = v``) gives its
+    backward a tensor whose size depends on the mask's values: refused while tracing,
+    naming the cause, rather than failing deep inside planning."""
+    class MaskedFill(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.embed = torch.nn.Linear(8, 8), torch.nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            h = self.lin(x)
+            h[h[..., 0] > 0] = self.embed
+            return h.mean(1)
+
+    with pytest.raises(TraceError, match="size depends on tensor values") as info:
+        ddlc.trace(MaskedFill(), (torch.randn(4, 6, 8), torch.randn(4, 8)), F.mse_loss)
+    assert "test_trace.py" in str(info.value)
