@@ -20,7 +20,9 @@ cannot run there, a collective or a random draw, makes a fresh contiguous tensor
   strided input, made once before its first such reader: every collective (gloo and
   NCCL send contiguous buffers), every call of a Python function (``ddlc.comm``'s
   boxing pieces, ``ddlc.rng`` draws), ``native_layer_norm_backward`` (wrong values on
-  CPU from strided ``mean``/``rstd``, see TORCH_NOTES.md), every operator of the
+  CPU from strided ``mean``/``rstd``, see TORCH_NOTES.md), the activation backwards whose
+  meta kernels predict other strides than the CPU kernels (:data:`_CONTIGUOUS_READERS`),
+  every operator of the
   optimizer update (a gradient that arrives as a transposed view is made contiguous
   once, as autograd's AccumulateGrad does, instead of slowing every elementwise operator
   of the update) and the graph's outputs,
@@ -70,8 +72,14 @@ VIEW_FORMS = {
 _STRIDE_BOUND = (_aten.view.default, _aten._unsafe_view.default)
 #: what a contiguous clone keeps of its input's meta (the value, where it comes from)
 _COPIED_META = ("val", "tensor_meta", ORIGIN.name)
-#: operators that read their tensor inputs as contiguous buffers
-_CONTIGUOUS_READERS = (_aten.native_layer_norm_backward.default,)
+#: operators given contiguous inputs: ``native_layer_norm_backward`` reads them as
+#: contiguous buffers; the others' meta kernels give a strided input's strides to the
+#: output where the CPU kernel makes it contiguous (Mamba's ``softplus_backward`` of a
+#: transposed input), so a view after them would fail at run time
+_CONTIGUOUS_READERS = (_aten.native_layer_norm_backward.default, _aten.softplus_backward.default,
+                       _aten.elu_backward.default, _aten.hardtanh_backward.default,
+                       _aten.hardsigmoid_backward.default, _aten.hardswish_backward.default,
+                       _aten.logit_backward.default)
 
 
 def views_as_views(gm: fx.GraphModule) -> fx.GraphModule:

@@ -111,6 +111,27 @@ def test_layer_norm_backward_never_reads_strided_statistics():
     torch.testing.assert_close(gm(*inputs)[0], want)
 
 
+def test_activation_backwards_whose_meta_strides_differ_from_cpus_get_contiguous_inputs():
+    """softplus_backward of a transposed input (Mamba's ``softplus(dt.transpose(1, 2))``):
+    the meta kernel lays the output out like the transposed input, the CPU kernel
+    contiguous, so a view of it that the meta strides allow fails at run time. Its
+    inputs are made contiguous first, where both kernels agree: the program runs and
+    gives the functional graph's values."""
+    def step(g, x):
+        grad = aten.softplus_backward.default(g, x.transpose(1, 2), 1.0, 20.0)
+        return grad.transpose(1, 2).view(8 * 16, 64)
+
+    g, x = torch.randn(8, 64, 16), torch.randn(8, 16, 64)
+    assert aten.softplus_backward.default(g, x.transpose(1, 2), 1.0, 20.0).stride() != \
+        aten.softplus_backward.default(g.to("meta"), x.transpose(1, 2).to("meta"), 1.0, 20.0).stride()
+    gm = functional(step, g, x)
+    want = gm(g, x)
+    views_as_views(gm)
+    back = next(n for n in gm.graph.nodes if n.target is aten.softplus_backward.default)
+    assert back.args[1].target is aten.clone.default
+    torch.testing.assert_close(gm(g, x), want)
+
+
 def test_a_graph_that_mutates_is_left_alone():
     def fn(x):
         y = x.t()
