@@ -2,11 +2,12 @@
 
 For tests of meshes larger than the local machine can host as processes. The
 per-rank graphs come from :func:`ddlc.pipeline.lower` with process-group names
-``"axis0"``, ``"axis1"``, ...; they have the same nodes in the same order (only
-rank-specific constants differ, e.g. chunk bounds and padding sizes; local shapes
-differ where a split is uneven), so they run in lockstep: node ``i`` of every
-rank, then node ``i + 1``. A collective node combines the values of its axis
-group (ranks that share every other mesh coordinate, in axis order).
+``"axis0"``, ``"axis1"``, ...; they issue the same collectives in the same order (their
+local nodes may differ: rank-specific constants such as chunk bounds and padding sizes,
+local shapes where a split is uneven, a contiguous copy only one rank's piece needs).
+Each rank runs up to its next collective, then the ranks' collectives run together: a
+collective combines the values of its axis group (ranks that share every other mesh
+coordinate, in axis order).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from torch import fx
 
 from . import comm
+from .errors import RuntimeMismatchError
 from .ir import SHARDING, STEP, is_collective, is_wait
 from .mesh import Mesh
 from .options import CompileOptions
@@ -72,31 +74,48 @@ def _simulated(node: fx.Node) -> bool:
 
 def run_ranks(graphs: Sequence[fx.GraphModule], mesh: Mesh, inputs: Sequence[Sequence]) -> list:
     """Run ``graphs[r]`` on ``inputs[r]`` for every rank ``r``; returns each rank's outputs.
-    A program may overwrite its parameter, buffer and optimizer-state inputs
-    (:mod:`passes.inplace`): give every rank, and every run, tensors of its own."""
+    Each rank runs its own nodes up to its next collective; the ranks' k-th collectives
+    run together (the programs may differ in local nodes, e.g. a contiguous copy only a
+    rank with a strided piece needs, never in their collectives). A program may overwrite
+    its parameter, buffer and optimizer-state inputs (:mod:`passes.inplace`): give every
+    rank, and every run, tensors of its own."""
     node_lists = [list(g.graph.nodes) for g in graphs]
     envs = [dict() for _ in graphs]
     feeds = [iter(x) for x in inputs]
     results = [None] * len(graphs)
-    for i, node in enumerate(node_lists[0]):
-        if _simulated(node):
-            args = {r: fx.node.map_arg(nodes[i].args, lambda a: envs[r][a])
-                    for r, nodes in enumerate(node_lists)}
-            for r, value in _collective(node.target, args, mesh).items():
-                envs[r][node_lists[r][i]] = value
-            continue
-        for r, nodes in enumerate(node_lists):
-            n = nodes[i]
+    cursors = [0] * len(graphs)
+
+    def run_to_collective(r: int) -> fx.Node | None:
+        """Run rank ``r``'s nodes up to its next collective (returned; None at the end)."""
+        nodes, env = node_lists[r], envs[r]
+        while cursors[r] < len(nodes):
+            n = nodes[cursors[r]]
+            if _simulated(n):
+                return n
+            cursors[r] += 1
             if n.op == "placeholder":
-                envs[r][n] = next(feeds[r])
+                env[n] = next(feeds[r])
             elif n.op == "get_attr":
-                envs[r][n] = getattr(graphs[r], n.target)
+                env[n] = getattr(graphs[r], n.target)
             elif n.op == "output":
-                results[r] = fx.node.map_arg(n.args[0], lambda a: envs[r][a])
+                results[r] = fx.node.map_arg(n.args[0], env.__getitem__)
             else:
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: envs[r][a])
-                envs[r][n] = n.target(*args, **kwargs)
-    return results
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                env[n] = n.target(*args, **kwargs)
+        return None
+
+    while True:
+        issued = [run_to_collective(r) for r in range(len(graphs))]
+        if all(n is None for n in issued):
+            return results
+        if any(n is None or n.target is not issued[0].target for n in issued):
+            raise RuntimeMismatchError("the ranks' programs issue different collectives: "
+                                       + ", ".join(f"rank {r}: {n.target if n is not None else 'none'}"
+                                                   for r, n in enumerate(issued)))
+        args = {r: fx.node.map_arg(n.args, envs[r].__getitem__) for r, n in enumerate(issued)}
+        for r, value in _collective(issued[0].target, args, mesh).items():
+            envs[r][issued[r]] = value
+        cursors = [c + 1 for c in cursors]
 
 
 def lower_rank(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str] | None = None,

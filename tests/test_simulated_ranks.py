@@ -91,3 +91,35 @@ def test_a_mesh_axis_of_one_device_issues_no_collective():
     params = {k: v.detach() for k, v in model.named_parameters()}
     losses, params, _, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data)
     assert_matches_reference({"losses": losses, "params": params}, reference("gpt", "sgd"))
+
+
+def _program(local_clone: bool, then_gather: bool = True):
+    """x -> [clone] -> all_reduce on axis0 -> wait -> [all_gather on axis0 -> wait] -> output."""
+    import torch
+    from torch import fx
+    c10d, graph = torch.ops._c10d_functional, fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.clone.default, (x,)) if local_clone else x
+    y = graph.call_function(c10d.wait_tensor.default,
+                            (graph.call_function(c10d.all_reduce.default, (y, "sum", "axis0")),))
+    if then_gather:
+        y = graph.call_function(c10d.wait_tensor.default,
+                                (graph.call_function(c10d.all_gather_into_tensor.default, (y, 2, "axis0")),))
+    graph.output((y,))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_ranks_whose_local_nodes_differ_run_their_collectives_together():
+    """The ranks' programs may differ in local nodes (views.py gives only a rank whose
+    piece is strided a contiguous copy): each runs up to its next collective, and the
+    ranks' k-th collectives run together. Programs that issue different collectives are
+    a clear error, not a hang or a wrong sum."""
+    import torch
+    from ddlc.errors import RuntimeMismatchError
+    from ddlc.simulate import run_ranks
+    mesh = ddlc.Mesh((2,))
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])
+    out = run_ranks([_program(True), _program(False)], mesh, [[a], [b]])
+    assert [o[0].tolist() for o in out] == [[11.0, 22.0, 11.0, 22.0]] * 2
+    with pytest.raises(RuntimeMismatchError, match="different collectives"):
+        run_ranks([_program(True), _program(False, then_gather=False)], mesh, [[a], [b]])
