@@ -466,6 +466,11 @@ _CAUSES = (
                 r"item\(\)|tolist\(\)|unallocated storage|aten\._local_scalar_dense", re.I), TraceError,
      "the model has data-dependent Python control flow or reads a tensor's value (e.g. "
      "`if x.sum() > 0`, `.item()`, `.tolist()`), which one static graph cannot express"),
+    (re.compile(r"autograd\.Function .*setup_context", re.I), UnsupportedInputError,
+     "the model calls a custom torch.autograd.Function whose forward takes `ctx` (the old "
+     "style), which the torch.func transforms ddlc traces with cannot run: give it a "
+     "separate `setup_context` staticmethod (see PyTorch's 'Extending torch.func with "
+     "autograd.Function') or write that function with plain tensor operations"),
     (re.compile(r"mutate a captured Tensor", re.I), UnsupportedInputError,
      "the model updates a tensor captured from outside the step in place (a buffer such as "
      "running statistics, or a tensor attribute); ddlc does not support in-place updates of "

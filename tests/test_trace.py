@@ -284,3 +284,29 @@ def test_tensors_sized_by_tensor_values_are_refused():
     with pytest.raises(TraceError, match="size depends on tensor values") as info:
         ddlc.trace(MaskedFill(), (torch.randn(4, 6, 8), torch.randn(4, 8)), F.mse_loss)
     assert "test_trace.py" in str(info.value)
+
+
+def test_an_old_style_autograd_function_is_refused_with_its_cause():
+    """A custom autograd.Function whose forward takes ``ctx`` (Bloom's GeLU) cannot run under
+    the torch.func transforms ddlc traces with: refused as such, at the user's line."""
+    class GeLU(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return F.gelu(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return GeLU.apply(self.lin(x))
+
+    with pytest.raises(UnsupportedInputError, match="setup_context") as info:
+        ddlc.trace(Model(), (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss)
+    assert "autograd.Function" in str(info.value) and "test_trace.py" in str(info.value)
