@@ -258,6 +258,16 @@ def test_a_loss_with_no_gradient_all_reduce_to_ride_pays_its_start_ups():
     latency = mesh.profile.link_for("all_reduce", mesh.links[0]).latency  # as the ranks contend
     assert plan.objective == pytest.approx(build_problem(gm, mesh, fixed, lone_scalars={0}).objective(plan.choice))
     assert plan.objective - build_problem(gm, mesh, fixed).objective(plan.choice) >= 2 * 3 * latency * 0.99
+    # the rebuild reuses the first build's prices (shard does): the same problem as afresh
+    from passes.sharding.problem import PriceCache
+    prices = PriceCache(mesh)
+    build_problem(gm, mesh, fixed, prices=prices)
+    shared, fresh = (build_problem(gm, mesh, fixed, lone_scalars={0}, prices=p) for p in (prices, None))
+    for field in ("compute", "memory", "sink"):
+        assert all((a == b).all() for a, b in zip(getattr(shared, field), getattr(fresh, field)))
+    assert [(e.src, e.dst, e.cost.tolist()) for e in shared.edges] == \
+        [(e.src, e.dst, e.cost.tolist()) for e in fresh.edges]
+    assert shared.objective(plan.choice) != build_problem(gm, mesh, fixed, prices=prices).objective(plan.choice)
     # data parallel: the gradients' all-reduces carry the loss's
     plan = shard(gm, mesh, fixed={names["input0"]: NdSBP((S(0),)), names["input1"]: NdSBP((S(0),))})
     assert "lone_scalar_axes" not in plan.stats

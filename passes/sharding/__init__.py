@@ -26,8 +26,8 @@ from ddlc.sbp import NdSBP
 
 from .descent import SEEDS, coordinate_descent
 from .exact import smallest_footprint, solve_exact
-from .problem import (FORBIDDEN, ShardingProblem, build_problem, compute_seconds, lone_scalar_axes,
-                      reduce_problem)
+from .problem import (FORBIDDEN, PriceCache, ShardingProblem, build_problem, compute_seconds,
+                      lone_scalar_axes, reduce_problem)
 
 __all__ = ["shard", "make_plan", "coordinate_descent", "search_mesh_shapes", "mesh_shapes", "SEEDS",
            "build_problem", "compute_seconds", "ShardingProblem", "solve_exact"]
@@ -47,7 +47,8 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         raise OptionError(f"unknown solver {solver!r}; use 'cd' or 'exact'")
     start = time.perf_counter()
     budget = mesh.profile.memory_capacity if memory_budget is None else memory_budget
-    problem = build_problem(gm, mesh, fixed, move_activations=move_activations)
+    prices = PriceCache(mesh)  # shared with the rebuild below: most of its prices are the same
+    problem = build_problem(gm, mesh, fixed, move_activations=move_activations, prices=prices)
     need, dominant = problem.min_memory()
     if need > budget:
         _refuse_budget(budget, need, dominant)
@@ -78,7 +79,8 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         if found == lone:
             break
         lone = found
-        problem = build_problem(gm, mesh, fixed, lone_scalars=lone, move_activations=move_activations)
+        problem = build_problem(gm, mesh, fixed, lone_scalars=lone, move_activations=move_activations,
+                                prices=prices)
         other, other_stats = solve(problem, start=choice)
         stats["lone_scalar_axes"] = sorted(lone)
         if problem.objective(other) < problem.objective(choice):

@@ -237,8 +237,9 @@ class PriceCache:
     cheap: every variable gets a *kind* (an int standing for what its candidates and
     costs depend on: the op with its shapes and arguments, or a placeholder's
     placements), and compute, memory and edge-matrix vectors are priced once per kind.
-    Each build makes its own and drops it when done (nothing is kept between builds), so
-    the caches grow with one graph's distinct kinds and no further."""
+    A build makes its own, or reuses one of an earlier build of the same graph and mesh
+    (every key names all its value depends on), so the caches grow with one graph's
+    distinct kinds and no further."""
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
@@ -309,7 +310,8 @@ def _hyperparameter_scalars(nodes: Sequence[fx.Node]) -> set[fx.Node]:
 
 
 def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | None = None,
-                  lone_scalars: Collection[int] = (), move_activations: bool = True) -> ShardingProblem:
+                  lone_scalars: Collection[int] = (), move_activations: bool = True,
+                  prices: "PriceCache | None" = None) -> ShardingProblem:
     """Enumerate candidates and price them for every node of ``gm`` on ``mesh``.
 
     ``fixed`` pins placeholders (by node name) to one placement, e.g. the batch.
@@ -319,6 +321,8 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | N
     all-reduce to share one with (:func:`lone_scalar_axes`). With ``move_activations=False``
     an edge that is neither parameter traffic nor a scalar may only be redistributed by
     local steps (a slice, keeping one copy): a collective on it costs :data:`FORBIDDEN`.
+    ``prices``: the :class:`PriceCache` of an earlier build of ``gm`` on ``mesh`` to reuse
+    (default: a new one).
     """
     fixed = dict(fixed or {})
     sig = STEP.get(gm)
@@ -350,7 +354,7 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | N
         var_of[placeholders[name]] = v
         members[v].append(placeholders[name])
 
-    prices = PriceCache(mesh)
+    prices = PriceCache(mesh) if prices is None else prices
     scalars = _hyperparameter_scalars(nodes)
     candidates, kinds = [], []
     for group in members:
