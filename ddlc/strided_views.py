@@ -10,14 +10,15 @@ contiguous strides instead of the view's: the gradient lands on the wrong elemen
 traced with ``remove="mutations"`` matches it).
 
 :func:`repair` takes the step traced both ways (the second only where the first has such
-replays: ``as_strided_copy`` or ``as_strided_scatter``). The traces have the same
-operators node for node (a view there, its ``*_copy`` here). Each replay gets the
-arguments of its counterpart in the trace with views, and reads the storage its
-counterpart reads: ``as_strided`` ignores its input's strides and reads the storage from
-the given offset, so a replay of a view reads the view's root (the first input that is
-no view), which both traces compute alike. Where that root's layout differs between the
-traces, or a scatter writes into a view, the replay cannot be carried over and the step is
-refused."""
+replays: ``as_strided_copy`` or ``as_strided_scatter``). Their replays pair up in order
+(the traces may decompose other operators differently, e.g. a ``reshape`` of a strided
+view as ``clone`` + ``view``). Each replay gets the size, strides and offset of its
+counterpart in the trace with views, and reads the storage its counterpart reads:
+``as_strided`` ignores its input's strides and reads the storage from the given offset,
+so a replay of a view reads the view's root (the first input that is no view), which
+both traces reach through the same chain of views (copies here). Where the chains or the
+roots' layouts differ, or a scatter writes into a view, the replay cannot be carried over
+and the step is refused."""
 from __future__ import annotations
 
 import torch
@@ -38,10 +39,15 @@ def needs_repair(gm: fx.GraphModule) -> bool:
     return any(n.op == "call_function" and n.target in REPLAYS for n in gm.graph.nodes)
 
 
-def _is_view(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+def _returns_a_view(op) -> bool:
+    """Whether operator ``op`` returns an alias of an input that it does not write."""
+    schema = getattr(op, "_schema", None)
     return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
                                       for r in schema.returns)
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and _returns_a_view(node.target)
 
 
 def _view_form(node: fx.Node):
@@ -51,9 +57,7 @@ def _view_form(node: fx.Node):
     if not name.endswith("_copy"):
         return None
     view = getattr(getattr(torch.ops.aten, name[:-len("_copy")], None), target._overloadname, None)
-    schema = getattr(view, "_schema", None)
-    return view if schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
-                                              for r in schema.returns) else None
+    return view if _returns_a_view(view) else None
 
 
 def _chain(node: fx.Node, step) -> list[fx.Node]:
