@@ -416,6 +416,19 @@ def _compile_with_inductor(gm: fx.GraphModule, device: torch.device):
     return run
 
 
+def _frozen_state(model: nn.Module) -> tuple:
+    """What a compiled step fixes of ``model``: each module's train/eval mode, and each
+    parameter's identity, ``requires_grad`` and version counter (an in-place write, such as
+    ``load_state_dict`` or an optimizer step, bumps it)."""
+    return (tuple((n, m.training) for n, m in model.named_modules()),
+            tuple((n, id(p), p.requires_grad, p._version) for n, p in model.named_parameters()))
+
+
+def _group_members(optimizer: torch.optim.Optimizer) -> tuple:
+    """Per param group of ``optimizer``, the ids of its parameters."""
+    return tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups)
+
+
 def _difference(old: tuple, new: tuple) -> str:
     """What differs between two (spec structure, parameter count) entries of
     :func:`ddlc.optim.structure`."""
@@ -458,12 +471,21 @@ class CompiledStep:
         self.params = {k: self._shard(k, params[k]) for k in self.signature.keys("param")}
         self.buffers = {k: self._shard(k, buffers[k]) for k in self.signature.keys("buffer")}
         global_state = self.signature.init_opt_state(params)
+        if optimizer is not None:  # an optimizer that has stepped already: continue from its state
+            for key in global_state:
+                name, state_name = key.rsplit(":", 1)
+                value = optimizer.state.get(params[name], {}).get(state_name)
+                if value is not None:  # torch names its state as ddlc.optim does
+                    global_state[key] = value.detach().to(global_state[key].dtype)
         self.opt_state = {k: self._shard(k, global_state[k]) for k in self.signature.keys("opt_state")}
         self.gradients_local: dict[str, torch.Tensor] = {}
         self.last_grad_norm: torch.Tensor | None = None
         self._optimizer = optimizer
         self._structure = optimizer_structure(optimizer) if optimizer is not None else None
+        self._members = _group_members(optimizer) if optimizer is not None else None
         self._groups = dict(self.signature.param_groups)
+        self._model = model
+        self._frozen = _frozen_state(model)
 
     # -- placement helpers ---------------------------------------------------------------
     def _sbp(self, key: str) -> NdSBP:
@@ -560,6 +582,7 @@ class CompiledStep:
         if not self.signature.has_loss:
             raise UnsupportedInputError("this program has no loss: it was compiled without "
                                         "loss_fn or optimizer; call it for inference instead")
+        self._check_model()
         out = self._run(batch, keyword_batch, self._hyperparameters())
         self.params.update(out.get("param", {}))
         self.opt_state.update(out.get("opt_state", {}))
@@ -573,6 +596,27 @@ class CompiledStep:
         self.steps_done += 1
         return out["loss"]["loss"].detach()
 
+    def _check_model(self) -> None:
+        """Refuse to run when the model changed since compile in a way the program cannot
+        see: it holds its own shards of the weights and runs in the modes it was traced in."""
+        now = _frozen_state(self._model)
+        if now == self._frozen:
+            return
+        (modes, params), (old_modes, old_params) = now, self._frozen
+        if modes != old_modes:
+            name, training = next((b for a, b in zip(old_modes, modes) if a != b), ("", None))
+            raise UnsupportedInputError(
+                f"the model's modules changed after compile ({name or 'the model'} is now in "
+                f"{'training' if training else 'eval'} mode, or modules were added or removed): the "
+                "compiled step runs as it was traced; set the mode back, or compile again")
+        name = next((b[0] for a, b in zip(old_params, params) if a != b), "a parameter")
+        raise UnsupportedInputError(
+            f"the model's parameter {name} changed after compile (requires_grad switched, replaced, "
+            "or written in place, e.g. by model.load_state_dict or an eager optimizer step): the "
+            "compiled step holds its own copy of the weights and would ignore it; compile again "
+            "(it takes the model's weights as they are then), or restore a checkpoint with "
+            "step.load_checkpoint")
+
     def _hyperparameters(self) -> dict[str, torch.Tensor]:
         """This step's hyper-parameter inputs, read from the optimizer's param groups now
         (lr schedulers and edits of ``param_groups`` take effect). A change the graph
@@ -581,6 +625,9 @@ class CompiledStep:
         if self._optimizer is None:
             return {}
         now = optimizer_structure(self._optimizer)
+        if now == self._structure and _group_members(self._optimizer) != self._members:
+            raise UnsupportedInputError("parameters moved between the optimizer's param groups after "
+                                        "compile; compile again")
         if now != self._structure:
             changed = [f"param group {g}: {_difference(old, new)}"
                        for g, (old, new) in enumerate(zip(self._structure, now)) if old != new]
@@ -598,6 +645,7 @@ class CompiledStep:
         model's own structure (a tensor, tuple, dict or ``ModelOutput``), full on every rank."""
         if self.signature.has_loss:
             raise UnsupportedInputError("this program is a training step; call .step(*batch)")
+        self._check_model()
         out = self._run(inputs, keyword_inputs)
         self.buffers.update(out.get("buffer", {}))
         return self.signature.output_tree.rebuild(list(out["output"].values()))

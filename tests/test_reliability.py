@@ -371,3 +371,81 @@ def test_a_step_that_traces_otherwise_on_rank_1_is_refused_on_every_rank():
     # rank 1 plans from its own trace: a graph other than rank 0's would be another program
     messages = spawn(_compile_rank_dependent, 3, (), (1,), timeout=300, deadline=100)
     assert len(set(messages)) == 1 and "rank 1 traced another training step" in messages[0], messages
+
+
+def _net(dropout: float = 0.0):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout),
+                               torch.nn.Linear(16, 4))
+
+
+def _fixed_batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _swap_groups(model, opt):
+    first, second = opt.param_groups
+    first["params"], second["params"] = second["params"], first["params"]
+
+
+#: changes to the model or optimizer after compile that the compiled step cannot see
+_CHANGES = {
+    "eval": lambda model, opt: model.eval(),
+    "freeze": lambda model, opt: model[0].weight.requires_grad_(False),
+    "load_state_dict": lambda model, opt: model.load_state_dict(
+        {k: v + 1 for k, v in model.state_dict().items()}),
+    "swap_groups": _swap_groups,
+}
+
+
+def _changes_after_compile(rank):
+    batch = _fixed_batch()
+    refused = {}
+    for name, change in _CHANGES.items():
+        model = _net(0.1)
+        opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[3].parameters()}], lr=0.1)
+        step = ddlc.compile(model, (1,), batch, F.mse_loss, opt)
+        step.step(*batch)
+        change(model, opt)
+        try:
+            step.step(*batch)
+            refused[name] = None
+        except UnsupportedInputError as error:
+            refused[name] = str(error)
+    # an optimizer that has stepped already: the compiled step continues from its state
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    for _ in range(2):
+        opt.zero_grad()
+        F.mse_loss(model(batch[0]), batch[1]).backward()
+        opt.step()
+    step = ddlc.compile(model, (1,), batch, F.mse_loss, opt)
+    losses = [float(step.step(*batch)) for _ in range(2)]
+    return refused, losses, step.state_dict()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_changes_after_compile_are_refused_and_an_optimizers_state_is_taken():
+    """A mode switch, a parameter frozen or overwritten (``model.load_state_dict``) and
+    parameters swapped between param groups after compile would be ignored by the compiled
+    step: each is refused with its cause. An optimizer that has stepped before compile
+    hands its state to the compiled step, which continues as eager training does."""
+    refused, losses, state = spawn(_changes_after_compile, 1, timeout=90, deadline=110)[0]
+    assert "eval mode" in refused["eval"] and "0.weight changed" in refused["freeze"]
+    assert "changed after compile" in refused["load_state_dict"]
+    assert "moved between the optimizer's param groups" in refused["swap_groups"]
+    batch = _fixed_batch()
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    want = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = F.mse_loss(model(batch[0]), batch[1])
+        want.append(float(loss))
+        loss.backward()
+        opt.step()
+    assert losses == pytest.approx(want[2:], rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
