@@ -66,11 +66,31 @@ def _sbp(node: fx.Node) -> NdSBP:
     return SHARDING(node).outputs[0]
 
 
-def update_chain(gm: fx.GraphModule, key: str) -> tuple[list[fx.Node], list[fx.Node]]:
+def gradient_scalars(graph: fx.Graph) -> set[fx.Node]:
+    """The optimizer-phase scalars computed from several parameters' gradients: the global
+    norm and the coefficient of ``clip_grad_norm``, which every parameter's update reads
+    but which belong to none (their inputs are every parameter's norm term)."""
+    def phase(n):
+        return getattr(ORIGIN.get(n), "phase", None)
+    many = object()
+    source: dict[fx.Node, object] = {}  # optimizer node -> the one gradient it reads, or many
+    for node in graph.nodes:
+        if node.op != "call_function" or phase(node) != "optimizer":
+            continue
+        found = {a if phase(a) == "backward" else source.get(a) for a in node.all_input_nodes} - {None}
+        if found:
+            source[node] = found.pop() if len(found) == 1 else many
+    return {n for n, s in source.items() if s is many and getattr(n.meta.get("val"), "dim", lambda: -1)() == 0}
+
+
+def update_chain(gm: fx.GraphModule, key: str,
+                 shared: set[fx.Node] | None = None) -> tuple[list[fx.Node], list[fx.Node]]:
     """(the nodes that compute parameter ``key``'s new value and state: its optimizer-phase
-    nodes and the parameter-shaped reshapes only they read, in graph order; its
-    optimizer-state placeholders)."""
+    nodes and the parameter-shaped reshapes only they read, in graph order, up to the
+    scalars computed from all gradients, ``shared`` (default :func:`gradient_scalars`),
+    which it reads as it reads the learning rate; its optimizer-state placeholders)."""
     sig = STEP(gm)
+    shared = gradient_scalars(gm.graph) if shared is None else shared
     output = next(n for n in gm.graph.nodes if n.op == "output")
     results = [a for spec, a in zip(sig.outputs, output.args[0])
                if spec.key == key or spec.key.startswith(key + ":")]
@@ -78,7 +98,8 @@ def update_chain(gm: fx.GraphModule, key: str) -> tuple[list[fx.Node], list[fx.N
     while stack:
         node = stack.pop()
         origin = ORIGIN.get(node)
-        if node in chain or node.op != "call_function" or origin is None or origin.phase != "optimizer":
+        if node in chain or node in shared or node.op != "call_function" or origin is None \
+                or origin.phase != "optimizer":
             continue
         chain.add(node)
         stack.extend(node.all_input_nodes)
@@ -315,7 +336,8 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
         ag_placement = auto_placement(gm, mesh)
     by_name = {n.name: n for n in gm.graph.nodes}
     placeholders = {i.key: by_name[i.name] for i in sig.inputs}
-    chains = {key: update_chain(gm, key) for key, _ in sig.optimizer}
+    shared = gradient_scalars(gm.graph)
+    chains = {key: update_chain(gm, key, shared) for key, _ in sig.optimizer}
     startup_shares = _startup_shares(chains, placeholders, mesh)
     done = []
     for key, _ in sig.optimizer:

@@ -126,3 +126,51 @@ def test_decoupling_never_makes_the_lowered_program_model_slower(latency):
     for program in (gm, plain):
         pipeline.lower(program, mesh, (0,), axis_group_names(mesh), CompileOptions())
     assert program_makespan(gm, mesh.profile) <= program_makespan(plain, mesh.profile)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_clipping_keeps_each_update_to_its_own_parameter(opt_name):
+    """With clip_grad_norm every update reads the clipping coefficient, computed from every
+    parameter's norm term: the update chain of a parameter stops at it (as at the learning
+    rate), so decoupling never re-places another parameter's norm term (which stopped
+    compile: "no redistribution of mul from (S0) to (P)"), and the step with
+    decouple="always" on a fast link trains like eager clipping."""
+    from passes.canonicalize import canonicalize
+    from passes.decouple import gradient_scalars, update_chain
+    from passes.sharding import shard
+    from ddlc.ir import STEP
+    from ddlc.sbp import parse_sbp
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(3)]
+    make = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+            "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4)}[opt_name]
+    gm = canonicalize(ddlc.trace(model, data[0], F.mse_loss, make(model), clip_grad_norm=0.1))
+    shared = gradient_scalars(gm.graph)
+    assert shared and all(n.meta["val"].dim() == 0 for n in shared)
+    chains = {key: set(update_chain(gm, key)[0]) for key, _ in STEP(gm).optimizer}
+    assert all(not (chain & shared) for chain in chains.values())
+    assert all(not (a & b) or all(n.meta["val"].dim() == 0 for n in a & b)  # only hyper-parameters
+               for k, a in chains.items() for j, b in chains.items() if k < j)
+    unclipped = canonicalize(ddlc.trace(model, data[0], F.mse_loss, make(model)))
+    assert gradient_scalars(unclipped.graph) == set()
+    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-7, 1e10)])
+    sig = STEP(gm)
+    shard(gm, mesh, fixed={sig.input_name("input", k): parse_sbp("(S0)") for k in sig.keys("input")})
+    decouple(gm, mesh, "forward", always=True)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    losses, params, _, _ = simulate_steps(gm, mesh, params, {}, data)
+    opt, want = make(eager), []
+    for x, y in data:
+        opt.zero_grad()
+        loss = F.mse_loss(eager(x), y)
+        want.append(loss.detach())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.1)
+        opt.step()
+    torch.testing.assert_close(torch.stack(list(losses)), torch.stack(want), rtol=1e-5, atol=1e-6)
+    for k, p in eager.named_parameters():
+        torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6)
