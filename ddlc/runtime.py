@@ -596,6 +596,21 @@ class CompiledStep:
         self.steps_done += 1
         return out["loss"]["loss"].detach()
 
+    def _only_gates_closed(self, now: tuple) -> bool:
+        """Whether the optimizer structure ``now`` differs from the compiled one only in a
+        weight decay that was non-zero and is 0 now: a value the graph takes (it multiplies
+        by it). A momentum set to 0 is not: torch then leaves its buffer as it was, while the
+        graph would keep refreshing it."""
+        if len(now) != len(self._structure):
+            return False
+        gates = ("weight_decay",)
+        for (old_fields, old_count), (new_fields, new_count) in zip(self._structure, now):
+            before, after = dict(old_fields), dict(new_fields)
+            if old_count != new_count or before.keys() != after.keys() or any(
+                    before[k] != after[k] and not (k in gates and before[k] and not after[k]) for k in before):
+                return False
+        return True
+
     def _check_model(self) -> None:
         """Refuse to run when the model changed since compile in a way the program cannot
         see: it holds its own shards of the weights and runs in the modes it was traced in."""
@@ -628,7 +643,7 @@ class CompiledStep:
         if now == self._structure and _group_members(self._optimizer) != self._members:
             raise UnsupportedInputError("parameters moved between the optimizer's param groups after "
                                         "compile; compile again")
-        if now != self._structure:
+        if now != self._structure and not self._only_gates_closed(now):
             changed = [f"param group {g}: {_difference(old, new)}"
                        for g, (old, new) in enumerate(zip(self._structure, now)) if old != new]
             if len(now) != len(self._structure):

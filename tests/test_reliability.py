@@ -104,14 +104,24 @@ def _edit_groups(opt):
     return edit
 
 
+def _turn_off_weight_decay(opt):
+    def edit():
+        opt.param_groups[1]["weight_decay"] = 0.0  # was 0.1: the graph multiplies by it
+    return edit
+
+
 def _turn_on_weight_decay(opt):
     def edit():
         opt.param_groups[0]["weight_decay"] = 0.1  # was 0: not a value the graph takes
     return edit
 
 
+#: hyper-parameter changes between steps that the compiled step takes
+SCHEDULES = (_lr_schedule, _edit_groups, _turn_off_weight_decay)
+
+
 def _compiled_hyperparameter_runs(rank, world):
-    return [_hyperparameter_run(schedule, True, world) for schedule in (_lr_schedule, _edit_groups)]
+    return [_hyperparameter_run(schedule, True, world) for schedule in SCHEDULES]
 
 
 def _compiled_weight_decay_run(rank):
@@ -122,7 +132,7 @@ def _compiled_weight_decay_run(rank):
 @pytest.mark.timeout(200)
 def test_learning_rate_schedules_and_param_group_edits_take_effect_every_step():
     got = spawn(_compiled_hyperparameter_runs, 2, 2, timeout=90, deadline=180)[0]
-    for schedule, (losses, params) in zip((_lr_schedule, _edit_groups), got):
+    for schedule, (losses, params) in zip(SCHEDULES, got):
         want_losses, want_params = _hyperparameter_run(schedule, False)
         torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-4, atol=1e-5)
         for name, value in want_params.items():
