@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch._ops import OpOverload
 
 from .errors import TraceError
 
@@ -39,15 +40,8 @@ def needs_repair(gm: fx.GraphModule) -> bool:
     return any(n.op == "call_function" and n.target in REPLAYS for n in gm.graph.nodes)
 
 
-def _returns_a_view(op) -> bool:
-    """Whether operator ``op`` returns an alias of an input that it does not write."""
-    schema = getattr(op, "_schema", None)
-    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
-                                      for r in schema.returns)
-
-
 def _is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and _returns_a_view(node.target)
+    return node.op == "call_function" and isinstance(node.target, OpOverload) and node.target.is_view
 
 
 def _view_form(node: fx.Node):
@@ -57,7 +51,7 @@ def _view_form(node: fx.Node):
     if not name.endswith("_copy"):
         return None
     view = getattr(getattr(torch.ops.aten, name[:-len("_copy")], None), target._overloadname, None)
-    return view if _returns_a_view(view) else None
+    return view if isinstance(view, OpOverload) and view.is_view else None
 
 
 def _chain(node: fx.Node, step) -> list[fx.Node]:
