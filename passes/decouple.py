@@ -55,7 +55,7 @@ from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, NdSignature, is_getitem, leave
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, divides, local_shape, padded_shape
 from passes.rules import signatures_1d, signatures_nd, tensor_inputs
-from passes.sharding.problem import compute_seconds
+from passes.sharding.problem import compute_seconds, gradient_only_rides
 
 __all__ = ["decouple", "update_chain"]
 
@@ -233,6 +233,20 @@ def _gradient_dim(chain: list[fx.Node], axis: int, shape) -> int | None | bool:
     return found
 
 
+def _reduce_scattered(chain: list[fx.Node], axis: int) -> bool:
+    """Whether an update that runs on a shard on ``axis`` takes a partial sum there as a
+    split (a reduce-scatter), rather than an all-reduced gradient that it slices (the
+    partial sum may flow into the chain first, through the gradient's reshapes)."""
+    for node in chain:
+        for x, a in zip(SHARDING(node).inputs, tensor_inputs(node)):
+            source = SHARDING.get(a)
+            if source is None or x is None or not x[axis].is_split:
+                continue
+            if any(y is not None and y[axis].is_partial for y in source.outputs):
+                return True
+    return False
+
+
 def _shard_states_of_a_split_update(chain: list[fx.Node], states: list[fx.Node], param: fx.Node,
                                     axis: int, shape) -> bool:
     """Where the search already runs an update on a shard on ``axis`` while the parameter
@@ -278,47 +292,35 @@ def _local_bytes(param: fx.Node, placed: NdSBP, axis: int, mesh: Mesh) -> int:
     return val.element_size() * math.prod(local_shape(tuple(val.shape), placed.replace(axis, B), mesh.shape))
 
 
-def _decoupling_pays(chain: list[fx.Node], new: dict, nbytes: int, share: float, axis: int,
-                     mesh: Mesh) -> bool:
-    """Whether the update compute that running on a shard saves (the chain priced at its
-    current signatures minus at ``new``, the sharded ones) covers the traffic it adds: a
-    reduce-scatter and an all-gather, priced as the backend runs them (gloo runs a
-    reduce-scatter as an all-reduce), against the all-reduce they replace, bandwidth
-    terms for ``nbytes`` (gradient collectives are bucketed, so start-ups are shared, as
-    in the sharding cost model), plus ``share`` of the start-ups of one all-gather and one
-    reduce-scatter (this parameter's part of the buckets that decoupling adds, of gathers
-    and of reduce-scatters beside the all-reduce bucket: :func:`_startup_shares`)."""
+def _margin(chain: list[fx.Node], new: dict, nbytes: int, axis: int, mesh: Mesh) -> float:
+    """Seconds that decoupling one update adds, start-ups left out: a reduce-scatter and an
+    all-gather of ``nbytes``, priced as the backend runs them (gloo runs a reduce-scatter as
+    an all-reduce), bandwidth terms only (gradient collectives are bucketed, so start-ups
+    are shared, as in the sharding cost model), minus the all-reduce they replace and the
+    update compute that running on a shard saves (the chain priced at its current
+    signatures minus at ``new``, the sharded ones). Negative where decoupling pays."""
     bucketed = mesh.bucketed()
 
     def seconds(kind: str) -> float:
         return axis_time(kind, nbytes, bucketed, axis)
 
     saved = sum(compute_seconds(n, SHARDING(n), mesh) - compute_seconds(n, new[n], mesh) for n in chain)
-    startup = axis_time("all_gather", 0, mesh, axis) + axis_time("reduce_scatter", 0, mesh, axis)
-    return seconds("reduce_scatter") + seconds("all_gather") + share * startup <= seconds("all_reduce") + saved
+    return seconds("reduce_scatter") + seconds("all_gather") - seconds("all_reduce") - saved
 
 
-def _startup_shares(chains: dict, placeholders: dict, mesh: Mesh) -> list[float]:
-    """Per mesh axis, the share of the start-ups decoupling adds (one all-gather and one
-    reduce-scatter) that it charges per byte of a parameter whose gradient arrives as a
-    partial sum there: 1 / the bytes of all such parameters (the gathers decoupling adds
-    go in one bucket, and the reduce-scatters in another, whose start-ups they share), or
-    0 where some update is fed a gradient already split on that axis (its reduce-scatter
-    and all-gather come anyway, and the others join their buckets)."""
-    shares = []
-    for axis in range(mesh.ndim):
-        total, free = 0, False
-        for key, (chain, _) in chains.items():
-            param = placeholders[key]
-            shape = tuple(param.meta["val"].shape)
-            if mesh.shape[axis] == 1 or not _sbp(param)[axis].is_broadcast:
-                continue
-            arrives = _gradient_dim(chain, axis, shape)
-            free = free or (arrives is not None and arrives is not False)
-            if arrives is None:
-                total += _local_bytes(param, _update_sbp(chain, shape), axis, mesh)
-        shares.append(0.0 if free or total == 0 else 1.0 / total)
-    return shares
+def _worth_decoupling(margins: dict[str, float], added: float, removed: float) -> list[str]:
+    """The updates to decouple on one mesh axis, from their :func:`_margin` and the
+    start-ups of the buckets: decoupling any adds ``added`` (one all-gather's and one
+    reduce-scatter's start-up; 0 where those buckets come anyway), decoupling every
+    parameter the all-reduce bucket holds removes ``removed`` (its start-up; 0 where some
+    parameter keeps its all-reduce regardless). A bucket's start-up is paid once, whoever
+    is in it, so the choice is global: of none, those whose margin alone is negative, and
+    all, the least total (none on ties)."""
+    paying = [k for k, m in margins.items() if m < 0]
+    options = [(0.0, []),
+               (sum(margins[k] for k in paying) + added, paying),
+               (sum(margins.values()) + added - removed, list(margins))]
+    return min(options, key=lambda option: option[0])[1]
 
 
 def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward",
@@ -338,15 +340,19 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
     placeholders = {i.key: by_name[i.name] for i in sig.inputs}
     shared = gradient_scalars(gm.graph)
     chains = {key: update_chain(gm, key, shared) for key, _ in sig.optimizer}
-    startup_shares = _startup_shares(chains, placeholders, mesh)
-    done = []
-    for key, _ in sig.optimizer:
-        param = placeholders[key]
-        shape = tuple(param.meta["val"].shape)
-        chain, states = chains[key]
-        for axis in range(mesh.ndim):
+    loss_riding = gradient_only_rides(gm, mesh)
+    done = set()
+    for axis in range(mesh.ndim):
+        proposed, margins, kept, gathers, scatters = {}, {}, False, False, False
+        for key, _ in sig.optimizer:
+            param = placeholders[key]
+            shape = tuple(param.meta["val"].shape)
+            chain, states = chains[key]
+            if _update_sbp(chain, shape)[axis].is_split:  # an update on a shard already:
+                gathers = True                            # its all-gather comes anyway
+                scatters = scatters or _reduce_scattered(chain, axis)
             if _shard_states_of_a_split_update(chain, states, param, axis, shape):
-                done.append(key)
+                done.add(key)
                 continue
             arrives = _gradient_dim(chain, axis, shape)
             if mesh.shape[axis] == 1 or not _sbp(param)[axis].is_broadcast or arrives is False:
@@ -357,13 +363,29 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
             new = {n: _reannotate(n, shape, axis, d, mesh, even) for n in chain} if d is not None else {}
             if d is None or any(v is None for v in new.values()):
                 log.info("parameter %s keeps its all-reduce on axis %d (no shardable update)", key, axis)
+                kept = kept or arrives is None
                 continue
-            nbytes = _local_bytes(param, placed, axis, mesh)
-            if arrives is None and not always and not _decoupling_pays(
-                    chain, new, nbytes, startup_shares[axis] * nbytes, axis, mesh):
-                log.info("parameter %s keeps its all-reduce on axis %d (reduce-scatter + "
-                         "all-gather modeled slower on this backend)", key, axis)
+            proposed[key] = (new, d, even)
+            if arrives is None:
+                margins[key] = _margin(chain, new, _local_bytes(param, placed, axis, mesh), axis, mesh)
+            else:  # its gradient arrives split: a reduce-scatter
+                scatters = True
+        # the start-ups of the buckets decoupling adds, unless they come anyway
+        added = (0.0 if gathers else axis_time("all_gather", 0, mesh, axis)) + \
+            (0.0 if scatters else axis_time("reduce_scatter", 0, mesh, axis))
+        # the all-reduce bucket goes, unless a gradient stays in it or the loss rides in it
+        removed = 0.0 if kept or axis in loss_riding else axis_time("all_reduce", 0, mesh, axis)
+        chosen = set(margins if always else _worth_decoupling(margins, added, removed))
+        for key, _ in sig.optimizer:
+            if key not in proposed or (key in margins and key not in chosen):
+                if key in margins:
+                    log.info("parameter %s keeps its all-reduce on axis %d (reduce-scatter + "
+                             "all-gather modeled slower on this backend)", key, axis)
                 continue
+            new, d, even = proposed[key]
+            param = placeholders[key]
+            shape = tuple(param.meta["val"].shape)
+            chain, states = chains[key]
             for node, sharding in new.items():
                 SHARDING.set(node, sharding)
             for state in states:
@@ -372,8 +394,8 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
             where = ag_placement if isinstance(ag_placement, str) else ag_placement.get(key, "forward")
             if where == "forward" and param.name not in pinned and _gatherable(param, chain, axis, even):
                 SHARDING.set(param, NdSignature((), (_sbp(param).replace(axis, S(d)),)))
-            done.append(key)
-    return done
+            done.add(key)
+    return [key for key, _ in sig.optimizer if key in done]
 
 
 def layer_profile(gm: fx.GraphModule, mesh: Mesh, axis: int = 0) -> dict:

@@ -72,16 +72,52 @@ def test_pinned_parameters_keep_their_placement():
 def test_decoupling_only_where_the_backend_makes_it_pay(profile, decoupled):
     """NCCL's ring reduce-scatter + all-gather costs what the all-reduce does, so the
     sharded update is a pure gain; gloo runs the reduce-scatter as a whole all-reduce, so
-    on a slow link the all-gather is extra traffic that SGD's cheap update of a bias
-    (whose gradient arrives as a partial sum) cannot pay for. The weights' gradients
-    arrive already reduce-scattered in this plan: their update moves onto the shard
-    at no extra traffic on either backend."""
+    on a slow link (no start-up, so no bucket's start-up to save) the all-gather is extra
+    traffic that SGD's cheap update of a bias (whose gradient arrives as a partial sum)
+    cannot pay for. The weights' gradients arrive already reduce-scattered in this plan:
+    their update moves onto the shard at no extra traffic on either backend."""
     gm, _, model, _ = data_parallel_mlp("sgd")
     replicate_updates(gm, ddlc.Mesh((4,)))
-    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-5, 1e8)], profile=profile)
+    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(0.0, 1e8)], profile=profile)
     done = decouple(copy.deepcopy(gm), mesh, "backward")
     assert sorted(done) == decoupled
     assert decouple(gm, mesh, "backward", always=True)  # forced: decoupled all the same
+
+
+def test_the_decision_is_global_over_the_all_reduce_bucket(monkeypatch):
+    """A bucket's start-up is paid once, whoever rides in it. A data-parallel CNN with a
+    cross-entropy loss on cpu-gloo, with the largest update (``fc.weight``) already on a
+    shard, as the search leaves it where it runs an update on a shard: the reduce-scatter
+    and all-gather buckets come anyway, and the other gradients are the all-reduce bucket's
+    last members (the loss rides with the count's all-reduce, read in the backward).
+    Decoupling any one of them alone adds traffic; decoupling all removes the bucket's
+    start-up, and the lowered program models faster than keeping them all-reduced."""
+    import passes.decouple as module
+    from ddlc.zoo import CNN
+    torch.manual_seed(0)
+    model = CNN(channels=3, n_classes=16, width=16)
+    batch = (torch.randn(32, 3, 16, 16), torch.randint(0, 16, (32,)))
+    mesh = ddlc.Mesh((4,), profile="cpu-gloo")
+    placements = {"input0": "(S0)", "input1": "(S0)"} | {k: "(B)" for k, _ in model.named_parameters()}
+    opts = CompileOptions.from_kwargs(placements=placements, move_activations=False, decouple=False)
+    gm = pipeline.trace_step(model, batch, F.cross_entropy, torch.optim.AdamW(model.parameters()), opts)
+    pipeline.plan(gm, mesh, opts, pipeline.resolve_placements(gm, opts.placements, 1))
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "_worth_decoupling", lambda margins, added, removed: ["fc.weight"])
+        assert decouple(gm, mesh, "forward") == ["fc.weight"]
+    margins = {}
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "_worth_decoupling", lambda m, added, removed: margins.update(m) or [])
+        kept = copy.deepcopy(gm)
+        assert decouple(kept, mesh, "forward") == []
+    assert margins and all(m > 0 for m in margins.values())  # none pays alone
+    rest = copy.deepcopy(gm)
+    assert sorted(decouple(rest, mesh, "forward")) == sorted(margins)
+    for program in (kept, rest):
+        pipeline.lower(program, mesh, (0,), ["axis0"], CompileOptions())
+    assert Counter(k for k, _, _ in collective_sequence(kept))["all_reduce"] == 2
+    assert Counter(k for k, _, _ in collective_sequence(rest))["all_reduce"] == 1
+    assert program_makespan(rest, mesh.profile) < program_makespan(kept, mesh.profile)
 
 
 def _replicated_adamw_mlp(d_in: int, d_hidden: int, mesh) -> tuple:

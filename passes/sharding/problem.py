@@ -50,7 +50,7 @@ from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, local_shape, plannable
 from passes.rules import NdSignature, call_key, selected_leaf, signatures_nd, tensor_inputs
 
-__all__ = ["Edge", "ShardingProblem", "build_problem", "lone_scalar_axes", "compute_seconds", "fold_block", "reduce_problem",
+__all__ = ["Edge", "ShardingProblem", "build_problem", "lone_scalar_axes", "gradient_only_rides", "compute_seconds", "fold_block", "reduce_problem",
            "reduce_costs", "FORBIDDEN"]
 
 #: Finite stand-in for an impossible redistribution (keeps the MILP numeric).
@@ -462,8 +462,26 @@ def lone_scalar_axes(gm: fx.GraphModule, mesh: Mesh) -> frozenset[int]:
     mesh axis that has no such all-reduce, since a search priced so may move the scalar to
     any of them; else nothing. An all-reduce is a change from ``P`` to ``B`` on an edge
     (or at the output)."""
+    needs, rides, _ = _all_reduces(gm, mesh)
+    if all((a, dtype) in rides for a, dtype in needs):
+        return frozenset()
+    # the search may move the loss to another axis: every axis without a ride counts
+    return frozenset(range(mesh.ndim)) - {a for a, dtype in rides if any(d == dtype for _, d in needs)}
+
+
+def gradient_only_rides(gm: fx.GraphModule, mesh: Mesh) -> frozenset[int]:
+    """The mesh axes on which the annotated plan of ``gm`` all-reduces a scalar that only
+    outputs read (the loss) and no other all-reduce of its dtype is there to share its
+    bucket but gradients': without them, it would pay its start-up on its own."""
+    needs, _, others = _all_reduces(gm, mesh)
+    return frozenset(a for a, dtype in needs if (a, dtype) not in others)
+
+
+def _all_reduces(gm: fx.GraphModule, mesh: Mesh) -> tuple[set, set, set]:
+    """The all-reduces of the annotated plan of ``gm`` as ``(mesh axis, dtype)`` pairs: of
+    scalars that only outputs read, of the rest, and of the rest but gradients."""
     tail = output_scalars(gm.graph)
-    needs, rides = set(), set()
+    needs, rides, others = set(), set(), set()
 
     def reduced(src: NdSBP, dst: NdSBP) -> list[int]:
         return [a for a, (x, y) in enumerate(zip(src, dst)) if x.is_partial and y.is_broadcast]
@@ -472,21 +490,27 @@ def lone_scalar_axes(gm: fx.GraphModule, mesh: Mesh) -> frozenset[int]:
         if n.op == "output":
             pairs = [(a, NdSBP.broadcast(mesh.ndim)) for a in leaves(n.args[0])
                      if isinstance(a, fx.Node) and is_scalar_valued(a) and SHARDING.has(a)]
-        elif n.op == "call_function" and SHARDING.has(n) and n.target is not operator.getitem:
+        elif n.op == "call_function" and SHARDING.has(n):
             pairs = list(zip(tensor_inputs(n), SHARDING(n).inputs))
         else:
             continue
         for arg, dst in pairs:
             outs = SHARDING(arg).outputs if SHARDING.has(arg) else ()
-            if dst is None or len(outs) != 1 or outs[0] is None:
+            leaf = selected_leaf(n) if n.target is operator.getitem else None
+            if leaf is not None and len(outs) > leaf:   # one output of several (a count)
+                outs, val = outs[leaf:leaf + 1], leaves(arg.meta["val"])[leaf]
+            else:
+                val = arg.meta["val"]
+            if dst is None or len(outs) != 1 or outs[0] is None or not isinstance(val, torch.Tensor):
                 continue
-            dtype = arg.meta["val"].dtype
-            lone = n.op == "output" or n in tail
-            (needs if lone else rides).update((a, dtype) for a in reduced(outs[0], dst))
-    if all((a, dtype) in rides for a, dtype in needs):
-        return frozenset()
-    # the search may move the loss to another axis: every axis without a ride counts
-    return frozenset(range(mesh.ndim)) - {a for a, dtype in rides if any(d == dtype for _, d in needs)}
+            found = {(a, val.dtype) for a in reduced(outs[0], dst)}
+            if n.op == "output" or n in tail:
+                needs |= found
+            else:
+                rides |= found
+                if not _parameter_traffic(arg, n):
+                    others |= found
+    return needs, rides, others
 
 
 def _parameter_traffic(arg: fx.Node, user: fx.Node) -> bool:
