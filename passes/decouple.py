@@ -362,7 +362,7 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
             even = d is not None and divides(shape, placed.replace(axis, S(d)), mesh.shape)
             new = {n: _reannotate(n, shape, axis, d, mesh, even) for n in chain} if d is not None else {}
             if d is None or any(v is None for v in new.values()):
-                log.info("parameter %s keeps its all-reduce on axis %d (no shardable update)", key, axis)
+                log.debug("parameter %s keeps its all-reduce on axis %d (no shardable update)", key, axis)
                 kept = kept or arrives is None
                 continue
             proposed[key] = (new, d, even)
@@ -373,14 +373,15 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
         # the start-ups of the buckets decoupling adds, unless they come anyway
         added = (0.0 if gathers else axis_time("all_gather", 0, mesh, axis)) + \
             (0.0 if scatters else axis_time("reduce_scatter", 0, mesh, axis))
-        # the all-reduce bucket goes, unless a gradient stays in it or the loss rides in it
+        # the all-reduce bucket goes, unless a gradient stays in it or the loss would be left
+        # alone in it
         removed = 0.0 if kept or axis in loss_riding else axis_time("all_reduce", 0, mesh, axis)
         chosen = set(margins if always else _worth_decoupling(margins, added, removed))
+        if margins:
+            log.info("axis %d: %d of the %d updates fed by an all-reduce decoupled (the rest "
+                     "modeled faster with their all-reduce)", axis, len(chosen), len(margins))
         for key, _ in sig.optimizer:
             if key not in proposed or (key in margins and key not in chosen):
-                if key in margins:
-                    log.info("parameter %s keeps its all-reduce on axis %d (reduce-scatter + "
-                             "all-gather modeled slower on this backend)", key, axis)
                 continue
             new, d, even = proposed[key]
             param = placeholders[key]
