@@ -262,9 +262,15 @@ class OutputTree:
 
 
 def hyperparameter_tensors(values: Mapping[str, float | torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hyper-parameter values as the step's 0-d float32 inputs (tensors pass through)."""
-    return {k: v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float32)
+    """Hyper-parameter values as the step's 0-d inputs (tensors pass through), in float64,
+    as torch's optimizers compute with them (Python floats: Adam's bias corrections, the
+    step size; an operator with a tensor then takes the tensor's dtype)."""
+    return {k: v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=HYPERPARAMETER_DTYPE)
             for k, v in values.items()}
+
+
+#: the dtype of the step's hyper-parameter inputs (:func:`hyperparameter_tensors`)
+HYPERPARAMETER_DTYPE = torch.float64
 
 
 # -- what the planner and the lowering passes record ----------------------------------------

@@ -35,7 +35,7 @@ from cost_models.program import program_timeline
 
 from . import inductor, pipeline
 from .errors import DDLCError, LoweringError, RuntimeMismatchError, UnsupportedInputError, as_shared
-from .ir import GLOBAL_VAL, SHARDING, STEP, collective_sequence
+from .ir import GLOBAL_VAL, HYPERPARAMETER_DTYPE, SHARDING, STEP, collective_sequence
 from .mesh import Mesh
 from .optim import hyperparameter_values, structure as optimizer_structure
 from .options import CompileOptions
@@ -653,7 +653,7 @@ class CompiledStep:
                 "new hyper-parameter value (a zero weight decay or momentum made non-zero, another "
                 f"flag, or parameters moved between groups): {'; '.join(changed)}; compile again")
         values = hyperparameter_values(self._optimizer, self._groups)
-        return {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in values.items()}
+        return {k: torch.tensor(v, dtype=HYPERPARAMETER_DTYPE, device=self.device) for k, v in values.items()}
 
     def __call__(self, *inputs, **keyword_inputs):
         """Inference (compiled without loss_fn and optimizer): the model's output, in the

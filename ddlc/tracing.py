@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import os
 import re
 import sys
@@ -176,6 +177,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     _check_no_input_mutation(gm)
     _annotate_origins(gm, inputs, annotator)
     _check_random_ops(gm)
+    _check_hidden_mutations(gm)
     _check_static_shapes(gm)
     gm.recompile()
     STEP.set(gm, StepSignature(tuple(inputs), tuple(outputs), tuple((k, specs[k]) for k in specs),
@@ -368,7 +370,15 @@ class _BatchNormAsReductions(TorchFunctionMode):
     as ``nn.SyncBatchNorm`` does, and equals the single-device model; gradients follow
     by autograd through the same sums. The running statistics are updated like torch's
     kernel: ``running = (1 - momentum) * running + momentum * stat`` with the unbiased
-    variance. Eval mode (running statistics) goes to torch unchanged."""
+    variance. Eval mode (running statistics) goes to torch unchanged.
+
+    ``F.instance_norm`` with instance statistics and running ones too: torch's kernel
+    normalizes a per-sample repeat of the running statistics with ``native_batch_norm``,
+    which updates that repeat in place though its schema says nothing of it, and reads
+    the new statistics back from it, a dependence the traced graph does not hold (the
+    running statistics came out stale, or from one rank's samples only). Written as
+    reductions too: each sample's statistics over its spatial dims, the running ones
+    moved towards their mean over the samples, as torch's kernel does."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -377,10 +387,40 @@ class _BatchNormAsReductions(TorchFunctionMode):
             bound.apply_defaults()
             if bound.arguments["training"]:
                 return _batch_norm_by_reductions(**bound.arguments)
+        if func is F.instance_norm:
+            bound = _INSTANCE_NORM.bind(*args, **kwargs)
+            bound.apply_defaults()
+            if bound.arguments["use_input_stats"] and bound.arguments["running_mean"] is not None:
+                return _instance_norm_by_reductions(**bound.arguments)
         return func(*args, **kwargs)
 
 
 _BATCH_NORM = inspect.signature(F.batch_norm)
+_INSTANCE_NORM = inspect.signature(F.instance_norm)
+
+
+def _instance_norm_by_reductions(input, running_mean, running_var, weight, bias, use_input_stats,
+                                 momentum, eps):
+    dims = list(range(2, input.ndim))
+    count = math.prod(input.shape[2:])
+    if count <= 1:
+        raise UnsupportedInputError(f"InstanceNorm in training mode needs more than one spatial "
+                                    f"value per channel, got input of shape {list(input.shape)}")
+    per_channel = [1, input.shape[1]] + [1] * (input.ndim - 2)
+    mean = input.sum(dims, keepdim=True) / count
+    centered = input - mean
+    var = (centered * centered).sum(dims, keepdim=True) / count
+    out = centered * torch.rsqrt(var + eps)
+    if weight is not None:
+        out = out * weight.reshape(per_channel)
+    if bias is not None:
+        out = out + bias.reshape(per_channel)
+    samples = input.shape[0]
+    with torch.no_grad():
+        running_mean.mul_(1 - momentum).add_(mean.flatten(1).sum(0) / samples, alpha=momentum)
+        running_var.mul_(1 - momentum).add_(var.flatten(1).sum(0) / samples,
+                                            alpha=momentum * count / (count - 1))
+    return out
 
 
 def _batch_norm_by_reductions(input, running_mean, running_var, weight, bias, training, momentum, eps):
@@ -655,6 +695,22 @@ def _check_random_ops(gm: fx.GraphModule) -> None:
                 "input's values; ddlc keeps ranks' random numbers consistent for dropout, rand, "
                 f"randn, randint, normal and uniform only ({', '.join(sorted(map(str, rng.DRAWS)))})",
                 where=origin.where(node.name) if origin else node.name)
+
+
+def _check_hidden_mutations(gm: fx.GraphModule) -> None:
+    """Refuse a ``native_batch_norm`` in training mode with running statistics: its CPU
+    kernel updates them in place though its schema does not say so, so the traced graph
+    misses that write (``F.batch_norm`` and ``F.instance_norm`` are written as reductions
+    while tracing, :class:`_BatchNormAsReductions`; this is another way to the kernel)."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.native_batch_norm.default and node.args[5] \
+                and (node.args[3] is not None or node.args[4] is not None):
+            origin = ORIGIN.get(node)
+            raise UnsupportedInputError(
+                "the step calls a batch norm kernel in training mode with running statistics "
+                "other than through F.batch_norm or F.instance_norm (torch.batch_norm, "
+                "torch.native_batch_norm, ...): its in-place update of the running statistics "
+                "cannot be traced; call F.batch_norm", where=origin.where(node.name) if origin else node.name)
 
 
 def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],

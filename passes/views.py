@@ -80,6 +80,10 @@ _CONTIGUOUS_READERS = (_aten.native_layer_norm_backward.default, _aten.softplus_
                        _aten.elu_backward.default, _aten.hardtanh_backward.default,
                        _aten.hardsigmoid_backward.default, _aten.hardswish_backward.default,
                        _aten.logit_backward.default)
+#: operator name prefixes of fused vendor kernels, which read their inputs as contiguous
+#: buffers whatever their strides (an LSTM's ``mkldnn_rnn_layer`` given its transposed
+#: input as a view computed another sequence: wrong losses, even on one device)
+_VENDOR_KERNELS = ("mkldnn_", "_mkldnn", "cudnn_", "_cudnn", "miopen_", "_miopen", "_thnn_fused")
 
 
 def views_as_views(gm: fx.GraphModule) -> fx.GraphModule:
@@ -215,7 +219,8 @@ def _needs_contiguous(node: fx.Node) -> bool:
         return False
     if not isinstance(target, OpOverload):
         return True   # a Python function: ddlc.comm's boxing pieces, ddlc.rng's draws
-    if target.namespace == "_c10d_functional" or target in _CONTIGUOUS_READERS:
+    if target.namespace == "_c10d_functional" or target in _CONTIGUOUS_READERS \
+            or target.__name__.startswith(_VENDOR_KERNELS):
         return True
     # the update reads each gradient in its parameter's (contiguous) layout, as autograd's
     # AccumulateGrad makes it: a transposed weight gradient read by the ten or so

@@ -209,3 +209,100 @@ def test_autocast_bfloat16_forward():
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())},
                              losses=(1e-3, 1e-4), params=(1e-3, 1e-4))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, cell):
+        super().__init__()
+        self.rnn, self.fc = cell(6, 12, batch_first=True), nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0])
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_recurrent_layers_train_like_single_device(cell, mesh_shape):
+    """The LSTM's ``mkldnn_rnn_layer`` reads its input as a contiguous buffer whatever its
+    strides: given the transposed input as a view (passes/views.py), it computed another
+    sequence, with wrong losses from the first step even on one device. Vendor kernels get
+    contiguous inputs."""
+    torch.manual_seed(0)
+    model = _Recurrent(cell)
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 5, 6, generator=g), torch.randn(8, 5, 3, generator=g)) for _ in range(3)]
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=0.01)  # noqa: E731
+    losses, params, _, _ = simulated(model, F.mse_loss, adamw, data, mesh_shape)
+    want, _ = eager(reference, F.mse_loss, adamw, data)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+
+
+class _InstanceNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.norm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+
+    def forward(self, x):
+        return self.norm(self.conv(x))
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_instance_norm_running_statistics_on_a_split_batch(mesh_shape):
+    """``F.instance_norm`` traces as ``native_batch_norm`` of the running statistics
+    repeated per sample, whose CPU kernel updates that repeat in place though its schema
+    says nothing (the new statistics are then read from it): the running statistics came
+    out stale or averaged over one rank's samples. Canonicalization makes the update a
+    value of the graph (``_native_batch_norm_legit_functional``)."""
+    torch.manual_seed(0)
+    model = _InstanceNormNet()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 3, 6, 6, generator=g), torch.randn(8, 4, 6, 6, generator=g)) for _ in range(3)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
+    losses, params, buffers, _ = simulated(model, F.mse_loss, sgd, data, mesh_shape)
+    want, _ = eager(reference, F.mse_loss, sgd, data)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+    for name, value in reference.named_buffers():
+        torch.testing.assert_close(buffers[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+class _DirectBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("var", torch.ones(4))
+
+    def forward(self, x):
+        return torch.batch_norm(x, self.weight, None, self.mean, self.var, True, 0.1, 1e-5, False)
+
+
+def test_a_batch_norm_kernel_called_directly_is_refused():
+    """``torch.batch_norm`` updates the running statistics in place behind its schema's
+    back, so the traced step would leave them as they were: refused at the user's line."""
+    from ddlc.errors import UnsupportedInputError
+    model = _DirectBatchNorm()
+    with pytest.raises(UnsupportedInputError, match="running statistics") as caught:
+        ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 4)), F.mse_loss,
+                   torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "test_training_loops.py" in str(caught.value) and "torch.batch_norm(" in str(caught.value)
+
+
+def test_a_float64_model_trains_in_float64():
+    """The hyper-parameters enter the step in float64, as torch's optimizers compute with
+    them (Python floats): in float32, Adam's bias correction ``1 - 0.999 ** t`` alone was
+    off by 1e-5 relative, so a float64 model trained with float32-sized errors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8)).double()
+    reference = copy.deepcopy(model)
+    data = [(x.double(), y.double()) for x, y in _regression()]
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=0.01)  # noqa: E731
+    losses, params, _, _ = simulated(model, F.mse_loss, adamw, data, (4,))
+    want, _ = eager(reference, F.mse_loss, adamw, data)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())},
+                             losses=(1e-12, 1e-14), params=(1e-12, 1e-14))
