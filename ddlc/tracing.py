@@ -511,6 +511,12 @@ _CAUSES = (
      "style), which the torch.func transforms ddlc traces with cannot run: give it a "
      "separate `setup_context` staticmethod (see PyTorch's 'Extending torch.func with "
      "autograd.Function') or write that function with plain tensor operations"),
+    (re.compile(r"saved tensor hooks", re.I), UnsupportedInputError,
+     "the model uses activation checkpointing (torch.utils.checkpoint without reentrant "
+     "mode; Hugging Face's gradient_checkpointing_enable) or another saved-tensor hook, "
+     "which the torch.func transforms ddlc traces with cannot run: call the block directly "
+     "(model.gradient_checkpointing_disable() in Hugging Face; ddlc keeps activations within "
+     "memory_budget= by its plan instead)"),
     (re.compile(r"mutate a captured Tensor", re.I), UnsupportedInputError,
      "the model updates a tensor captured from outside the step in place (a buffer such as "
      "running statistics, or a tensor attribute); ddlc does not support in-place updates of "

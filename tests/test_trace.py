@@ -310,3 +310,21 @@ def test_an_old_style_autograd_function_is_refused_with_its_cause():
     with pytest.raises(UnsupportedInputError, match="setup_context") as info:
         ddlc.trace(Model(), (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss)
     assert "autograd.Function" in str(info.value) and "test_trace.py" in str(info.value)
+
+
+def test_activation_checkpointing_is_refused_as_such():
+    """``torch.utils.checkpoint`` (non-reentrant) installs saved-tensor hooks, which the
+    torch.func transforms cannot run: refused naming checkpointing, at the user's line."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return checkpoint(self.lin, x, use_reentrant=False)
+
+    with pytest.raises(UnsupportedInputError, match="activation checkpointing") as info:
+        ddlc.trace(Model(), (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss)
+    assert "test_trace.py" in str(info.value)
