@@ -73,7 +73,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         raise UnsupportedInputError("clip_grad_norm clips gradients: it needs a loss_fn or an "
                                     "optimizer")
     if training:
-        _check_batch_norms(model)
+        _check_modules(model)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [k for k, p in params.items() if p.requires_grad]
@@ -174,7 +174,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         outputs = [OutputSpec("output", f"output{i}") for i in range(outputs_tree.num_tensors)]
     outputs += [OutputSpec("buffer", k) for k in buffers]
     outputs = _drop_unchanged_buffers(gm, inputs, outputs)
-    _check_no_input_mutation(gm)
+    _check_no_input_mutation(gm, inputs)
     _annotate_origins(gm, inputs, annotator)
     _check_random_ops(gm)
     _check_hidden_mutations(gm)
@@ -227,10 +227,15 @@ def _checked_output(out):
     return out
 
 
-def _check_batch_norms(model: nn.Module) -> None:
+def _check_modules(model: nn.Module) -> None:
     """Refuse BatchNorm layers whose training-mode update needs a running count's value
-    (``momentum=None``: a cumulative average, ``1 / num_batches_tracked``)."""
+    (``momentum=None``: a cumulative average, ``1 / num_batches_tracked``), and embeddings
+    with sparse gradients (no sparse tensor runs through the traced update)."""
     for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+            raise UnsupportedInputError(
+                f"{type(module).__name__} {name!r} has sparse=True: ddlc trains with dense "
+                "gradients only; give it sparse=False", where=f"module {name} ({type(module).__name__})")
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training \
                 and module.track_running_stats and module.momentum is None:
             raise UnsupportedInputError(
@@ -502,6 +507,10 @@ class _ModuleAnnotator:
 #: What torch's errors while tracing mean, first match wins: (pattern, error type, cause).
 #: "The example inputs may not match the model" is said only for shape errors.
 _CAUSES = (
+    (re.compile(r"DynamicOutputShapeException", re.I), UnsupportedInputError,
+     "the step calls an operator whose output size torch cannot tell without running it "
+     "(it has no shape rule for tracing, e.g. aten._ctc_loss of F.ctc_loss), so ddlc cannot "
+     "trace it into one static graph"),
     (re.compile(r"data.dependent|GuardOnDataDependent|DataDependentOutput|Could not guard on|"
                 r"item\(\)|tolist\(\)|unallocated storage|aten\._local_scalar_dense", re.I), TraceError,
      "the model has data-dependent Python control flow or reads a tensor's value (e.g. "
@@ -663,10 +672,19 @@ def _rename_placeholder(node: fx.Node, spec: InputSpec) -> str:
     return node.name
 
 
-def _check_no_input_mutation(gm: fx.GraphModule) -> None:
+def _check_no_input_mutation(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> None:
+    """Refuse a step that writes one of its inputs in place, other than a buffer."""
+    by_name = {i.name: i for i in inputs}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
                 and node.args[0].op == "placeholder":
+            spec = by_name.get(node.args[0].name)
+            if spec is not None and spec.role == "param":
+                raise UnsupportedInputError(
+                    f"the forward writes parameter {spec.key!r} in place (e.g. "
+                    "nn.Embedding(max_norm=...) renormalizes the rows it reads); ddlc carries "
+                    "in-place updates of the model's buffers only: renormalize outside the "
+                    "step, or use F.normalize on the looked-up rows")
             raise UnsupportedInputError(
                 f"the step mutates its input {node.args[0].name!r} in place (a batch tensor "
                 "or a tensor captured from outside the model); ddlc carries in-place updates "

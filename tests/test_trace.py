@@ -1,6 +1,7 @@
 """The traced step, run eagerly, reproduces the eager model and torch.optim."""
 import contextlib
 import copy
+import re
 
 import pytest
 import torch
@@ -328,3 +329,39 @@ def test_activation_checkpointing_is_refused_as_such():
     with pytest.raises(UnsupportedInputError, match="activation checkpointing") as info:
         ddlc.trace(Model(), (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss)
     assert "test_trace.py" in str(info.value)
+
+
+class _Embedder(torch.nn.Module):
+    def __init__(self, **options):
+        super().__init__()
+        self.emb, self.fc = torch.nn.Embedding(20, 8, **options), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(self.emb(x)).mean(1)
+
+
+@pytest.mark.parametrize("options, cause", [
+    ({"sparse": True}, "sparse=True: ddlc trains with dense gradients only"),
+    ({"max_norm": 1.0}, "the forward writes parameter 'emb.weight' in place")],
+    ids=["sparse", "max_norm"])
+def test_embedding_options_ddlc_cannot_carry_are_refused_with_their_cause(options, cause):
+    """A sparse gradient failed deep inside the update's trace (addcmul on SparseCPU); an
+    embedding's max_norm renormalizes its weight in place in forward, which was refused as
+    a mutated "batch tensor or captured tensor"."""
+    model = _Embedder(**options)
+    with pytest.raises(UnsupportedInputError, match=re.escape(cause)):
+        ddlc.trace(model, (torch.randint(0, 20, (8, 5)), torch.randn(8, 3)), F.mse_loss,
+                   torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_an_operator_without_a_static_shape_rule_is_named():
+    """F.ctc_loss's ``aten._ctc_loss`` has no static output shape under fake tensors: refused
+    as such at the user's line, not as inputs that "may not match"."""
+    def loss(out, target):
+        return F.ctc_loss(out, target, torch.full((8,), 10), torch.full((8,), 3))
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.LogSoftmax(-1))
+    with pytest.raises(UnsupportedInputError, match="output size torch cannot tell") as info:
+        ddlc.trace(model, (torch.randn(10, 8, 6), torch.randint(1, 6, (8, 3))), loss,
+                   torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "_ctc_loss" in str(info.value) and "test_trace.py" in str(info.value)
