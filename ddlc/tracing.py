@@ -708,16 +708,20 @@ def _check_static_shapes(gm: fx.GraphModule) -> None:
 
 
 def _check_random_ops(gm: fx.GraphModule) -> None:
-    """Refuse a random op whose numbers depend on an input's values (``bernoulli`` of a
-    probability tensor, ``multinomial``): :mod:`ddlc.rng` draws every random tensor for
-    its global shape on every rank, which such an op does not allow."""
+    """Refuse a random op that :mod:`ddlc.rng` does not draw: one whose numbers depend on
+    an input's values (``bernoulli`` of a probability tensor, ``multinomial``; ddlc.rng draws
+    every random tensor for its global shape on every rank, which such an op does not
+    allow), or a distribution it has no draw for (``exponential``, ...)."""
     for node in gm.graph.nodes:
         if rng.draws_random_numbers(node) and not rng.supported(node):
             origin = ORIGIN.get(node)
             raise UnsupportedInputError(
-                f"the step draws random numbers with {node.target}, whose result depends on an "
-                "input's values; ddlc keeps ranks' random numbers consistent for dropout, rand, "
-                f"randn, randint, normal and uniform only ({', '.join(sorted(map(str, rng.DRAWS)))})",
+                f"the step draws random numbers with {node.target}, which ddlc does not reproduce "
+                "across ranks: it keeps ranks' random numbers consistent for dropout, rand, randn, "
+                f"randint, normal and uniform only ({', '.join(sorted(map(str, rng.DRAWS)))}); one "
+                "whose numbers depend on an input's values (bernoulli of a probability tensor, "
+                "multinomial) cannot be, others (exponential: F.gumbel_softmax; cauchy, geometric) "
+                "are not yet",
                 where=origin.where(node.name) if origin else node.name)
 
 

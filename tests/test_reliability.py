@@ -28,6 +28,17 @@ def test_a_partial_placement_of_user_data_is_refused(key):
         pipeline.resolve_placements(gm, {key: "(P)"}, 1)
 
 
+class _GumbelSoftmax(torch.nn.Module):
+    """Samples with F.gumbel_softmax: an exponential draw ddlc.rng has no draw for."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return F.gumbel_softmax(self.fc(x), tau=0.5)
+
+
 class _StochasticMask(torch.nn.Module):
     """Samples a mask from per-element probabilities: numbers that depend on a value."""
 
@@ -42,7 +53,7 @@ class _StochasticMask(torch.nn.Module):
 
 def test_value_dependent_random_ops_are_refused_at_the_users_line():
     x = torch.randn(8, 4)
-    with pytest.raises(UnsupportedInputError, match="depends on an input's values") as info:
+    with pytest.raises(UnsupportedInputError, match="does not reproduce across ranks") as info:
         ddlc.trace(_StochasticMask(), (x, x), F.mse_loss)
     assert "test_reliability.py" in str(info.value) and "torch.bernoulli" in str(info.value)
 
@@ -204,7 +215,9 @@ CATALOGUE = [
     ("BatchNorm with a cumulative average", lambda: ddlc.trace(_bn_model(), (_X, _X), F.mse_loss),
      UnsupportedInputError, "BatchNorm1d '1' has momentum=None"),
     ("sampling from probabilities", lambda: ddlc.trace(_StochasticMask(), (_X, _X), F.mse_loss),
-     UnsupportedInputError, "depends on an input's values"),
+     UnsupportedInputError, "does not reproduce across ranks"),
+    ("gumbel-softmax sampling", lambda: ddlc.trace(_GumbelSoftmax(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, "exponential"),
     ("a non-ASCII mesh", lambda: ddlc.Mesh("²"), MeshError, "cannot parse mesh shape"),
     ("an unknown compile option", lambda: CompileOptions.from_kwargs(solvr="cd"),
      ddlc.errors.OptionError, "solvr"),
