@@ -548,8 +548,10 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
         # GPT-2-small step)
         with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model), \
                 _forward_frames_only(), _use_lazy_graph_module(True):
+            # a tensor the forward or loss captures from outside the model (class weights
+            # in a global) becomes a constant of the graph
             return make_fx(functionalize(fn, remove=remove), tracing_mode="fake",
-                           record_stack_traces=True)(*flat)
+                           record_stack_traces=True, _allow_non_fake_inputs=True)(*flat)
     except (UnsupportedInputError, TraceError):
         raise
     except Exception as e:  # torch raises many types; name the cause and the user's line

@@ -306,3 +306,33 @@ def test_a_float64_model_trains_in_float64():
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())},
                              losses=(1e-12, 1e-14), params=(1e-12, 1e-14))
+
+
+_CLASS_WEIGHTS = torch.tensor([1.0, 2.0, 0.5, 1.5, 1.0])
+
+
+class _ScaledHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = nn.Linear(6, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.a(x))) * _CLASS_WEIGHTS  # a tensor from outside the model
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_tensors_captured_from_outside_the_model_are_constants(mesh_shape):
+    """Class weights kept in a global, read by the forward and by the loss: they become
+    constants of the traced step (the trace stopped with "the example inputs may not
+    match the model", from fake tensors meeting a real one)."""
+    torch.manual_seed(0)
+    model = _ScaledHeads()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(3)]
+    loss = lambda out, target: F.cross_entropy(out, target, weight=_CLASS_WEIGHTS)  # noqa: E731
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    losses, params, _, _ = simulated(model, loss, sgd, data, mesh_shape)
+    want, _ = eager(reference, loss, sgd, data)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
