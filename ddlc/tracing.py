@@ -191,7 +191,10 @@ def _stamp_updates(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: 
                    scalar_names: Mapping[int, tuple[str, ...]], n_norm: int) -> None:
     """Turn the traced ``(loss, *norm, *grads, *scalars, *buffers)`` outputs of the step
     into ``(loss, *norm, *new_params, *new_state, *buffers)`` by stamping in every
-    parameter's update (:func:`ddlc.updates.stamp_updates`)."""
+    parameter's update (:func:`ddlc.updates.stamp_updates`). A parameter the loss does not
+    depend on (its gradient, zeros from torch.func, is not computed from the loss) keeps its
+    value and state, as torch.optim skips a parameter whose ``grad`` is None: no weight
+    decay, no step count."""
     node_of = {(i.role, i.key): n for i, n in zip(inputs, placeholders)}
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = list(output.args[0])
@@ -199,12 +202,39 @@ def _stamp_updates(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: 
     rest = iter(values[1 + n_norm + len(specs):])
     scalars = {g: tuple(next(rest) for _ in names) for g, names in scalar_names.items()}
     buffers = list(rest)
+    from_loss = _descendants(head[0])
     updates = [Update(spec, node_of["param", k], grad,
                       tuple(node_of["opt_state", f"{k}:{s}"] for s in spec.state_names),
                       scalar_names[group_of[k]], scalars[group_of[k]])
                for (k, spec), grad in zip(specs.items(), grads)]
-    new = stamp_updates(gm.graph, updates, {"ddlc_phase": "optimizer", "ddlc_module": None})
+    used = [u for u in updates if u.grad in from_loss]
+    stamped = dict(zip(map(id, used), stamp_updates(gm.graph, used, {"ddlc_phase": "optimizer",
+                                                                       "ddlc_module": None})))
+    new = [stamped.get(id(u)) or (u.param, *u.state) for u in updates]
     output.args = ((*head, *(n[0] for n in new), *(s for n in new for s in n[1:]), *buffers),)
+    for update in updates:  # the zeros of an unused parameter's gradient
+        _erase_if_unused(gm.graph, update.grad)
+
+
+def _erase_if_unused(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` if nothing reads it, and then its inputs that nothing else reads."""
+    if node.op == "placeholder" or node.users:
+        return
+    inputs = node.all_input_nodes
+    graph.erase_node(node)
+    for arg in inputs:
+        _erase_if_unused(graph, arg)
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node computed from it."""
+    found, stack = {node}, [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in found:
+                found.add(user)
+                stack.append(user)
+    return found
 
 
 def _initial_state(spec, param: torch.Tensor) -> dict[str, torch.Tensor]:

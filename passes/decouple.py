@@ -348,6 +348,8 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
             param = placeholders[key]
             shape = tuple(param.meta["val"].shape)
             chain, states = chains[key]
+            if not chain:  # a parameter the loss does not read: no update (see ddlc.tracing)
+                continue
             if _update_sbp(chain, shape)[axis].is_split:  # an update on a shard already:
                 gathers = True                            # its all-gather comes anyway
                 scatters = scatters or _reduce_scattered(chain, axis)

@@ -336,3 +336,33 @@ def test_tensors_captured_from_outside_the_model_are_constants(mesh_shape):
     want, _ = eager(reference, loss, sgd, data)
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())})
+
+
+class _WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(16, 8), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1),
+    lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)],
+    ids=["adamw", "sgd"])
+def test_a_parameter_the_loss_does_not_read_is_left_alone(make):
+    """torch.optim skips a parameter whose grad is None; torch.func gave it zeros, and the
+    update then weight-decayed it (AdamW moved it by 1.6e-3, SGD by 3e-2 in three steps).
+    Its update is left out: value and state unchanged; decouple passes over it."""
+    from passes.decouple import decouple
+    torch.manual_seed(0)
+    model = _WithUnused()
+    reference = copy.deepcopy(model)
+    data = _regression()
+    losses, params, _, gm = simulated(model, F.mse_loss, make, data, (4,))
+    want, _ = eager(reference, F.mse_loss, make, data)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+    assert torch.equal(params["unused.weight"], model.unused.weight)
+    assert "unused.weight" not in decouple(gm, ddlc.Mesh((4,)), always=True)
