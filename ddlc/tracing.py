@@ -207,10 +207,9 @@ def _stamp_updates(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: 
                       tuple(node_of["opt_state", f"{k}:{s}"] for s in spec.state_names),
                       scalar_names[group_of[k]], scalars[group_of[k]])
                for (k, spec), grad in zip(specs.items(), grads)]
-    used = [u for u in updates if u.grad in from_loss]
-    stamped = dict(zip(map(id, used), stamp_updates(gm.graph, used, {"ddlc_phase": "optimizer",
-                                                                       "ddlc_module": None})))
-    new = [stamped.get(id(u)) or (u.param, *u.state) for u in updates]
+    stamped = iter(stamp_updates(gm.graph, [u for u in updates if u.grad in from_loss],
+                                 {"ddlc_phase": "optimizer", "ddlc_module": None}))
+    new = [next(stamped) if u.grad in from_loss else (u.param, *u.state) for u in updates]
     output.args = ((*head, *(n[0] for n in new), *(s for n in new for s in n[1:]), *buffers),)
     for update in updates:  # the zeros of an unused parameter's gradient
         _erase_if_unused(gm.graph, update.grad)
@@ -451,11 +450,17 @@ def _instance_norm_by_reductions(input, running_mean, running_var, weight, bias,
     if bias is not None:
         out = out + bias.reshape(per_channel)
     samples = input.shape[0]
-    with torch.no_grad():
-        running_mean.mul_(1 - momentum).add_(mean.flatten(1).sum(0) / samples, alpha=momentum)
-        running_var.mul_(1 - momentum).add_(var.flatten(1).sum(0) / samples,
-                                            alpha=momentum * count / (count - 1))
+    _move_running_stats(running_mean, running_var, mean.flatten(1).sum(0) / samples,
+                        var.flatten(1).sum(0) / samples, momentum, count)
     return out
+
+
+def _move_running_stats(running_mean, running_var, mean, var, momentum, count) -> None:
+    """torch's kernels' update: ``running = (1 - momentum) * running + momentum * stat``,
+    the variance made unbiased over the ``count`` values it was computed from."""
+    with torch.no_grad():
+        running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+        running_var.mul_(1 - momentum).add_(var, alpha=momentum * count / (count - 1))
 
 
 def _batch_norm_by_reductions(input, running_mean, running_var, weight, bias, training, momentum, eps):
@@ -477,9 +482,7 @@ def _batch_norm_by_reductions(input, running_mean, running_var, weight, bias, tr
     if bias is not None:
         out = out + per_channel(bias)
     if running_mean is not None:
-        with torch.no_grad():
-            running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-            running_var.mul_(1 - momentum).add_(var, alpha=momentum * count / (count - 1))
+        _move_running_stats(running_mean, running_var, mean, var, momentum, count)
     return out
 
 
