@@ -376,6 +376,36 @@ def test_elimination_sums_like_plain_summation():
         assert solve_elimination(unary, edges, order) == _eliminate_plainly(unary, edges, order)
 
 
+def test_elimination_solves_a_repeated_block_once(monkeypatch):
+    """A chain of identical blocks (one layer's costs repeated, joined by the same edge):
+    buckets that sum the same tables in the same order are solved once, and the result is
+    still exactly plain elimination's."""
+    import numpy as np
+
+    import passes.sharding.exact as exact
+    from passes.sharding.problem import Edge
+    rng = np.random.default_rng(1)
+    sizes = [4, 5, 3]
+    unary_block = [np.floor(rng.random(s) * 5) * 0.1 for s in sizes]
+    inner = [(0, 1, np.floor(rng.random((4, 5)) * 5) * 0.1), (1, 2, np.floor(rng.random((5, 3)) * 5) * 0.1),
+             (0, 2, np.floor(rng.random((4, 3)) * 5) * 0.1)]
+    joint = np.floor(rng.random((3, 4)) * 5) * 0.1  # block k's last variable -> block k+1's first
+    unary, edges, layers = [], [], 12
+    for k in range(layers):
+        base = 3 * k
+        unary += [u.copy() for u in unary_block]
+        edges += [Edge(base + a, base + b, c.copy()) for a, b, c in inner]
+        if k:
+            edges.append(Edge(base - 1, base, joint.copy()))
+    unary[0] = unary[0] + np.array([0.3, 0.0, 0.1, 0.2])  # the chain's ends differ from the rest
+    calls = []
+    plain_minimize = exact._minimize_out
+    monkeypatch.setattr(exact, "_minimize_out", lambda *a: calls.append(1) or plain_minimize(*a))
+    order = [3 * k + i for k in range(layers) for i in (1, 2, 0)]  # inner variables first
+    assert exact.solve_elimination(unary, edges, order) == _eliminate_plainly(unary, edges, order)
+    assert len(calls) <= layers + 4  # per layer only the bucket that carries the chain is new
+
+
 def _pinned_plan(model, batch, loss_fn, params_sbp, mesh, **options):
     """The plan of ``model`` with the batch split on dim 0 and every parameter placed
     ``params_sbp`` (``(B)`` where that does not divide), moving no activation."""

@@ -31,6 +31,7 @@ Their docstrings point at the lines that build each quantity.
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 import math
@@ -196,14 +197,23 @@ def solve_elimination(unary: Sequence[np.ndarray], edges: Sequence, order: Seque
     Eliminating ``v`` (the ``for v in order`` loop) minimizes, over ``v``, the sum of the
     factors that mention ``v``, a table over the union ``rest`` of their scopes: the new
     factor ``min_v`` and ``argmin_v`` over ``rest`` (:func:`_minimize_out`); the last loop
-    back-substitutes those argmins in reverse order."""
+    back-substitutes those argmins in reverse order.
+
+    Repeated layers give buckets that compute the same tables: each factor carries a
+    content key (a digest of an input table's bytes; for a new factor, the key of the
+    bucket that made it), a bucket's key is its factors' keys in order with where each
+    one's axes land in ``(v, *rest)``, and a bucket whose key was met before takes that
+    bucket's ``min_v`` and ``argmin_v`` instead of summing again (the same additions in the
+    same order, so the same tables: the result does not change, only the work)."""
     factors = {}
     by_var = [set() for _ in unary]
     ids = itertools.count()
 
-    def add(scope: tuple[int, ...], table: np.ndarray) -> None:
+    def add(scope: tuple[int, ...], table: np.ndarray, key: bytes | None = None) -> None:
         i = next(ids)
-        factors[i] = (scope, table)
+        if key is None:
+            key = hashlib.sha1(f"{table.shape}{table.dtype}".encode() + table.tobytes()).digest()
+        factors[i] = (scope, table, key)
         for v in scope:
             by_var[v].add(i)
 
@@ -217,20 +227,25 @@ def solve_elimination(unary: Sequence[np.ndarray], edges: Sequence, order: Seque
         else:
             add((e.dst, e.src), e.cost.T)
     sizes = [len(u) for u in unary]
-    steps = []
+    steps, solved = [], {}  # solved: bucket key -> (min_v, argmin_v) of the first such bucket
     for v in order:
         bucket = sorted(by_var[v])
         rest = tuple(sorted({w for i in bucket for w in factors[i][0]} - {v}))
-        pieces = []  # each factor with v first and broadcastable to (sizes[v], *rest)
-        for i in bucket:
-            sub, table = factors.pop(i)
+        axis = {w: k for k, w in enumerate((v,) + rest)}
+        pieces, digest = [], hashlib.sha1(repr((sizes[v], [sizes[w] for w in rest])).encode())
+        for i in bucket:  # each factor with v first and broadcastable to (sizes[v], *rest)
+            sub, table, key = factors.pop(i)
             for w in sub:
                 by_var[w].discard(i)
+            digest.update(key + repr([axis[w] for w in sub]).encode())
             table = np.moveaxis(table, sub.index(v), 0) if v in sub else table[None]
             pieces.append(table.reshape([table.shape[0]] + [sizes[w] if w in sub else 1 for w in rest]))
-        least, arg = _minimize_out(pieces, sizes[v], tuple(sizes[w] for w in rest))
+        key = digest.digest()
+        if key not in solved:
+            solved[key] = _minimize_out(pieces, sizes[v], tuple(sizes[w] for w in rest))
+        least, arg = solved[key]
         steps.append((v, rest, arg))
-        add(rest, least)
+        add(rest, least, key)
     choice = [0] * len(unary)
     for v, rest, arg in reversed(steps):
         choice[v] = int(arg[tuple(choice[w] for w in rest)])
