@@ -1,4 +1,4 @@
 """``python -m ddlc``: see :mod:`ddlc.cli`."""
-from .cli import main
+from .cli import run_and_exit
 
-raise SystemExit(main())
+run_and_exit()

@@ -24,11 +24,13 @@ import contextlib
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, replace
+from typing import NoReturn
 
 from .errors import DDLCError, OptionError, RuntimeMismatchError, as_shared
 
@@ -49,6 +51,20 @@ def main(argv=None) -> int:
             traceback.print_exc()
         print(f"ddlc {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 2
+
+
+def run_and_exit(argv=None) -> NoReturn:
+    """:func:`main` as a command (``python -m ddlc``, the ``ddlc`` script): flush the
+    output, then end the process at once. A compile leaves millions of small objects
+    (graphs, their meta, fake values, the searches' trial graphs, much of it in reference
+    cycles), and the interpreter's own teardown walks them all: about 1 s of a 12 s
+    ``ddlc plan`` on the GPT-2-small-shaped model. Files the command writes are closed
+    by then; the log is flushed here."""
+    code = main(argv)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _one_line(error: Exception) -> str:
