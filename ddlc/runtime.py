@@ -15,6 +15,7 @@ and keeps only its own shards of the parameters and optimizer state
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -37,6 +38,7 @@ from . import inductor, pipeline
 from .errors import DDLCError, LoweringError, RuntimeMismatchError, UnsupportedInputError, as_shared
 from .ir import GLOBAL_VAL, HYPERPARAMETER_DTYPE, SHARDING, STEP, collective_sequence
 from .mesh import Mesh
+from .model_state import ModelWatch, autocast_state, autocast_words
 from .optim import hyperparameter_values, structure as optimizer_structure
 from .options import CompileOptions
 from .plan import Plan
@@ -416,14 +418,6 @@ def _compile_with_inductor(gm: fx.GraphModule, device: torch.device):
     return run
 
 
-def _frozen_state(model: nn.Module) -> tuple:
-    """What a compiled step fixes of ``model``: each module's train/eval mode, and each
-    parameter's identity, ``requires_grad`` and version counter (an in-place write, such as
-    ``load_state_dict`` or an optimizer step, bumps it)."""
-    return (tuple((n, m.training) for n, m in model.named_modules()),
-            tuple((n, id(p), p.requires_grad, p._version) for n, p in model.named_parameters()))
-
-
 def _group_members(optimizer: torch.optim.Optimizer) -> tuple:
     """Per param group of ``optimizer``, the ids of its parameters."""
     return tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups)
@@ -485,7 +479,8 @@ class CompiledStep:
         self._members = _group_members(optimizer) if optimizer is not None else None
         self._groups = dict(self.signature.param_groups)
         self._model = model
-        self._frozen = _frozen_state(model)
+        self._watch = ModelWatch(model)
+        self._autocast = autocast_state()
 
     # -- placement helpers ---------------------------------------------------------------
     def _sbp(self, key: str) -> NdSBP:
@@ -572,7 +567,12 @@ class CompiledStep:
     def _run(self, args, kwargs, hyperparameters: dict | None = None):
         flat = self.signature.flatten(self.params, self.buffers, self.opt_state,
                                       self._local_batch(args, kwargs), hyperparameters)
-        return self.signature.unflatten(self.program(*flat))
+        if not self._autocast:
+            return self.signature.unflatten(self.program(*flat))
+        with contextlib.ExitStack() as stack:  # the casts autocast made are in the graph
+            for device, _ in self._autocast:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            return self.signature.unflatten(self.program(*flat))
 
     def step(self, *batch, **keyword_batch) -> torch.Tensor:
         """One training step on ``batch`` (the tensors, or for a step compiled on a dict
@@ -613,24 +613,22 @@ class CompiledStep:
 
     def _check_model(self) -> None:
         """Refuse to run when the model changed since compile in a way the program cannot
-        see: it holds its own shards of the weights and runs in the modes it was traced in."""
-        now = _frozen_state(self._model)
-        if now == self._frozen:
-            return
-        (modes, params), (old_modes, old_params) = now, self._frozen
-        if modes != old_modes:
-            name, training = next((b for a, b in zip(old_modes, modes) if a != b), ("", None))
+        see (:class:`ddlc.model_state.ModelWatch`: it holds its own shards of the weights
+        and buffers and runs the modules as they were traced), or when ``torch.autocast``
+        is not as it was at compile (the traced step has its dtypes)."""
+        change = self._watch.change()
+        if change is not None:
             raise UnsupportedInputError(
-                f"the model's modules changed after compile ({name or 'the model'} is now in "
-                f"{'training' if training else 'eval'} mode, or modules were added or removed): the "
-                "compiled step runs as it was traced; set the mode back, or compile again")
-        name = next((b[0] for a, b in zip(old_params, params) if a != b), "a parameter")
-        raise UnsupportedInputError(
-            f"the model's parameter {name} changed after compile (requires_grad switched, replaced, "
-            "or written in place, e.g. by model.load_state_dict or an eager optimizer step): the "
-            "compiled step holds its own copy of the weights and would ignore it; compile again "
-            "(it takes the model's weights as they are then), or restore a checkpoint with "
-            "step.load_checkpoint")
+                f"the model changed after compile: {change}. The compiled step runs the model as "
+                "it was traced and holds its own copy of the weights and buffers, so it would "
+                "ignore the change: undo it, or compile again (that takes the model as it is "
+                "then); weights written into the model are superseded by step.load_checkpoint")
+        if autocast_state() != self._autocast:
+            raise UnsupportedInputError(
+                f"torch.autocast is {autocast_words(autocast_state())} here but was "
+                f"{autocast_words(self._autocast)} when the step was compiled; the traced step "
+                "has the dtypes it was traced with: call step() under the autocast that "
+                "ddlc.compile ran under (or compile again under this one)")
 
     def _hyperparameters(self) -> dict[str, torch.Tensor]:
         """This step's hyper-parameter inputs, read from the optimizer's param groups now
@@ -730,6 +728,7 @@ class CompiledStep:
             role, name = key.split("/", 1)
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
                 value.to_local().contiguous()
+        self._watch.accept_writes()  # the model's weights written since compile are superseded
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """Full optimizer state keyed ``"<param>:<state>"`` (collective)."""

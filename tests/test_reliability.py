@@ -419,6 +419,13 @@ _CHANGES = {
     "load_state_dict": lambda model, opt: model.load_state_dict(
         {k: v + 1 for k, v in model.state_dict().items()}),
     "swap_groups": _swap_groups,
+    "dropout_p": lambda model, opt: setattr(model[2], "p", 0.5),
+    "forward_hook": lambda model, opt: model[0].register_forward_hook(lambda m, i, o: o * 2),
+    "gradient_hook": lambda model, opt: model[3].weight.register_hook(lambda g: g * 0.5),
+    "buffer_reassigned": lambda model, opt: model[0].register_buffer("scale", torch.ones(1)),
+    # not changes of this model: accepted
+    "hook_elsewhere": lambda model, opt: torch.nn.Linear(2, 2).register_forward_hook(lambda m, i, o: o),
+    "same_value": lambda model, opt: setattr(model[2], "p", float("0.1")),
 }
 
 
@@ -436,6 +443,17 @@ def _changes_after_compile(rank):
             refused[name] = None
         except UnsupportedInputError as error:
             refused[name] = str(error)
+    # torch.autocast at step() as it was at compile, or refused
+    model = _net(0.0)
+    step = ddlc.compile(model, (1,), batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        try:
+            step.step(*batch)
+        except UnsupportedInputError as error:
+            refused["autocast"] = str(error)
+        model = _net(0.0)
+        step = ddlc.compile(model, (1,), batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+        autocast_losses = [float(step.step(*batch)) for _ in range(2)]
     # an optimizer that has stepped already: the compiled step continues from its state
     model = _net()
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
@@ -445,20 +463,41 @@ def _changes_after_compile(rank):
         opt.step()
     step = ddlc.compile(model, (1,), batch, F.mse_loss, opt)
     losses = [float(step.step(*batch)) for _ in range(2)]
-    return refused, losses, step.state_dict()
+    return refused, losses, step.state_dict(), autocast_losses
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_changes_after_compile_are_refused_and_an_optimizers_state_is_taken():
-    """A mode switch, a parameter frozen or overwritten (``model.load_state_dict``) and
-    parameters swapped between param groups after compile would be ignored by the compiled
-    step: each is refused with its cause. An optimizer that has stepped before compile
+    """A mode switch, a parameter frozen or overwritten (``model.load_state_dict``),
+    parameters swapped between param groups, a module's attribute changed (dropout's p), a
+    hook added (forward, gradient) and a buffer added after compile would be ignored by the
+    compiled step: each is refused with its cause. A hook on another model, or an attribute
+    given the value it had, is not a change. A step compiled outside ``torch.autocast`` is
+    refused under it; one compiled and run under it gives eager's bfloat16 losses. An optimizer that has stepped before compile
     hands its state to the compiled step, which continues as eager training does."""
-    refused, losses, state = spawn(_changes_after_compile, 1, timeout=90, deadline=110)[0]
-    assert "eval mode" in refused["eval"] and "0.weight changed" in refused["freeze"]
-    assert "changed after compile" in refused["load_state_dict"]
+    refused, losses, state, autocast_losses = spawn(_changes_after_compile, 1, timeout=90, deadline=110)[0]
+    assert "eval mode" in refused["eval"] and "parameter 0.weight was frozen" in refused["freeze"]
+    assert "parameter 0.weight was written in place" in refused["load_state_dict"]
     assert "moved between the optimizer's param groups" in refused["swap_groups"]
+    assert "2.p changed (0.1 -> 0.5)" in refused["dropout_p"]
+    assert "forward hook was added to or removed from module 0" in refused["forward_hook"]
+    assert "backward hook was added to or removed from parameter 3.weight" in refused["gradient_hook"]
+    assert "a buffer of 0 was replaced, added or removed" in refused["buffer_reassigned"]
+    assert refused["hook_elsewhere"] is None and refused["same_value"] is None
+    assert "torch.autocast is on for cpu (bfloat16) here but was off" in refused["autocast"]
+    x, y = _fixed_batch()
+    model = _net(0.0)  # compiled and stepped under autocast: eager's bfloat16 numbers
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(model(x), y)
+        want.append(float(loss.detach()))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert autocast_losses == pytest.approx(want, rel=1e-6)
     batch = _fixed_batch()
     model = _net()
     opt = torch.optim.Adam(model.parameters(), lr=0.05)

@@ -1,0 +1,197 @@
+"""What a traced step fixes of the user's model, and what changed since.
+
+A compiled step runs the model as it was traced: every module's attributes (train/eval
+mode, dropout's ``p``, batch norm's ``momentum`` and ``eps``, a Python counter), its hooks
+(module, global and parameter ones), the parameters and buffers it holds (their identity,
+``requires_grad`` and version counter: an in-place write bumps it) and the submodules.
+A change to any of them after compile is one the program cannot see, so
+:class:`ModelWatch` notices it before every step and names it.
+
+The check is cheap enough for every step (about 0.15 ms on a GPT-2-small-sized model):
+a snapshot is each module's attribute values, parameters, buffers and submodules as
+tuples compared by identity first, the hook dictionaries' lengths, the versions, and
+torch's hook handle counter (``RemovableHandle.next_id``, which every hook registration
+anywhere advances). Only when the snapshot differs does :meth:`ModelWatch.change` look
+for what changed; a registration elsewhere (the handle counter moved, no hook of this
+model did) is accepted there.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_mod
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["ModelWatch", "autocast_state", "autocast_words", "describe"]
+
+#: torch's hooks on every module (``register_module_forward_hook`` and friends)
+_GLOBAL_HOOKS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_pre_hooks",
+                 "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
+                 "_global_forward_hooks_always_called")
+
+#: a tensor's hooks on its gradient (``register_hook``, ``register_post_accumulate_grad_hook``)
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+#: what a module holds besides attributes, and what to call one
+_MEMBERS = {"_modules": "a submodule", "_parameters": "a parameter", "_buffers": "a buffer"}
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _hook_dicts(modules, params) -> list[tuple[str, dict | None, str]]:
+    """(where, hook dictionary, what kind of hook) for every hook dictionary that can change
+    what the model computes: each module's, the global ones and each parameter's."""
+    found = [(f"module {name or '<root>'}", hooks, attr.strip("_").replace("_", " "))
+             for name, m in modules for attr, hooks in vars(m).items()
+             if attr.endswith("hooks") and isinstance(hooks, dict) and "state_dict" not in attr]
+    found += [("every module", getattr(module_mod, attr), attr.strip("_").replace("_", " "))
+              for attr in _GLOBAL_HOOKS]
+    found += [(f"parameter {name}", getattr(p, attr, None), attr.strip("_").replace("_", " "))
+              for name, p in params for attr in _TENSOR_HOOKS]
+    return found
+
+
+class ModelWatch:
+    """A snapshot of what a traced step fixes of ``model`` (see the module docstring);
+    :meth:`change` says what differs now, or None."""
+
+    def __init__(self, model: nn.Module):
+        self._modules = list(model.named_modules())
+        self._params = list(model.named_parameters())
+        self._buffers = list(model.named_buffers())
+        self._attributes = [dict(vars(m)) for _, m in self._modules]
+        self._members = [{kind: dict(getattr(m, kind)) for kind in _MEMBERS} for _, m in self._modules]
+        self._module_hooks = [h for _, m in self._modules for attr, h in vars(m).items()
+                              if attr.endswith("hooks") and isinstance(h, dict)]
+        self._snapshot = self._take()
+        self._hook_keys = [tuple(h or ()) for _, h, _ in _hook_dicts(self._modules, self._params)]
+        self._next_id = RemovableHandle.next_id
+
+    def _take(self) -> tuple[list, tuple]:
+        """(objects to compare by identity, numbers to compare by value)."""
+        objects = []
+        for _, m in self._modules:
+            objects += [*vars(m).values(), *m._parameters.values(), *m._buffers.values(), *m._modules.values()]
+        numbers = (tuple(map(len, self._module_hooks)),
+                   tuple(len(getattr(module_mod, attr)) for attr in _GLOBAL_HOOKS),
+                   tuple((p.requires_grad, p._version, len(p._backward_hooks or ()),
+                          len(getattr(p, "_post_accumulate_grad_hooks", None) or ())) for _, p in self._params),
+                   tuple(b._version for _, b in self._buffers))
+        return objects, numbers
+
+    def _unchanged(self) -> bool:
+        objects, numbers = self._take()
+        then_objects, then_numbers = self._snapshot
+        return RemovableHandle.next_id == self._next_id and numbers == then_numbers and \
+            len(objects) == len(then_objects) and all(map(operator.is_, objects, then_objects))
+
+    def change(self) -> str | None:
+        """What changed in the model since the snapshot, in words; None if nothing did."""
+        if self._unchanged():
+            return None
+        for (name, m), before, members in zip(self._modules, self._attributes, self._members):
+            where = name or "the model"
+            if m.training != before["training"]:
+                return f"{where} is now in {'training' if m.training else 'eval'} mode"
+            for kind, what in _MEMBERS.items():
+                now, then = getattr(m, kind), members[kind]
+                if now.keys() != then.keys() or any(now[k] is not then[k] for k in now):
+                    return f"{what} of {where} was replaced, added or removed"
+        for (name, p), (requires_grad, *_) in zip(self._params, self._snapshot[1][2]):
+            if p.requires_grad != requires_grad:
+                return f"parameter {name} was {'unfrozen' if p.requires_grad else 'frozen'} (requires_grad)"
+        for (name, p), (_, version, *_) in zip(self._params, self._snapshot[1][2]):
+            if p._version != version:
+                return (f"parameter {name} was written in place (model.load_state_dict, an eager "
+                        "optimizer step, an initializer)")
+        for (name, b), version in zip(self._buffers, self._snapshot[1][3]):
+            if b._version != version:
+                return f"buffer {name} was written in place (model.load_state_dict, reset_running_stats)"
+        for (where, hooks, kind), keys in zip(_hook_dicts(self._modules, self._params), self._hook_keys):
+            if tuple(hooks or ()) != keys:
+                return f"a {kind.removesuffix('s')} was added to or removed from {where}"
+        for (name, m), before in zip(self._modules, self._attributes):
+            now = vars(m)
+            for attr in now.keys() | before.keys():
+                if now.get(attr, _MISSING) is not before.get(attr, _MISSING) and \
+                        not _same_plain(now.get(attr, _MISSING), before.get(attr, _MISSING)):
+                    return (f"{name + '.' if name else ''}{attr} changed "
+                            f"({describe(before.get(attr, _MISSING))} -> {describe(now.get(attr, _MISSING))})")
+        # a hook registered on something else, or an attribute given an equal value again
+        self._next_id = RemovableHandle.next_id
+        self._attributes = [dict(vars(m)) for _, m in self._modules]
+        self._snapshot = self._take()
+        return None
+
+    def accept_writes(self) -> None:
+        """Take the parameters' and buffers' values as they are now (version counters):
+        the step's own weights were just replaced (a checkpoint loaded), so earlier writes
+        into the model's are not ignored any more. Nothing else is accepted."""
+        objects, numbers = self._snapshot
+        now = self._take()[1]
+        self._snapshot = objects, (*numbers[:2],
+                                   tuple((r, v_now, *hooks) for (r, _, *hooks), (_, v_now, *_) in zip(numbers[2], now[2])),
+                                   now[3])
+
+    def restore_attributes(self) -> None:
+        """Give every module back the plain attributes it had at the snapshot (those that
+        are not parameters, buffers, submodules or hooks)."""
+        for (_, m), before in zip(self._modules, self._attributes):
+            now = vars(m)
+            for attr in list(now.keys() - before.keys()):
+                del now[attr]
+            for attr, value in before.items():
+                if now.get(attr, _MISSING) is not value:
+                    now[attr] = value
+
+    def attributes_changed(self) -> list[tuple[str, str, object, object]]:
+        """(module name, attribute, value at the snapshot, value now) for each plain
+        attribute that differs (not parameters, buffers, submodules or hooks)."""
+        found = []
+        for (name, m), before in zip(self._modules, self._attributes):
+            now = vars(m)
+            for attr in sorted(now.keys() | before.keys()):
+                old, new = before.get(attr, _MISSING), now.get(attr, _MISSING)
+                if old is not new and not _same_plain(old, new):
+                    found.append((name, attr, old, new))
+        return found
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_MISSING = _Missing()
+
+
+def _same_plain(a, b) -> bool:
+    """Whether ``a`` and ``b`` are equal numbers, strings, flags or tuples of them."""
+    if isinstance(a, _PLAIN) and isinstance(b, _PLAIN):
+        return type(a) is type(b) and a == b
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(x is y or _same_plain(x, y) for x, y in zip(a, b))
+    return False
+
+
+def describe(value) -> str:
+    """A short description of an attribute's value for an error message."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 40 else f"a {type(value).__name__}"
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """Where ``torch.autocast`` is on now: (device type, dtype) per device type. A traced
+    step has the dtypes autocast gave it while tracing, so it runs under the same state
+    and with autocast itself off (the casts are in the graph)."""
+    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))
+
+
+def autocast_words(state: tuple[tuple[str, torch.dtype], ...]) -> str:
+    """``state`` of :func:`autocast_state` in words."""
+    return " and ".join(f"on for {device} ({str(dtype).removeprefix('torch.')})" for device, dtype in state) or "off"
