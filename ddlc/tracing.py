@@ -12,6 +12,7 @@ recorded in a :class:`ddlc.ir.StepSignature` (``ir.STEP``); every node keeps
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import os
@@ -37,6 +38,7 @@ from . import rng, strided_views
 from .errors import TraceError, UnsupportedInputError
 from .ir import (ORIGIN, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
                  hyperparameter_tensors)
+from .model_state import ModelWatch, describe
 from .optim import hyperparameter_key, optimizer_spec
 from .updates import Update, stamp_updates
 
@@ -161,10 +163,11 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
               "input": dict(zip(batch.keys, batch.tensors))}
     flat = [tables[i.role][i.key].detach() for i in inputs]
     fn = train_step if training else forward_only
-    gm = _make_fx(fn, flat, annotator, batch.tensors, model)
-    if strided_views.needs_repair(gm):  # an in-place update of a view: see ddlc.strided_views
-        with_views = _make_fx(fn, flat, annotator, batch.tensors, model, remove="mutations")
-        strided_views.repair(gm, with_views, lambda n: _source_from_stack(n.meta.get("stack_trace")) or None)
+    with _no_state_kept_across_calls(model):
+        gm = _make_fx(fn, flat, annotator, batch.tensors, model)
+        if strided_views.needs_repair(gm):  # an in-place update of a view: see ddlc.strided_views
+            with_views = _make_fx(fn, flat, annotator, batch.tensors, model, remove="mutations")
+            strided_views.repair(gm, with_views, lambda n: _source_from_stack(n.meta.get("stack_trace")) or None)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if training and optimizer is not None:
         _stamp_updates(gm, placeholders, inputs, specs, group_of, scalar_names, len(clip))
@@ -258,9 +261,32 @@ def _checked_output(out):
 
 def _check_modules(model: nn.Module) -> None:
     """Refuse BatchNorm layers whose training-mode update needs a running count's value
-    (``momentum=None``: a cumulative average, ``1 / num_batches_tracked``), and embeddings
-    with sparse gradients (no sparse tensor runs through the traced update)."""
+    (``momentum=None``: a cumulative average, ``1 / num_batches_tracked``), embeddings
+    with sparse gradients (no sparse tensor runs through the traced update), and hooks on
+    gradients: a parameter's (``register_hook``, ``register_post_accumulate_grad_hook``,
+    which autograd runs as it fills ``.grad``: ddlc computes gradients in the traced step
+    and no ``.grad`` is filled) and a module's backward hooks (torch runs them through an
+    old-style autograd.Function, which the torch.func transforms cannot run)."""
+    for name, param in model.named_parameters():
+        if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):
+            raise UnsupportedInputError(
+                f"parameter {name!r} has a hook on its gradient (Tensor.register_hook or "
+                "register_post_accumulate_grad_hook); the compiled step computes gradients inside "
+                "its traced program, where such a hook would not run: remove it and express what "
+                "it does in the loss or the model (a scaled gradient: scale that parameter's use), "
+                "or use clip_grad_norm= for clipping", where=f"parameter {name}")
+    if module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks:
+        raise UnsupportedInputError(
+            "a global module backward hook is registered (register_module_full_backward_hook); "
+            "ddlc cannot trace module backward hooks: remove it before compile")
     for name, module in model.named_modules():
+        if module._backward_hooks or module._backward_pre_hooks:
+            raise UnsupportedInputError(
+                f"module {name or '<root>'} ({type(module).__name__}) has a backward hook "
+                "(register_full_backward_hook or register_full_backward_pre_hook); ddlc traces "
+                "the backward pass with torch.func, which cannot run module backward hooks: "
+                "remove it (a hook on an activation's gradient, h.register_hook(...) inside "
+                "forward, is traced)", where=f"module {name or '<root>'} ({type(module).__name__})")
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
             raise UnsupportedInputError(
                 f"{type(module).__name__} {name!r} has sparse=True: ddlc trains with dense "
@@ -309,10 +335,82 @@ class _Batch:
         return len(self.keys)
 
     def call(self, model: nn.Module, state: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor]):
-        """``model`` with ``state`` on the first ``len(xs)`` inputs."""
-        if self.keyword:
-            return functional_call(model, state, (), dict(zip(self.keys, xs)))
-        return functional_call(model, state, tuple(xs))
+        """``model`` with ``state`` on the first ``len(xs)`` inputs; a buffer the forward
+        assigns a new tensor is refused (:func:`_refuse_reassigned_buffers`)."""
+        check = model.register_forward_hook(functools.partial(_refuse_reassigned_buffers, state=state))
+        try:
+            if self.keyword:
+                return functional_call(model, state, (), dict(zip(self.keys, xs)))
+            return functional_call(model, state, tuple(xs))
+        finally:
+            check.remove()
+
+
+def _refuse_reassigned_buffers(model: nn.Module, args, output, state: Mapping[str, torch.Tensor]) -> None:
+    """After the model's forward (inside ``functional_call``, which puts the original
+    buffers back after it): a buffer that now holds another tensor than the step gave it was
+    assigned in forward (``self.last = h.mean(0)``). The step carries buffers updated in
+    place, not reassigned ones, so every step would start from the value it had at compile."""
+    for name, buffer in model.named_buffers():
+        if name in state and buffer is not state[name]:
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            raise UnsupportedInputError(
+                f"the forward assigns buffer {name!r} a new tensor (self.{attr} = ...); the "
+                "compiled step carries buffers the forward updates in place, and would start every "
+                f"step from its value at compile: write it in place instead (self.{attr}.copy_(...))",
+                where=_assignment_line(module, attr))
+
+
+def _assignment_line(module: nn.Module, attr: str) -> str | None:
+    """``file:line`` of the first line of ``module``'s forward that assigns ``self.attr``
+    (``=`` or an augmented assignment), if its source can be read."""
+    try:
+        lines, start = inspect.getsourcelines(type(module).forward)
+        filename = inspect.getsourcefile(type(module).forward)
+    except (OSError, TypeError):
+        return None
+    assigns = re.compile(rf"\bself\.{re.escape(attr)}\s*(?:[-+*/@%&|^]|//|\*\*|<<|>>)?=(?!=)")
+    for offset, line in enumerate(lines):
+        if assigns.search(line):
+            return f"{filename}:{start + offset}: {line.strip()}"
+    return None
+
+
+def _may_be_state(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, complex, str, torch.Tensor))
+
+
+@contextlib.contextmanager
+def _no_state_kept_across_calls(model: nn.Module):
+    """Within, ``model``'s step is traced. Afterwards every module gets back the plain
+    attributes it had (tracing leaves traced values in what the forward assigns), and an
+    attribute the forward changed that would last to the next call (a Python counter
+    ``self.n += 1``, a tensor kept for the next call) is refused: the step is traced once,
+    so every step would run with the value it had at compile. A tensor attribute that
+    requires grad is the forward's own scratch (recomputed from parameters before it is
+    read, as ``torch.nn.utils.spectral_norm``'s ``weight``): a step cannot carry autograd
+    history to the next, so it cannot be state. Only numbers, strings, flags and tensors
+    are taken for state: torch's own modules reset other attributes whenever their
+    parameters are set (``nn.LSTM``'s lists of its weights, set again by ``functional_call``)."""
+    watch = ModelWatch(model)
+    try:
+        yield
+    finally:
+        kept = [(name, attr, old, new) for name, attr, old, new in watch.attributes_changed()
+                if _may_be_state(old) and _may_be_state(new)
+                and not (isinstance(new, torch.Tensor) and new.requires_grad)]
+        watch.restore_attributes()
+    if kept:
+        name, attr, old, new = kept[0]
+        module = model.get_submodule(name)
+        raise UnsupportedInputError(
+            f"the forward changes {name + '.' if name else ''}{attr} ({describe(old)} -> {describe(new)}), "
+            "state that lasts to the next call: ddlc traces the step once, so every step would "
+            "run with its value at compile. Keep such state in a buffer updated in place "
+            f"(self.register_buffer('{attr}', ...) in __init__, then self.{attr}.add_(1) or "
+            f"self.{attr}.copy_(...)), which the compiled step carries",
+            where=_assignment_line(module, attr))
 
 
 @contextlib.contextmanager
@@ -548,11 +646,11 @@ _CAUSES = (
                 r"item\(\)|tolist\(\)|unallocated storage|aten\._local_scalar_dense", re.I), TraceError,
      "the model has data-dependent Python control flow or reads a tensor's value (e.g. "
      "`if x.sum() > 0`, `.item()`, `.tolist()`), which one static graph cannot express"),
-    (re.compile(r"autograd\.Function .*setup_context", re.I), UnsupportedInputError,
-     "the model calls a custom torch.autograd.Function whose forward takes `ctx` (the old "
-     "style), which the torch.func transforms ddlc traces with cannot run: give it a "
-     "separate `setup_context` staticmethod (see PyTorch's 'Extending torch.func with "
-     "autograd.Function') or write that function with plain tensor operations"),
+    (re.compile(r"autograd\.Function .*setup_context|custom_function_call", re.I), UnsupportedInputError,
+     "the model calls a custom torch.autograd.Function, which ddlc cannot trace in either "
+     "style (an old-style forward(ctx, ...) cannot run under torch.func; with setup_context, "
+     "torch's functionalization has no rule for it): write that function with plain tensor "
+     "operations (a straight-through estimator: x + (torch.round(x) - x).detach())"),
     (re.compile(r"saved tensor hooks", re.I), UnsupportedInputError,
      "the model uses activation checkpointing (torch.utils.checkpoint without reentrant "
      "mode; Hugging Face's gradient_checkpointing_enable) or another saved-tensor hook, "
