@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ModelWatch", "autocast_state", "autocast_words", "describe"]
+__all__ = ["ModelWatch", "autocast_state", "autocast_words", "describe", "same_plain"]
 
 #: torch's hooks on every module (``register_module_forward_hook`` and friends)
 _GLOBAL_HOOKS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_pre_hooks",
@@ -116,7 +116,7 @@ class ModelWatch:
             now = vars(m)
             for attr in now.keys() | before.keys():
                 if now.get(attr, _MISSING) is not before.get(attr, _MISSING) and \
-                        not _same_plain(now.get(attr, _MISSING), before.get(attr, _MISSING)):
+                        not same_plain(now.get(attr, _MISSING), before.get(attr, _MISSING)):
                     return (f"{name + '.' if name else ''}{attr} changed "
                             f"({describe(before.get(attr, _MISSING))} -> {describe(now.get(attr, _MISSING))})")
         # a hook registered on something else, or an attribute given an equal value again
@@ -154,7 +154,7 @@ class ModelWatch:
             now = vars(m)
             for attr in sorted(now.keys() | before.keys()):
                 old, new = before.get(attr, _MISSING), now.get(attr, _MISSING)
-                if old is not new and not _same_plain(old, new):
+                if old is not new and not same_plain(old, new):
                     found.append((name, attr, old, new))
         return found
 
@@ -167,12 +167,12 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def _same_plain(a, b) -> bool:
+def same_plain(a, b) -> bool:
     """Whether ``a`` and ``b`` are equal numbers, strings, flags or tuples of them."""
     if isinstance(a, _PLAIN) and isinstance(b, _PLAIN):
         return type(a) is type(b) and a == b
     if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(x is y or _same_plain(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(x is y or same_plain(x, y) for x, y in zip(a, b))
     return False
 
 

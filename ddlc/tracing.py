@@ -30,6 +30,7 @@ from torch import fx, nn
 from torch.func import functional_call, functionalize, grad_and_value
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules import module as module_mod
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
@@ -38,7 +39,7 @@ from . import rng, strided_views
 from .errors import TraceError, UnsupportedInputError
 from .ir import (ORIGIN, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
                  hyperparameter_tensors)
-from .model_state import ModelWatch, describe
+from .model_state import ModelWatch, describe, same_plain as _same_plain
 from .optim import hyperparameter_key, optimizer_spec
 from .updates import Update, stamp_updates
 
@@ -163,7 +164,15 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
               "input": dict(zip(batch.keys, batch.tensors))}
     flat = [tables[i.role][i.key].detach() for i in inputs]
     fn = train_step if training else forward_only
-    with _no_state_kept_across_calls(model):
+    def forward_again() -> None:
+        """The model's forward once more, on fake copies of its state and batch."""
+        mode = FakeTensorMode()
+        state = {k: mode.from_tensor(v) for k, v in {**params, **buffers}.items()}
+        xs = [mode.from_tensor(t) for t in batch.tensors[:n_model_inputs]]
+        with mode, torch.no_grad(), _as_compiling(), _without_generation_cache(model):
+            batch.call(model, state, xs)
+
+    with _no_state_kept_across_calls(model, forward_again):
         gm = _make_fx(fn, flat, annotator, batch.tensors, model)
         if strided_views.needs_repair(gm):  # an in-place update of a view: see ddlc.strided_views
             with_views = _make_fx(fn, flat, annotator, batch.tensors, model, remove="mutations")
@@ -382,35 +391,56 @@ def _may_be_state(value) -> bool:
 
 
 @contextlib.contextmanager
-def _no_state_kept_across_calls(model: nn.Module):
-    """Within, ``model``'s step is traced. Afterwards every module gets back the plain
+def _no_state_kept_across_calls(model: nn.Module, forward_again: Callable[[], None]):
+    """Within, ``model``'s step is traced. Afterwards every module gets back the tensor
     attributes it had (tracing leaves traced values in what the forward assigns), and an
-    attribute the forward changed that would last to the next call (a Python counter
-    ``self.n += 1``, a tensor kept for the next call) is refused: the step is traced once,
-    so every step would run with the value it had at compile. A tensor attribute that
-    requires grad is the forward's own scratch (recomputed from parameters before it is
-    read, as ``torch.nn.utils.spectral_norm``'s ``weight``): a step cannot carry autograd
-    history to the next, so it cannot be state. Only numbers, strings, flags and tensors
-    are taken for state: torch's own modules reset other attributes whenever their
-    parameters are set (``nn.LSTM``'s lists of its weights, set again by ``functional_call``)."""
+    attribute the forward changed that would move on at every call is refused: the step
+    is traced once, so every step would run with its value at compile. Which those are:
+
+    - a tensor attribute that does not require grad (``self.scale = self.scale * 1.5``);
+      one that requires grad is the forward's own scratch, recomputed from parameters
+      before it is read (``torch.nn.utils.spectral_norm``'s ``weight``): a step cannot
+      carry autograd history to the next;
+    - a number, string or flag that ``forward_again`` (the forward once more, on fake
+      tensors) moves again (a counter, ``self.n += 1``). One that a second call leaves
+      as the first did is a setting the forward makes before it reads it (BigBird
+      switching to full attention on short sequences, Funnel's pooling bookkeeping): it
+      keeps the value the forward gave it, as in eager. If the second call fails, the
+      setting is taken as such.
+
+    Other objects are not taken for state: torch's own modules reset their lists when
+    their parameters are set (``nn.LSTM``'s weights, set again by ``functional_call``)."""
     watch = ModelWatch(model)
     try:
         yield
-    finally:
-        kept = [(name, attr, old, new) for name, attr, old, new in watch.attributes_changed()
-                if _may_be_state(old) and _may_be_state(new)
-                and not (isinstance(new, torch.Tensor) and new.requires_grad)]
+    except BaseException:
         watch.restore_attributes()
-    if kept:
-        name, attr, old, new = kept[0]
-        module = model.get_submodule(name)
-        raise UnsupportedInputError(
-            f"the forward changes {name + '.' if name else ''}{attr} ({describe(old)} -> {describe(new)}), "
-            "state that lasts to the next call: ddlc traces the step once, so every step would "
-            "run with its value at compile. Keep such state in a buffer updated in place "
-            f"(self.register_buffer('{attr}', ...) in __init__, then self.{attr}.add_(1) or "
-            f"self.{attr}.copy_(...)), which the compiled step carries",
-            where=_assignment_line(module, attr))
+        raise
+    changed = [(name, attr, old, new) for name, attr, old, new in watch.attributes_changed()
+               if _may_be_state(old) and _may_be_state(new)
+               and not (isinstance(new, torch.Tensor) and new.requires_grad)]
+    kept = [c for c in changed if isinstance(c[3], torch.Tensor)]
+    settings = [c for c in changed if not isinstance(c[3], torch.Tensor)]
+    if settings and not kept:
+        try:
+            forward_again()
+            kept = [(name, attr, old, new) for name, attr, old, new in settings
+                    if not _same_plain(vars(model.get_submodule(name)).get(attr), new)]
+        except Exception:  # the forward does not run again on fake tensors: cannot tell
+            kept = []
+    watch.restore_attributes()
+    if not kept:  # settings the forward makes before reading them stay as it made them
+        for name, attr, _, new in settings:
+            vars(model.get_submodule(name))[attr] = new
+        return
+    name, attr, old, new = kept[0]
+    raise UnsupportedInputError(
+        f"the forward changes {name + '.' if name else ''}{attr} ({describe(old)} -> {describe(new)}) "
+        "at every call: ddlc traces the step once, so every step would run with its value at "
+        "compile. Keep such state in a buffer updated in place "
+        f"(self.register_buffer('{attr}', ...) in __init__, then self.{attr}.add_(1) or "
+        f"self.{attr}.copy_(...)), which the compiled step carries",
+        where=_assignment_line(model.get_submodule(name), attr))
 
 
 @contextlib.contextmanager

@@ -435,6 +435,35 @@ def test_state_the_forward_keeps_across_calls_is_refused(cls, said):
     assert all(vars(model)[k] is v for k, v in before.items()) and vars(model).keys() == before.keys()
 
 
+class _SettingBeforeReading(torch.nn.Module):
+    """Sets attributes at the start of forward and reads them after, as BigBird switches
+    to full attention on short sequences and Funnel keeps its pooling bookkeeping."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+        self.attention_type = "block_sparse"
+        self.pooling_mult = None
+
+    def forward(self, x):
+        if x.shape[0] < 16:
+            self.attention_type = "original_full"
+        self.pooling_mult = 1
+        out = self.lin(x)
+        self.pooling_mult *= 2
+        return out * self.pooling_mult if self.attention_type == "original_full" else out
+
+
+def test_settings_the_forward_makes_before_reading_them_are_not_state():
+    """A setting a second call of the forward leaves as the first did is not state: traced,
+    and it keeps the value the forward gave it, as in eager."""
+    torch.manual_seed(0)
+    model = _SettingBeforeReading()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 2)), F.mse_loss, opt)
+    assert model.attention_type == "original_full" and model.pooling_mult == 2
+
+
 def test_recomputed_attributes_are_not_state():
     """Attributes the forward recomputes from parameters before reading them (the old
     ``torch.nn.utils.spectral_norm``/``weight_norm``'s ``weight``) and lists torch's modules
