@@ -91,14 +91,12 @@ class ModelWatch:
         """What changed in the model since the snapshot, in words; None if nothing did."""
         if self._unchanged():
             return None
-        for (name, m), before, members in zip(self._modules, self._attributes, self._members):
-            where = name or "the model"
+        for (name, m), before in zip(self._modules, self._attributes):
             if m.training != before["training"]:
-                return f"{where} is now in {'training' if m.training else 'eval'} mode"
-            for kind, what in _MEMBERS.items():
-                now, then = getattr(m, kind), members[kind]
-                if now.keys() != then.keys() or any(now[k] is not then[k] for k in now):
-                    return f"{what} of {where} was replaced, added or removed"
+                return f"{name or 'the model'} is now in {'training' if m.training else 'eval'} mode"
+        member = self.member_change()
+        if member is not None:
+            return member
         for (name, p), (requires_grad, *_) in zip(self._params, self._snapshot[1][2]):
             if p.requires_grad != requires_grad:
                 return f"parameter {name} was {'unfrozen' if p.requires_grad else 'frozen'} (requires_grad)"
@@ -124,6 +122,26 @@ class ModelWatch:
         self._attributes = [dict(vars(m)) for _, m in self._modules]
         self._snapshot = self._take()
         return None
+
+    def member_change(self) -> str | None:
+        """Which submodule, parameter or buffer of which module was replaced, added or
+        removed since the snapshot, in words; None if none was."""
+        for (name, m), members in zip(self._modules, self._members):
+            for kind, what in _MEMBERS.items():
+                now, then = getattr(m, kind), members[kind]
+                if now.keys() != then.keys() or any(now[k] is not then[k] for k in now):
+                    changed = [k for k in now.keys() | then.keys() if now.get(k) is not then.get(k)]
+                    return f"{what} of {name or 'the model'} ({', '.join(sorted(changed))}) was replaced, added or removed"
+        return None
+
+    def restore_members(self) -> None:
+        """Give every module back the submodules, parameters and buffers it had."""
+        for (_, m), members in zip(self._modules, self._members):
+            for kind in _MEMBERS:
+                held = getattr(m, kind)
+                if held.keys() != members[kind].keys() or any(held[k] is not members[kind][k] for k in held):
+                    held.clear()
+                    held.update(members[kind])
 
     def accept_writes(self) -> None:
         """Take the parameters' and buffers' values as they are now (version counters):

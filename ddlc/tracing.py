@@ -75,6 +75,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     if clip_grad_norm is not None and not training:
         raise UnsupportedInputError("clip_grad_norm clips gradients: it needs a loss_fn or an "
                                     "optimizer")
+    _check_initialised(model)
     if training:
         _check_modules(model)
     params = dict(model.named_parameters())
@@ -268,6 +269,19 @@ def _checked_output(out):
     return out
 
 
+def _check_initialised(model: nn.Module) -> None:
+    """Refuse a lazy module whose parameters or buffers have no shape yet (they take it on
+    the first call, which compile does not make for the user)."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if isinstance(tensor, nn.parameter.UninitializedTensorMixin):
+            module = name.rpartition(".")[0]
+            raise UnsupportedInputError(
+                f"{name} is not initialised yet ({type(model.get_submodule(module)).__name__} "
+                f"{module or '<root>'} is a lazy module): call the model once on the example batch "
+                "before compile (under torch.no_grad()), and create the optimizer after that call",
+                where=f"module {module or '<root>'}")
+
+
 def _check_modules(model: nn.Module) -> None:
     """Refuse BatchNorm layers whose training-mode update needs a running count's value
     (``momentum=None``: a cumulative average, ``1 / num_batches_tracked``), embeddings
@@ -409,13 +423,28 @@ def _no_state_kept_across_calls(model: nn.Module, forward_again: Callable[[], No
       setting is taken as such.
 
     Other objects are not taken for state: torch's own modules reset their lists when
-    their parameters are set (``nn.LSTM``'s weights, set again by ``functional_call``)."""
+    their parameters are set (``nn.LSTM``'s weights, set again by ``functional_call``).
+    A forward that replaces or adds a submodule, parameter or buffer changes the model on
+    its first call (BigBird rebuilding its attention layer, whose construction draws random
+    numbers eager draws once; a lazy module): refused, with the model given back what it
+    had."""
     watch = ModelWatch(model)
     try:
         yield
     except BaseException:
+        watch.restore_members()
         watch.restore_attributes()
         raise
+    structure = watch.member_change()
+    if structure is not None:
+        watch.restore_members()
+        watch.restore_attributes()
+        raise UnsupportedInputError(
+            f"the forward changes the model itself on this call: {structure} (a model that "
+            "rebuilds a layer on its first call, as BigBird switching to full attention on short "
+            "sequences, or a lazy module taking its shape). ddlc traces one call and would repeat "
+            "that first call's work at every step: call the model once on the example batch "
+            "before compile (under torch.no_grad()), so that compile traces the calls that follow")
     changed = [(name, attr, old, new) for name, attr, old, new in watch.attributes_changed()
                if _may_be_state(old) and _may_be_state(new)
                and not (isinstance(new, torch.Tensor) and new.requires_grad)]

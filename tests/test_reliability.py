@@ -483,7 +483,7 @@ def test_changes_after_compile_are_refused_and_an_optimizers_state_is_taken():
     assert "2.p changed (0.1 -> 0.5)" in refused["dropout_p"]
     assert "forward hook was added to or removed from module 0" in refused["forward_hook"]
     assert "backward hook was added to or removed from parameter 3.weight" in refused["gradient_hook"]
-    assert "a buffer of 0 was replaced, added or removed" in refused["buffer_reassigned"]
+    assert "a buffer of 0 (scale) was replaced, added or removed" in refused["buffer_reassigned"]
     assert refused["hook_elsewhere"] is None and refused["same_value"] is None
     assert "torch.autocast is on for cpu (bfloat16) here but was off" in refused["autocast"]
     x, y = _fixed_batch()

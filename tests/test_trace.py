@@ -464,6 +464,53 @@ def test_settings_the_forward_makes_before_reading_them_are_not_state():
     assert model.attention_type == "original_full" and model.pooling_mult == 2
 
 
+class _RebuildsOnFirstCall(torch.nn.Module):
+    """Replaces a layer on its first call, as BigBird does when it switches to full
+    attention (the new layer's construction draws random numbers, once in eager)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = torch.nn.Identity()
+        self.lin = torch.nn.Linear(4, 2)
+        self.mode = "sparse"
+
+    def forward(self, x):
+        if self.mode == "sparse":
+            self.mode = "full"
+            self.attention = torch.nn.Dropout(0.0)  # a new submodule
+        return self.lin(self.attention(x))
+
+
+def test_a_forward_that_changes_the_model_itself_is_refused_until_called_once():
+    """A forward that replaces a submodule on its first call would repeat that call's work
+    (and its random draws) at every step: refused naming the submodule, with the model
+    given back what it had; after one eager call, compile traces the calls that follow."""
+    torch.manual_seed(0)
+    model = _RebuildsOnFirstCall()
+    identity = model.attention
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(8, 4), torch.randn(8, 2))
+    with pytest.raises(UnsupportedInputError, match=r"a submodule of the model \(attention\) was replaced") as info:
+        ddlc.trace(model, batch, F.mse_loss, opt)
+    assert "call the model once" in str(info.value)
+    assert model.attention is identity and model.mode == "sparse"
+    with torch.no_grad():
+        model(batch[0])
+    ddlc.trace(model, batch, F.mse_loss, opt)
+
+
+def test_a_lazy_module_is_refused_until_called_once():
+    """A lazy module's parameters have no shape before its first call: refused naming it
+    (not torch's ValueError from inside the trace); after one call it traces."""
+    model = torch.nn.Sequential(torch.nn.LazyLinear(2))
+    batch = (torch.randn(8, 4), torch.randn(8, 2))
+    with pytest.raises(UnsupportedInputError, match="0.weight is not initialised yet .*lazy module"):
+        ddlc.trace(model, batch, F.mse_loss)
+    with torch.no_grad():
+        model(batch[0])
+    ddlc.trace(model, batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def test_recomputed_attributes_are_not_state():
     """Attributes the forward recomputes from parameters before reading them (the old
     ``torch.nn.utils.spectral_norm``/``weight_norm``'s ``weight``) and lists torch's modules
