@@ -123,8 +123,12 @@ def resolve_placements(gm: fx.GraphModule, placements: Mapping[str, object],
     fixed = {}
     for key, sbp in placements.items():
         if key not in by_key and key not in by_key.values():
-            raise UnsupportedInputError(f"placement given for {key!r}, which is neither a "
-                                        f"parameter nor an input (inputs are input0, input1, ...)")
+            batch = [i.key for i in STEP(gm).inputs if i.role == "input"]
+            raise UnsupportedInputError(
+                f"placement given for {key!r}, which is neither a parameter nor a batch input (the "
+                f"batch inputs are {', '.join(batch)}; parameters go by the names "
+                "model.named_parameters() gives, so a tied weight, such as an output embedding "
+                "sharing the input embedding's, goes by the first module's name)")
         sbp = parse_sbp(sbp) if isinstance(sbp, str) else NdSBP(tuple(sbp))
         if len(sbp) != ndim:
             raise MeshError(f"placement {sbp} of {key!r} has {len(sbp)} axes; the mesh has {ndim}")

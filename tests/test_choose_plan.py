@@ -108,6 +108,15 @@ def test_pins_leave_the_searched_plan_alone(monkeypatch):
     assert pipeline.choose_plan(gm, ddlc.Mesh((4,), links=[FAST]), CompileOptions(), fixed).choices is None
 
 
+def test_a_pin_on_an_unknown_name_lists_the_batch_inputs():
+    """A pin on a name the step does not have (a tied weight's second name, a typo) says
+    which batch inputs there are and how parameters are named."""
+    from ddlc.errors import UnsupportedInputError
+    gm = traced("mlp")
+    with pytest.raises(UnsupportedInputError, match="the batch inputs are input0, input1; .*tied weight"):
+        pipeline.resolve_placements(gm, {"head.weight": "(S0)"}, 1)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mesh", [(4,), (2, 2)], ids=["4", "2x2"])
