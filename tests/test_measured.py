@@ -222,14 +222,17 @@ def test_a_measured_contention_prices_operators_in_measured_mode_and_collectives
 def test_collectives_do_not_overlap_compute_where_ranks_share_cores():
     """With a contention (factors 1: the same task times), every collective runs on the
     compute stream: the makespan is the sum of all tasks, where without it the schedule
-    hides communication behind the backward pass; the makespan-only arithmetic agrees."""
+    hides communication behind the backward pass; the makespan-only arithmetic agrees.
+    Roofline-priced, so that the program (and what it hides) does not depend on operator
+    times measured on a loaded machine; the gradients' all-reduces unbucketed, so that each
+    is issued as its gradient is ready (one bucket at the end would hide nothing)."""
     torch.manual_seed(0)
     model = MLP(d_in=64, d_hidden=256, d_out=8, depth=4)
     batch = (torch.randn(64, 64), torch.randn(64, 8))
-    opts = CompileOptions.from_kwargs(compute="measured")
+    opts = CompileOptions.from_kwargs(fuse=False)
     gm = pipeline.trace_step(model, batch, torch.nn.functional.mse_loss,
                              torch.optim.SGD(model.parameters(), lr=0.1), opts)
-    base = dataclasses.replace(GLOO, compute="measured")
+    base = dataclasses.replace(GLOO, compute="roofline")
     mesh = Mesh((4,), profile=base)
     pipeline.plan(gm, mesh, opts, pipeline.resolve_placements(gm, {"input0": "(S0)"}, 1))
     pipeline.lower(gm, mesh, (0,), axis_group_names(mesh), opts)
