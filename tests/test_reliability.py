@@ -511,3 +511,22 @@ def test_changes_after_compile_are_refused_and_an_optimizers_state_is_taken():
     assert losses == pytest.approx(want[2:], rel=1e-5)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loaded_checkpoint_supersedes_weights_written_into_the_model_only():
+    """``ModelWatch.accept_writes`` (what ``step.load_checkpoint`` calls) takes the
+    parameters' and buffers' in-place writes as seen, and nothing else: a module attribute
+    changed meanwhile is still reported."""
+    from ddlc.model_state import ModelWatch
+    model = _net(0.1)
+    watch = ModelWatch(model)
+    with torch.no_grad():
+        model[0].weight.add_(1)
+    assert "parameter 0.weight was written in place" in watch.change()
+    watch.accept_writes()
+    assert watch.change() is None
+    model[2].p = 0.3
+    with torch.no_grad():
+        model[3].bias.zero_()
+    watch.accept_writes()
+    assert watch.change() == "2.p changed (0.1 -> 0.3)"
