@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ModelWatch", "autocast_state", "autocast_words", "describe", "same_plain"]
+__all__ = ["PLAIN", "ModelWatch", "autocast_state", "autocast_words", "describe", "same_plain"]
 
 #: torch's hooks on every module (``register_module_forward_hook`` and friends)
 _GLOBAL_HOOKS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_pre_hooks",
@@ -37,7 +37,8 @@ _TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 #: what a module holds besides attributes, and what to call one
 _MEMBERS = {"_modules": "a submodule", "_parameters": "a parameter", "_buffers": "a buffer"}
 
-_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+#: values compared by value (numbers, strings, flags, None); other objects by identity
+PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
 
 def _hook_dicts(modules, params) -> list[tuple[str, dict | None, str]]:
@@ -187,7 +188,7 @@ _MISSING = _Missing()
 
 def same_plain(a, b) -> bool:
     """Whether ``a`` and ``b`` are equal numbers, strings, flags or tuples of them."""
-    if isinstance(a, _PLAIN) and isinstance(b, _PLAIN):
+    if isinstance(a, PLAIN) and isinstance(b, PLAIN):
         return type(a) is type(b) and a == b
     if isinstance(a, tuple) and isinstance(b, tuple):
         return len(a) == len(b) and all(x is y or same_plain(x, y) for x, y in zip(a, b))

@@ -39,7 +39,7 @@ from . import rng, strided_views
 from .errors import TraceError, UnsupportedInputError
 from .ir import (ORIGIN, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
                  hyperparameter_tensors)
-from .model_state import ModelWatch, describe, same_plain as _same_plain
+from .model_state import PLAIN, ModelWatch, describe, same_plain as _same_plain
 from .optim import hyperparameter_key, optimizer_spec
 from .updates import Update, stamp_updates
 
@@ -401,7 +401,7 @@ def _assignment_line(module: nn.Module, attr: str) -> str | None:
 
 
 def _may_be_state(value) -> bool:
-    return value is None or isinstance(value, (bool, int, float, complex, str, torch.Tensor))
+    return isinstance(value, (*PLAIN, torch.Tensor))
 
 
 @contextlib.contextmanager
