@@ -24,6 +24,18 @@ def _images(n_steps=3, batch=8, size=32, classes=10):
             for _ in range(n_steps)]
 
 
+def _matches_eager(model, loss_fn, make_optimizer, data, mesh_shape, **tolerances):
+    """Train ``model`` on simulated ranks of ``mesh_shape`` and a copy of it eagerly on the
+    same ``data``; assert their losses and parameters match; return the simulated run's
+    parameters, buffers and graph, and the eagerly trained copy."""
+    reference = copy.deepcopy(model)
+    losses, params, buffers, gm = simulated(model, loss_fn, make_optimizer, data, mesh_shape)
+    want, _ = eager(reference, loss_fn, make_optimizer, data)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())}, **tolerances)
+    return params, buffers, gm, reference
+
+
 @pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
 def test_batchnorm_training_uses_the_whole_batch_statistics(mesh_shape):
     """ResNet-18 (tiny) in training mode, batch split over every rank: losses, parameters
@@ -170,16 +182,12 @@ class _OwnLoss(nn.Module):
 def test_a_dict_batch_and_the_models_own_loss():
     torch.manual_seed(0)
     model = _OwnLoss()
-    reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     data = [{"input_ids": torch.randint(0, 32, (8, 6), generator=g),
              "attention_mask": (torch.rand(8, 6, generator=g) > 0.2).long(),
              "labels": torch.randint(0, 32, (8, 6), generator=g)} for _ in range(3)]
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
-    losses, params, _, _ = simulated(model, None, sgd, data, (2, 2))
-    want, _ = eager(reference, None, sgd, data)
-    assert_matches_reference({"losses": losses, "params": params},
-                             {"losses": want, "params": dict(reference.named_parameters())})
+    _matches_eager(model, None, sgd, data, (2, 2))
 
 
 class _Autocast(nn.Module):
@@ -200,15 +208,10 @@ def test_autocast_bfloat16_forward():
     rounding of differently ordered sums."""
     torch.manual_seed(0)
     model = _Autocast()
-    reference = copy.deepcopy(model)
     data = _regression()
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)  # noqa: E731
-    losses, params, _, gm = simulated(model, F.mse_loss, sgd, data, (2, 2))
-    want, _ = eager(reference, F.mse_loss, sgd, data)
+    _, _, gm, _ = _matches_eager(model, F.mse_loss, sgd, data, (2, 2), losses=(1e-3, 1e-4), params=(1e-3, 1e-4))
     assert any(n.kwargs.get("dtype") == torch.bfloat16 for n in gm.graph.nodes if n.op == "call_function")
-    assert_matches_reference({"losses": losses, "params": params},
-                             {"losses": want, "params": dict(reference.named_parameters())},
-                             losses=(1e-3, 1e-4), params=(1e-3, 1e-4))
 
 
 class _Recurrent(nn.Module):
@@ -229,14 +232,10 @@ def test_recurrent_layers_train_like_single_device(cell, mesh_shape):
     contiguous inputs."""
     torch.manual_seed(0)
     model = _Recurrent(cell)
-    reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 5, 6, generator=g), torch.randn(8, 5, 3, generator=g)) for _ in range(3)]
     adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=0.01)  # noqa: E731
-    losses, params, _, _ = simulated(model, F.mse_loss, adamw, data, mesh_shape)
-    want, _ = eager(reference, F.mse_loss, adamw, data)
-    assert_matches_reference({"losses": losses, "params": params},
-                             {"losses": want, "params": dict(reference.named_parameters())})
+    _matches_eager(model, F.mse_loss, adamw, data, mesh_shape)
 
 
 class _InstanceNormNet(nn.Module):
@@ -258,14 +257,10 @@ def test_instance_norm_running_statistics_on_a_split_batch(mesh_shape):
     value of the graph (``_native_batch_norm_legit_functional``)."""
     torch.manual_seed(0)
     model = _InstanceNormNet()
-    reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 3, 6, 6, generator=g), torch.randn(8, 4, 6, 6, generator=g)) for _ in range(3)]
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
-    losses, params, buffers, _ = simulated(model, F.mse_loss, sgd, data, mesh_shape)
-    want, _ = eager(reference, F.mse_loss, sgd, data)
-    assert_matches_reference({"losses": losses, "params": params},
-                             {"losses": want, "params": dict(reference.named_parameters())})
+    _, buffers, _, reference = _matches_eager(model, F.mse_loss, sgd, data, mesh_shape)
     for name, value in reference.named_buffers():
         torch.testing.assert_close(buffers[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
@@ -298,14 +293,9 @@ def test_a_float64_model_trains_in_float64():
     off by 1e-5 relative, so a float64 model trained with float32-sized errors."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8)).double()
-    reference = copy.deepcopy(model)
     data = [(x.double(), y.double()) for x, y in _regression()]
     adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=0.01)  # noqa: E731
-    losses, params, _, _ = simulated(model, F.mse_loss, adamw, data, (4,))
-    want, _ = eager(reference, F.mse_loss, adamw, data)
-    assert_matches_reference({"losses": losses, "params": params},
-                             {"losses": want, "params": dict(reference.named_parameters())},
-                             losses=(1e-12, 1e-14), params=(1e-12, 1e-14))
+    _matches_eager(model, F.mse_loss, adamw, data, (4,), losses=(1e-12, 1e-14), params=(1e-12, 1e-14))
 
 
 _CLASS_WEIGHTS = torch.tensor([1.0, 2.0, 0.5, 1.5, 1.0])
@@ -327,15 +317,11 @@ def test_tensors_captured_from_outside_the_model_are_constants(mesh_shape):
     match the model", from fake tensors meeting a real one)."""
     torch.manual_seed(0)
     model = _ScaledHeads()
-    reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(3)]
     loss = lambda out, target: F.cross_entropy(out, target, weight=_CLASS_WEIGHTS)  # noqa: E731
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
-    losses, params, _, _ = simulated(model, loss, sgd, data, mesh_shape)
-    want, _ = eager(reference, loss, sgd, data)
-    assert_matches_reference({"losses": losses, "params": params},
-                             {"losses": want, "params": dict(reference.named_parameters())})
+    _matches_eager(model, loss, sgd, data, mesh_shape)
 
 
 class _WithUnused(nn.Module):
@@ -358,11 +344,7 @@ def test_a_parameter_the_loss_does_not_read_is_left_alone(make):
     from passes.decouple import decouple
     torch.manual_seed(0)
     model = _WithUnused()
-    reference = copy.deepcopy(model)
     data = _regression()
-    losses, params, _, gm = simulated(model, F.mse_loss, make, data, (4,))
-    want, _ = eager(reference, F.mse_loss, make, data)
-    assert_matches_reference({"losses": losses, "params": params},
-                             {"losses": want, "params": dict(reference.named_parameters())})
+    params, _, gm, _ = _matches_eager(model, F.mse_loss, make, data, (4,))
     assert torch.equal(params["unused.weight"], model.unused.weight)
     assert "unused.weight" not in decouple(gm, ddlc.Mesh((4,)), always=True)
