@@ -9,9 +9,14 @@ fingerprint check. Each figure is the best of ``--repeat`` rounds.
 trace; rank 0 plans and lowers, the others lower with its choices), for the zoo GPT the
 issue measured (3 layers, d 192) and the models given; the figure is the slowest rank's
 wall time of the ``compile`` call, and the ratio to the first rank count is printed.
+``--mesh 2x4`` compiles for that mesh shape instead of a flat one of each rank count
+(``gpt2_small``: the GPT-2-small-shaped model of ``ddlc plan``'s benchmark, 12 layers,
+hidden 768, vocabulary 50304, sequence 1024, batch 8, AdamW; its weights are initialised
+on every rank before the timed call).
 
     python bench/compile_time.py [--repeat 1] [--models gpt2 resnet18 ...]
     python bench/compile_time.py --ranks 1 4 [--models zoo_gpt gpt2]
+    python bench/compile_time.py --ranks 8 --mesh 2x4 --models gpt2_small
 """
 from __future__ import annotations
 
@@ -71,6 +76,7 @@ CNNS = {"resnet18": lambda: zoo.resnet18(width=8), "resnet50": lambda: zoo.resne
         "vgg16_bn": lambda: zoo.vgg16_bn(width=4), "mobilenet_v2": lambda: zoo.mobilenet_v2(width_mult=0.25)}
 MODELS = ["gpt2", "bert", "llama", "qwen2", "t5", "vit", *CNNS]
 ZOO_GPT = dict(vocab=512, d_model=192, n_heads=4, n_layers=3, seq_len=64)
+GPT2_SMALL = dict(vocab=50304, d_model=768, n_heads=12, n_layers=12, seq_len=1024)
 
 
 def build(name):
@@ -79,6 +85,9 @@ def build(name):
         g = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, ZOO_GPT["vocab"], (16, ZOO_GPT["seq_len"] + 1), generator=g)
         return zoo.GPT(**ZOO_GPT), (tokens[:, :-1], tokens[:, 1:]), zoo.lm_loss
+    if name == "gpt2_small":
+        tokens = torch.zeros(8, GPT2_SMALL["seq_len"], dtype=torch.long)
+        return zoo.GPT(**GPT2_SMALL), (tokens, tokens), zoo.lm_loss
     if name in CNNS:
         g = torch.Generator().manual_seed(1)
         batch = (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
@@ -115,22 +124,24 @@ def _measure(name: str) -> dict[str, float]:
     return times
 
 
-def _compile_rank(rank: int, name: str) -> float:
-    """One rank of a local gloo job: seconds of its ``ddlc.compile`` call."""
+def _compile_rank(rank: int, name: str, mesh: str | None) -> float:
+    """One rank of a local gloo job: seconds of its ``ddlc.compile`` call (on ``mesh``, or
+    a flat mesh of every rank)."""
     import torch.distributed as dist
     model, batch, loss_fn = build(name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     dist.barrier()
     start = time.perf_counter()
-    ddlc.compile(model, (dist.get_world_size(),), batch, loss_fn, optimizer)
+    ddlc.compile(model, mesh or (dist.get_world_size(),), batch, loss_fn, optimizer)
     return time.perf_counter() - start
 
 
-def compile_on_ranks(names, rank_counts, repeat: int) -> None:
+def compile_on_ranks(names, rank_counts, repeat: int, mesh: str | None = None) -> None:
     print(f"{'model':14s}" + "".join(f"{f'{n} ranks s':>12s}" for n in rank_counts)
-          + "".join(f"{f'{n}/{rank_counts[0]}':>8s}" for n in rank_counts[1:]))
+          + "".join(f"{f'{n}/{rank_counts[0]}':>8s}" for n in rank_counts[1:])
+          + (f"  (mesh {mesh})" if mesh else ""))
     for name in names:
-        best = [min(max(ddlc.spawn(_compile_rank, n, name, timeout=600, deadline=1200))
+        best = [min(max(ddlc.spawn(_compile_rank, n, name, mesh, timeout=600, deadline=1200))
                     for _ in range(repeat)) for n in rank_counts]
         print(f"{name:14s}" + "".join(f"{t:12.2f}" for t in best)
               + "".join(f"{t / best[0]:8.2f}" for t in best[1:]), flush=True)
@@ -142,9 +153,11 @@ def main():
     ap.add_argument("--models", nargs="*", default=None)
     ap.add_argument("--ranks", nargs="*", type=int, help="compile on this many local gloo "
                     "processes each (e.g. 1 4) instead of the one-process pass timings")
+    ap.add_argument("--mesh", help="with --ranks: compile for this mesh shape (e.g. 2x4), "
+                    "not a flat one")
     args = ap.parse_args()
     if args.ranks:
-        compile_on_ranks(args.models or ["zoo_gpt"], args.ranks, args.repeat)
+        compile_on_ranks(args.models or ["zoo_gpt"], args.ranks, args.repeat, args.mesh)
         return
     args.models = args.models or MODELS
     print(f"{'model':14s} {'nodes':>6s} {'trace s':>8s} {'plan s':>7s} {'lower s':>8s} {'total s':>8s}")

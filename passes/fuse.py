@@ -46,11 +46,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from cost_models.collectives import repriced
 from cost_models.program import NodeCosts, order_makespan
 from ddlc import comm
+from ddlc.fake import all_fake, run_on_meta
 from ddlc.ir import (BUCKETABLE, COLLECTIVE, FUSED, collective_kind, collective_sequence, is_wait, map_leaves,
                      output_scalars)
 from ddlc.mesh import Mesh
@@ -280,25 +280,12 @@ class FakeValues:
 
 
 def _on_meta(fn, args, kwargs, tensors: list[torch.Tensor]):
-    """``fn(*args, **kwargs)`` for arguments whose tensors (``tensors``) are fake: run on
-    meta tensors of the same shapes, strides and dtypes, the resulting tensors made fake
-    tensors of the first argument's mode and device. Tensors that are not fake (tests build
-    graphs of real ones): ``fn`` as it is."""
-    if not tensors or not all(isinstance(t, FakeTensor) for t in tensors):
+    """``fn(*args, **kwargs)`` worked out on meta tensors where its tensors (``tensors``)
+    are fake (:func:`ddlc.fake.run_on_meta`); tensors that are not fake (tests build graphs
+    of real ones): ``fn`` as it is."""
+    if not all_fake(tensors):
         return fn(*args, **kwargs)
-    mode, device = tensors[0].fake_mode, tensors[0].device
-    with unset_fake_temporarily():
-        out = fn(*_tensors_mapped(args, _meta), **_tensors_mapped(kwargs, _meta))
-        return _tensors_mapped(out, lambda t: FakeTensor(mode, t, device))
-
-
-def _meta(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-
-def _tensors_mapped(x, f):
-    """``x`` with every tensor ``t`` in it replaced by ``f(t)``."""
-    return map_leaves(lambda t: f(t) if isinstance(t, torch.Tensor) else t, x)
+    return run_on_meta(fn, args, kwargs, tensors)
 
 
 def _identities(x, held: list):

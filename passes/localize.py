@@ -6,7 +6,9 @@ where a split is uneven, e.g. a padded decoupled parameter, shapes differ by
 rank). Placeholders become local-shaped; each operator gets its shape arguments
 rewritten by the rules' :func:`passes.rules.localize_args` (view sizes, expand
 sizes, factory sizes, ...), then is re-run on fake local inputs (once per distinct
-call: repeated layers share the run, :class:`_Runs`); the result must
+call: repeated layers share the run, :class:`_Runs`; the fake mode, not the meta
+kernels alone, as some of those answer by device: CPU's eval-mode ``native_batch_norm``
+saves no statistics, its meta kernel does); the result must
 have exactly the local shape its SBP predicts, so a rule or localization error
 stops compilation instead of producing wrong numbers.
 Afterwards ``meta["val"]`` holds local values and ``ir.GLOBAL_VAL`` the global ones.
@@ -20,6 +22,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ddlc.errors import LoweringError
+from ddlc.fake import empty_fake
 from ddlc.ir import COLLECTIVE, GLOBAL_VAL, SHARDING, is_getitem, leaves, map_leaves, where
 from ddlc.mesh import Mesh
 from ddlc.printing import format_sharding
@@ -102,8 +105,7 @@ def localize(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.GraphMo
         expected = _expected(node.meta["val"], info.outputs, mesh, coord)
         if node.op in ("placeholder", "get_attr"):
             (val,) = leaves(node.meta["val"])
-            with mode:
-                node.meta["val"] = torch.empty(expected[0], dtype=val.dtype)
+            node.meta["val"] = empty_fake(mode, expected[0], val.dtype, val.device)
             continue
         if not (COLLECTIVE.has(node) or is_getitem(node)):
             in_shapes = [tuple(a.meta["val"].shape) for a in tensor_inputs(node)]

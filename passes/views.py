@@ -41,6 +41,7 @@ import torch
 from torch import fx
 from torch._ops import OpOverload
 
+from ddlc.fake import as_meta
 from ddlc.ir import ORIGIN, in_update, is_mutating, leaves, map_leaves
 
 __all__ = ["VIEW_FORMS", "views_as_views"]
@@ -160,7 +161,7 @@ class _Walk:
     def run_on_meta(self, node: fx.Node):
         """``node``'s output on meta tensors of its inputs' run-time layouts, or None where
         its operator cannot run there (or refuses those strides)."""
-        args, kwargs = map_leaves(lambda a: _meta(self.value(a)) if isinstance(a, fx.Node) else a,
+        args, kwargs = map_leaves(lambda a: as_meta(self.value(a)) if isinstance(a, fx.Node) else a,
                                 (node.args, node.kwargs))
         try:
             return node.target(*args, **kwargs)
@@ -226,15 +227,6 @@ def _needs_contiguous(node: fx.Node) -> bool:
     # AccumulateGrad makes it: a transposed weight gradient read by the ten or so
     # elementwise operators of an AdamW update costs each of them 15x (1M floats on CPU)
     return in_update(node) and not target.is_view
-
-
-def _meta(value):
-    """Meta tensors with ``value``'s shapes, dtypes and strides."""
-    def one(v):
-        if isinstance(v, torch.Tensor) and v.device.type != "meta":
-            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-        return v
-    return map_leaves(one, value)
 
 
 def _same_layout(a, b) -> bool:

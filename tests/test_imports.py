@@ -32,7 +32,8 @@ LAZY = ":lazy"
 #: A member ending in "." holds every module of that package.
 LAYERS = (
     ("core", ("ddlc.ir", "ddlc.sbp", "ddlc.mesh", "ddlc.errors", "ddlc.plan", "ddlc.printing",
-              "ddlc.comm", "ddlc.model_state", "ddlc.optim", "ddlc.options", "ddlc.portable", "ddlc.rng")),
+              "ddlc.comm", "ddlc.model_state", "ddlc.optim", "ddlc.options", "ddlc.portable", "ddlc.rng",
+              "ddlc.fake")),
     ("cost_models", ("cost_models", "cost_models.")),
     ("passes", ("passes", "passes.", "ddlc.tracing", "ddlc.updates", "ddlc.strided_views")),
     ("pipeline", ("ddlc.pipeline",)),
