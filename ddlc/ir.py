@@ -30,6 +30,7 @@ key               holds                  written by               read by
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, NamedTuple, Optional, Sequence, TypeVar
@@ -38,7 +39,8 @@ import torch
 from torch import fx
 from torch._ops import OpOverload
 from torch.fx.immutable_collections import immutable_dict, immutable_list
-from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import (SUPPORTED_NODES, TreeSpec, register_pytree_node, tree_leaves, tree_map,
+                                 tree_unflatten, treespec_leaf)
 
 if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run time
     from .sbp import SBP, NdSBP
@@ -135,6 +137,8 @@ def map_leaves(fn: Callable[[Any], Any], tree):
 
 #: The roles of the step's flat inputs ("hparam": an optimizer hyper-parameter, 0-d).
 ROLES = ("param", "buffer", "opt_state", "hparam", "input")
+_ROLE_WORDS = {"param": "parameter", "buffer": "buffer", "opt_state": "optimizer state",
+               "hparam": "hyper-parameter", "input": "batch input"}
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,9 @@ class StepSignature:
     keyword_batch: bool = False
     #: how a forward pass's outputs rebuild the model's output structure
     output_tree: "OutputTree | None" = None
+    #: the optimizer's parameters the loss does not read: never updated, and without state
+    #: in torch.optim (which creates a parameter's state at its first gradient)
+    untrained: tuple[str, ...] = ()
 
     def keys(self, role: str) -> list[str]:
         return [i.key for i in self.inputs if i.role == role]
@@ -199,6 +206,14 @@ class StepSignature:
     def input_name(self, role: str, key: str) -> str:
         """The placeholder name of the input with ``role`` and ``key``."""
         return next(i.name for i in self.inputs if (i.role, i.key) == (role, key))
+
+    def describe_input(self, name: str) -> str:
+        """The input placeholder ``name`` as the user knows it: "parameter 'fc.weight'",
+        "batch input 'input0'", ...; "input 'name'" where it is none of the step's."""
+        spec = next((i for i in self.inputs if i.name == name), None)
+        if spec is None:
+            return f"input {name!r}"
+        return f"{_ROLE_WORDS[spec.role]} {spec.key!r}"
 
     def loop_inputs(self) -> dict[int, str]:
         """Output index -> the placeholder whose placement that output must end in
@@ -239,10 +254,51 @@ class StepSignature:
 
 
 @dataclass(frozen=True)
+class _Fields:
+    """A dataclass instance that pytree does not know, as pytree sees it in an
+    :class:`OutputTree`: its class and its fields' names and values (see
+    :func:`dataclasses_as_nodes`). Its spec rebuilds the instance itself."""
+
+    cls: type
+    names: tuple[str, ...]
+    values: tuple
+
+
+def _fields_flatten(node: _Fields):
+    return list(node.values), (node.cls, node.names)
+
+
+def _fields_unflatten(values, context):
+    cls, names = context
+    instance = object.__new__(cls)   # the fields as they were, without __init__'s work again
+    for name, value in zip(names, values):
+        object.__setattr__(instance, name, value)
+    return instance
+
+
+register_pytree_node(_Fields, _fields_flatten, _fields_unflatten, serialized_type_name="ddlc.ir._Fields")
+
+
+def dataclasses_as_nodes(tree):
+    """``tree`` with every instance of a dataclass that pytree does not know (a plain
+    ``@dataclass`` a model returns; Hugging Face's ``ModelOutput`` registers itself) made
+    a node whose leaves are its fields, so that flattening reaches the tensors inside and
+    unflattening gives the instance back."""
+    def node(x):
+        if dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x) not in SUPPORTED_NODES:
+            fields = dataclasses.fields(x)
+            return _Fields(type(x), tuple(f.name for f in fields),
+                           tuple(dataclasses_as_nodes(getattr(x, f.name)) for f in fields))
+        return x
+    return tree_map(node, tree)
+
+
+@dataclass(frozen=True)
 class OutputTree:
     """The structure of a model's output (a tensor, tuple, dict, dataclass or Hugging Face
-    ``ModelOutput``): its pytree spec, and per leaf whether it is a tensor (a graph
-    output, in order) or the constant kept in ``constants``."""
+    ``ModelOutput``): its pytree spec (of :func:`dataclasses_as_nodes`), and per leaf
+    whether it is a tensor (a graph output, in order) or the constant kept in
+    ``constants``."""
 
     spec: Any
     constants: tuple
@@ -255,10 +311,33 @@ class OutputTree:
     def __deepcopy__(self, memo):  # immutable; a TreeSpec does not deep-copy cleanly
         return self
 
+    def __reduce__(self):
+        # a pickled TreeSpec's leaves unpickle through the deprecated ``LeafSpec``
+        # constructor, which warns on every rank that receives rank 0's graph: the spec
+        # travels as nested (type, context, children) instead, a leaf as None
+        return _output_tree, (_spec_as_tuples(self.spec), self.constants, self.is_tensor)
+
     def rebuild(self, tensors: Sequence[Any]):
         it = iter(tensors)
         leaves = [next(it) if t else c for t, c in zip(self.is_tensor, self.constants)]
         return tree_unflatten(leaves, self.spec)
+
+
+def _spec_as_tuples(spec: TreeSpec):
+    if spec.is_leaf():
+        return None
+    return (spec.type, spec.context, [_spec_as_tuples(c) for c in spec.children()])
+
+
+def _spec_from_tuples(plain) -> TreeSpec:
+    if plain is None:
+        return treespec_leaf()
+    node_type, context, children = plain
+    return TreeSpec(node_type, context, [_spec_from_tuples(c) for c in children])
+
+
+def _output_tree(plain, constants: tuple, is_tensor: tuple) -> OutputTree:
+    return OutputTree(_spec_from_tuples(plain), constants, is_tensor)
 
 
 def hyperparameter_tensors(values: Mapping[str, float | torch.Tensor]) -> dict[str, torch.Tensor]:

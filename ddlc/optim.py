@@ -27,6 +27,8 @@ class OptimizerSpec:
     rest, and whether each of ``gates`` is zero, shape the graph: :meth:`structure`."""
 
     state_names: tuple[str, ...] = ()
+    #: the state tensors shaped like the parameter (the others are scalars: Adam's step)
+    per_element: tuple[str, ...] = ()
     inputs: tuple[str, ...] = ()
     gates: tuple[str, ...] = ()
 
@@ -42,6 +44,20 @@ class OptimizerSpec:
         """Return ``(new_param, new_state)`` with the scalars ``hp`` of :meth:`derived`;
         never mutates its inputs."""
         raise NotImplementedError
+
+    def apply(self, param, grad, state: Mapping[str, torch.Tensor], hp: Mapping[str, torch.Tensor]):
+        """:meth:`update`, keeping the parameter's and its state's dtypes as torch.optim
+        does. The scalars ``hp`` are 0-d float64 tensors where torch.optim has Python
+        floats, and a 0-d tensor does not promote a tensor with dimensions but does promote
+        another 0-d one: a 0-d float32 parameter (a learnable temperature) would come out
+        float64. So a 0-d parameter, its gradient and its :attr:`per_element` state are
+        updated as one-element vectors and given back their shape."""
+        if param.dim() != 0:
+            return self.update(param, grad, state, hp)
+        vector = {k: v.reshape(1) if k in self.per_element else v for k, v in state.items()}
+        new_param, new_state = self.update(param.reshape(1), grad.reshape(1), vector, hp)
+        return new_param.reshape(()), {k: v.reshape(()) if k in self.per_element else v
+                                       for k, v in new_state.items()}
 
     def values(self) -> dict[str, float]:
         """The compile-time values of the ``inputs`` hyper-parameters."""
@@ -72,6 +88,8 @@ class SGDSpec(OptimizerSpec):
     @staticmethod
     def group_values(group: dict) -> dict[str, float]:
         return {"lr": group["lr"], "momentum": group["momentum"], "weight_decay": group["weight_decay"]}
+
+    per_element = ("momentum_buffer",)
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -106,6 +124,7 @@ class AdamWSpec(OptimizerSpec):
     weight_decay: float = 0.01
 
     state_names = ("step", "exp_avg", "exp_avg_sq")
+    per_element = ("exp_avg", "exp_avg_sq")
     inputs = ("lr", "beta1", "beta2", "eps", "weight_decay")
     gates = ("weight_decay",)
 

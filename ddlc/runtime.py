@@ -731,8 +731,11 @@ class CompiledStep:
         self._watch.accept_writes()  # the model's weights written since compile are superseded
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """Full optimizer state keyed ``"<param>:<state>"`` (collective)."""
-        return {k: self._gather(k, v) for k, v in self.opt_state.items()}
+        """Full optimizer state keyed ``"<param>:<state>"`` (collective), as torch.optim
+        keeps it: none for a parameter the loss does not read (never given a gradient)."""
+        untrained = set(self.signature.untrained)
+        return {k: self._gather(k, v) for k, v in self.opt_state.items()
+                if k.rsplit(":", 1)[0] not in untrained}
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Full gradients of the last step (compiled with loss_fn, no optimizer; collective)."""

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 from . import rng, strided_views
 from .errors import TraceError, UnsupportedInputError
 from .ir import (ORIGIN, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
-                 hyperparameter_tensors)
+                 dataclasses_as_nodes, hyperparameter_tensors)
 from .model_state import PLAIN, ModelWatch, describe, same_plain as _same_plain
 from .optim import hyperparameter_key, optimizer_spec
 from .updates import Update, stamp_updates
@@ -179,8 +179,9 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
             with_views = _make_fx(fn, flat, annotator, batch.tensors, model, remove="mutations")
             strided_views.repair(gm, with_views, lambda n: _source_from_stack(n.meta.get("stack_trace")) or None)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    untrained = ()
     if training and optimizer is not None:
-        _stamp_updates(gm, placeholders, inputs, specs, group_of, scalar_names, len(clip))
+        untrained = _stamp_updates(gm, placeholders, inputs, specs, group_of, scalar_names, len(clip))
     inputs = [InputSpec(_rename_placeholder(n, spec), spec.role, spec.key)
               for n, spec in zip(placeholders, inputs)]
     if outputs is None:
@@ -195,19 +196,19 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     gm.recompile()
     STEP.set(gm, StepSignature(tuple(inputs), tuple(outputs), tuple((k, specs[k]) for k in specs),
                                n_targets, tuple(groups.items()), tuple(hyper.items()),
-                               keyword_batch=batch.keyword, output_tree=outputs_tree))
+                               keyword_batch=batch.keyword, output_tree=outputs_tree, untrained=untrained))
     return gm
 
 
 def _stamp_updates(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: Sequence[InputSpec],
                    specs: Mapping[str, Any], group_of: Mapping[str, int],
-                   scalar_names: Mapping[int, tuple[str, ...]], n_norm: int) -> None:
+                   scalar_names: Mapping[int, tuple[str, ...]], n_norm: int) -> tuple[str, ...]:
     """Turn the traced ``(loss, *norm, *grads, *scalars, *buffers)`` outputs of the step
     into ``(loss, *norm, *new_params, *new_state, *buffers)`` by stamping in every
     parameter's update (:func:`ddlc.updates.stamp_updates`). A parameter the loss does not
     depend on (its gradient, zeros from torch.func, is not computed from the loss) keeps its
     value and state, as torch.optim skips a parameter whose ``grad`` is None: no weight
-    decay, no step count."""
+    decay, no step count. Returns the names of those parameters."""
     node_of = {(i.role, i.key): n for i, n in zip(inputs, placeholders)}
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = list(output.args[0])
@@ -226,6 +227,7 @@ def _stamp_updates(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: 
     output.args = ((*head, *(n[0] for n in new), *(s for n in new for s in n[1:]), *buffers),)
     for update in updates:  # the zeros of an unused parameter's gradient
         _erase_if_unused(gm.graph, update.grad)
+    return tuple(k for k, u in zip(specs, updates) if u.grad not in from_loss)
 
 
 def _erase_if_unused(graph: fx.Graph, node: fx.Node) -> None:
@@ -531,7 +533,7 @@ def _flatten_output(out) -> tuple[list[torch.Tensor], OutputTree]:
     """The tensors of a forward's output (a tensor, tuple, dict, dataclass or
     ``ModelOutput``) and the tree that rebuilds it; a leaf that is neither a tensor nor a
     plain constant (a generation cache object) is refused by name."""
-    leaves, spec = tree_flatten(out)
+    leaves, spec = tree_flatten(dataclasses_as_nodes(out))
     for leaf in leaves:
         if not (isinstance(leaf, torch.Tensor) or leaf is None or isinstance(leaf, (bool, int, float, str))):
             raise UnsupportedInputError(
@@ -717,9 +719,11 @@ _CAUSES = (
      "(model.gradient_checkpointing_disable() in Hugging Face; ddlc keeps activations within "
      "memory_budget= by its plan instead)"),
     (re.compile(r"mutate a captured Tensor", re.I), UnsupportedInputError,
-     "the model updates a tensor captured from outside the step in place (a buffer such as "
-     "running statistics, or a tensor attribute); ddlc does not support in-place updates of "
-     "model state"),
+     "the model updates in place a tensor that is not one of its buffers: a frozen parameter "
+     "(requires_grad=False, e.g. the weights of an EMA or momentum teacher), a tensor "
+     "attribute or a global; ddlc carries in-place updates of buffers only: keep such state "
+     "in buffers (register_buffer), which the step updates as eager does (running "
+     "statistics, EMA teachers, queues)"),
     (re.compile(r"dtype|scalar type", re.I), TraceError,
      "the example inputs' dtypes do not fit the model (an integer tensor fed into a float "
      "layer?)"),

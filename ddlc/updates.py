@@ -62,8 +62,16 @@ def _trace_update(update: Update) -> fx.Graph:
 
     def step(param, grad, *rest):
         state = dict(zip(spec.state_names, rest[:n_state]))
-        new_param, new_state = spec.update(param, grad, state, dict(zip(update.scalar_names, rest[n_state:])))
-        return (new_param, *(new_state[s] for s in spec.state_names))
+        new_param, new_state = spec.apply(param, grad, state, dict(zip(update.scalar_names, rest[n_state:])))
+        outputs = (new_param, *(new_state[s] for s in spec.state_names))
+        for name, before, after in zip(("parameter", *spec.state_names), (param, *rest), outputs):
+            if after.dtype != before.dtype or after.shape != before.shape:
+                raise TraceError(f"ddlc's {type(spec).__name__} update of {update.param.name} "
+                                 f"({tuple(param.shape)}, {param.dtype}) turns its {name} from "
+                                 f"{tuple(before.shape)} {before.dtype} into {tuple(after.shape)} "
+                                 f"{after.dtype}, which torch.optim does not: a bug in ddlc, "
+                                 "please report it")
+        return outputs
 
     graph = make_fx(functionalize(step, remove="mutations_and_views"))(
         *(n.meta["val"] for n in update.inputs)).graph

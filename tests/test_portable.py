@@ -1,7 +1,9 @@
 """One rank traces, the others receive the graph: a traced step survives pickling with its
 nodes, names, meta and fake values, lowers to the same program as the traced graph, and
 ranks given different models or inputs are told so instead of running rank 0's program."""
+import dataclasses
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import ddlc
 from conftest import MODELS, batches, model_and_loss, optimizer
 from ddlc import pipeline
 from ddlc.errors import RuntimeMismatchError
+from ddlc.ir import STEP
 from ddlc.launch import WorkerError, spawn
 from ddlc.options import CompileOptions
 from ddlc.portable import FakeSpec, from_portable, to_portable
@@ -101,6 +104,40 @@ def test_a_hugging_face_trace_ships():
     gm = pipeline.trace_step(model, {"input_ids": ids, "labels": ids}, None,
                              torch.optim.AdamW(model.parameters()), CompileOptions())
     assert _shipped(gm).code == gm.code
+
+
+@dataclasses.dataclass
+class _Out:
+    """A model's plain dataclass output, with a constant beside its tensors."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    note: str = "x"
+
+
+class _DataclassOutput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return _Out(self.b(h), h, "y")
+
+
+def test_an_inference_step_returning_a_dataclass_ships_and_rebuilds_it():
+    """A forward returning a plain ``@dataclass`` (not a pytree node) traces for inference,
+    its output tree ships to the other ranks without torch's pytree warnings (a pickled
+    TreeSpec's leaves unpickle through the deprecated ``LeafSpec``), and rebuilds the
+    dataclass with the program's tensors in its fields and its constants as they were."""
+    gm = pipeline.trace_step(_DataclassOutput(), (torch.randn(8, 4),), None, None, CompileOptions())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shipped = _shipped(gm)
+    tree = STEP(shipped).output_tree
+    logits, hidden = torch.zeros(8, 3), torch.ones(8, 8)
+    out = tree.rebuild([logits, hidden])
+    assert type(out) is _Out and out.logits is logits and out.hidden is hidden and out.note == "y"
 
 
 def _compile_other_widths(rank):

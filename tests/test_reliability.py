@@ -201,6 +201,20 @@ def _bn_model():
     return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, momentum=None))
 
 
+class _FrozenTeacher(torch.nn.Module):
+    """BYOL's target network as frozen parameters, updated in place in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.online, self.target = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for t, o in zip(self.target.parameters(), self.online.parameters()):
+                t.mul_(0.9).add_(o, alpha=0.1)
+        return self.online(x) - self.target(x)
+
+
 _X = torch.randn(8, 4)
 
 #: (what a user tried, the call, the ddlc.errors type, words the message must contain)
@@ -218,6 +232,8 @@ CATALOGUE = [
      UnsupportedInputError, "does not reproduce across ranks"),
     ("gumbel-softmax sampling", lambda: ddlc.trace(_GumbelSoftmax(), (_X, _X), F.mse_loss),
      UnsupportedInputError, "exponential"),
+    ("an EMA teacher in frozen parameters", lambda: ddlc.trace(_FrozenTeacher(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, r"a frozen parameter .* keep such state in buffers \(register_buffer\)"),
     ("a non-ASCII mesh", lambda: ddlc.Mesh("²"), MeshError, "cannot parse mesh shape"),
     ("an unknown compile option", lambda: CompileOptions.from_kwargs(solvr="cd"),
      ddlc.errors.OptionError, "solvr"),

@@ -325,6 +325,8 @@ SYNTHETIC.update({
     "argmax": lambda: (aten.argmax.default, (_r(4, 6), 1), {}),
     "max_dim": lambda: (aten.max.dim, (_r(4, 6), 0, True), {}),
     "linalg_vector_norm": lambda: (aten.linalg_vector_norm.default, (_r(4, 6), 2, [1], True), {}),
+    "norm_dim": lambda: (aten.norm.ScalarOpt_dim, (_r(4, 6, 2), 2, [1], False), {}),  # F.pairwise_distance
+    "norm_all": lambda: (aten.norm.Scalar, (_r(4, 6), 1), {}),
     "var_correction": lambda: (aten.var.correction, (_r(4, 6), [0]), {"correction": 1}),
     "aminmax": lambda: (aten.aminmax.default, (_r(4, 6),), {"dim": 0}),
     "var_mean_all": lambda: (aten.var_mean.correction, (_r(4, 6),), {}),

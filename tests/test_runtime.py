@@ -125,3 +125,41 @@ def test_a_death_after_every_result_is_reported_not_a_failure():
     the job's results, but is reported with its stack (a rank dying earlier fails it)."""
     with pytest.warns(WorkerDiedAfterResults, match=r"rank \d died after every rank(?s:.*)in <lambda>"):
         assert spawn(_abort_on_exit, 2, timeout=20, deadline=60) == [0, 10]
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _optimizer_state_keys(rank):
+    import torch.nn.functional as F
+
+    import ddlc
+    torch.manual_seed(0)
+    model = _WithUnused()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    step = ddlc.compile(model, (2,), (x, y), F.mse_loss, opt)
+    step.step(x, y)
+    return sorted(step.optimizer_state())
+
+
+def test_optimizer_state_holds_what_torch_optim_holds():
+    """A parameter the loss does not read gets no gradient, so torch.optim keeps no state
+    for it: the compiled step's optimizer_state() has none either (it had zeros)."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    model = _WithUnused()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    names = {p: k for k, p in model.named_parameters()}
+    want = sorted(f"{names[p]}:{s}" for p, state in opt.state.items() for s in state)
+    assert want and all(k.startswith("used.") for k in want)
+    assert spawn(_optimizer_state_keys, 2) == [want, want]

@@ -126,6 +126,40 @@ def _regression(n_steps=3):
     return [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(n_steps)]
 
 
+class _Temperature(nn.Module):
+    """Logits scaled by a learnable 0-d parameter (CLIP's ``logit_scale``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.fc(x) * self.scale.exp()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_zero_dim_parameter_keeps_its_dtype(optimizer):
+    """A 0-d float32 parameter and its optimizer state leave the step float32 and 0-d, as
+    they enter it, and train as eagerly: the update's scalars are 0-d float64 tensors,
+    which promote a 0-d tensor (the step returned them float64 with SGD, and AdamW failed
+    in its second step's ``lerp``)."""
+    torch.manual_seed(0)
+    model = _Temperature()
+    make = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+            "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=0.1)}[optimizer]
+    data = _regression()
+    _, _, gm, _ = _matches_eager(model, F.mse_loss, make, data, (2, 2))
+    sig = STEP(gm)
+    entering = {(i.role, i.key): n.meta["val"] for i, n in zip(sig.inputs, gm.graph.find_nodes(op="placeholder"))}
+    (output,) = gm.graph.find_nodes(op="output")
+    leaving = {(o.role, o.key): n.meta["val"] for o, n in zip(sig.outputs, output.args[0])}
+    scale = [key for key in leaving if key[0] in ("param", "opt_state") and "scale" in str(key[1])]
+    assert len(scale) == {"sgd": 2, "adamw": 4}[optimizer]
+    for key in scale:
+        assert (leaving[key].dtype, leaving[key].shape) == (entering[key].dtype, entering[key].shape), key
+
+
 @pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
 def test_dropout_masks_equal_single_device_with_the_same_seed(mesh_shape):
     """Dropout on a split batch: every rank draws from the program's generator (seeded
@@ -348,3 +382,4 @@ def test_a_parameter_the_loss_does_not_read_is_left_alone(make):
     params, _, gm, _ = _matches_eager(model, F.mse_loss, make, data, (4,))
     assert torch.equal(params["unused.weight"], model.unused.weight)
     assert "unused.weight" not in decouple(gm, ddlc.Mesh((4,)), always=True)
+    assert STEP(gm).untrained == ("unused.weight", "unused.bias")

@@ -225,6 +225,7 @@ REDUCE_UNSPLIT = [
     aten.max.dim, aten.min.dim, aten.prod.default, aten.prod.dim_int,
     aten.logsumexp.default, aten.var.correction, aten.std.correction,
     aten.var_mean.correction, aten.std_mean.correction, aten.linalg_vector_norm.default,
+    aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype,
 ]
 
 RULES = {

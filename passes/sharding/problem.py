@@ -161,7 +161,10 @@ def _placeholder_signatures(node: fx.Node, mesh: Mesh,
     if node.name in fixed:
         sbps = [fixed[node.name]]
         if not plannable(tuple(val.shape), sbps[0], mesh.shape):
-            raise ShardingError(f"the requested placement {sbps[0]} of input {node.name!r} "
+            gm = node.graph.owning_module
+            step = STEP.get(gm) if gm is not None else None
+            what = step.describe_input(node.name) if step is not None else f"input {node.name!r}"
+            raise ShardingError(f"the requested placement {sbps[0]} of {what} "
                                 f"cannot cut its shape {tuple(val.shape)} on mesh {mesh} (a dim "
                                 "that does not divide may be split by one mesh axis only, "
                                 "into non-empty pieces)")
