@@ -11,11 +11,6 @@ it lacks borrow the formula of their generic form, :data:`FLOP_ALIASES`) and byt
 the sum over the tensor inputs and outputs. Free (0 s): anything that is not a
 torch operator (``operator.getitem``, Python arithmetic on sizes), views
 (aliases of an input) and operators without a tensor output.
-
-A roofline time depends on the operator, the shapes and dtypes of its tensors and its
-other arguments only, so :func:`op_time` works it out once per such call signature and
-profile (:func:`call_signature`): a program of repeated layers, and the trials of a
-search that copy it, price each distinct call once.
 """
 from __future__ import annotations
 
@@ -28,7 +23,7 @@ from ddlc.mesh import HardwareProfile
 
 from .measured import measured_time
 
-__all__ = ["FLOP_ALIASES", "call_signature", "op_flops", "op_bytes", "op_time", "memory_seconds", "tensors"]
+__all__ = ["FLOP_ALIASES", "op_flops", "op_bytes", "op_time", "memory_seconds", "tensors"]
 
 _aten = torch.ops.aten
 
@@ -61,43 +56,10 @@ def op_bytes(args, kwargs, out) -> int:
     return _nbytes(tensors((args, kwargs, out)))
 
 
-def call_signature(target, args, kwargs, out):
-    """What a roofline time depends on, hashable: ``target`` and its arguments and output
-    with every tensor as its shape and dtype; None where an argument is not hashable."""
-    def signature(x):
-        if isinstance(x, torch.Tensor):
-            return (tuple(x.shape), x.dtype)
-        if isinstance(x, (list, tuple)):
-            return (type(x), tuple(signature(i) for i in x))
-        if isinstance(x, dict):
-            return (dict, tuple((k, signature(v)) for k, v in x.items()))
-        return x
-    key = (target, signature(args), signature(kwargs), signature(out))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-#: profile id -> (the profile, call signature -> roofline seconds) (see the module docstring)
-_ROOFLINE_TIMES: dict[int, tuple[HardwareProfile, dict]] = {}
-
-
 def op_time(target, args, kwargs, out, profile: HardwareProfile) -> float:
     """Seconds for one call at the shapes of ``args``/``kwargs``/``out`` (tensors or fakes)."""
     if profile.compute == "measured":  # cost_models/measured.py
         return measured_time(target, args, kwargs, out, profile, op_time)
-    key = call_signature(target, args, kwargs, out)
-    if key is None:
-        return _roofline_time(target, args, kwargs, out, profile)
-    _, times = _ROOFLINE_TIMES.setdefault(id(profile), (profile, {}))
-    if key not in times:
-        times[key] = _roofline_time(target, args, kwargs, out, profile)
-    return times[key]
-
-
-def _roofline_time(target, args, kwargs, out, profile: HardwareProfile) -> float:
     outs = tensors(out)
     if (not outs or not isinstance(target, (OpOverload, HigherOrderOperator))
             or getattr(target, "is_view", False)):

@@ -117,15 +117,20 @@ class NodeCosts:
     ``ir.COLLECTIVE``), not on where the order puts it, so one table serves every timeline
     of the same nodes (the orders a scheduler builds and compares). Valid while those
     nodes are unchanged: make one per graph state (a :func:`passes.schedule.schedule`
-    call makes its own), never keep one across a pass that edits nodes. (Operators of the
-    same call signature in other tables cost nothing more to price: :func:`op_time` works
-    each signature out once.)"""
+    call makes its own), never keep one across a pass that edits nodes.
 
-    def __init__(self, profile: HardwareProfile):
+    ``earlier``: the table of a graph this one's was copied from (a search's previous
+    trial): an operator whose node there has the same name, target, value and arguments
+    (its input nodes' values the very same objects, as a copied graph shares them) costs
+    what it cost there, without working it out again."""
+
+    def __init__(self, profile: HardwareProfile, earlier: "NodeCosts | None" = None):
         self.profile = profile
         self._channel: dict[fx.Node, str | None] = {}
         self._seconds: dict[fx.Node, float] = {}
         self._alloc: dict[fx.Node, int] = {}
+        self._priced: dict[str, fx.Node] = {}  # operators priced here, by name
+        self._earlier = earlier if earlier is not None and earlier.profile is profile else None
 
     def channel(self, node: fx.Node) -> str | None:
         """The stream a collective runs on; None for work on the compute stream."""
@@ -156,6 +161,10 @@ class NodeCosts:
             return COLLECTIVE(node).seconds
         if node.target is _c10d.wait_tensor.default:
             return 0.0
+        self._priced[node.name] = node
+        alike = self._earlier._priced.get(node.name) if self._earlier is not None else None
+        if alike is not None and _same_call(alike, node):
+            return self._earlier.seconds(alike)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
         return op_time(node.target, args, kwargs, node.meta.get("val"), self.profile)
 
@@ -164,6 +173,14 @@ class NodeCosts:
         if node not in self._alloc:
             self._alloc[node] = allocated_bytes(node)
         return self._alloc[node]
+
+
+def _same_call(a: fx.Node, b: fx.Node) -> bool:
+    """Whether ``a`` and ``b`` call the same target on the same values: the same output
+    value object, and the same arguments with each input node's value the same object."""
+    def key(node: fx.Node):
+        return fx.node.map_arg((node.args, node.kwargs), lambda n: id(n.meta.get("val")))
+    return a.target is b.target and a.meta.get("val") is b.meta.get("val") and key(a) == key(b)
 
 
 class ProgramClock:

@@ -380,6 +380,7 @@ def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
     if mesh.profile.shared_cores is not None:
         schedule_fn = None
     best, seen = None, set()  # best: (makespan, option, trial, its nodes and meta before scheduling)
+    costs = None  # the last trial's node costs (most of its operators are the next one's)
     base = NodeCosts(mesh.profile) if bound is not None else None  # of gm as it stands
     for option in options:
         if base is not None and best is not None and bound(option, base) > best[0] * (1 + 1e-9):
@@ -398,7 +399,7 @@ def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
         if key in seen:
             continue
         seen.add(key)
-        before, costs = None, NodeCosts(mesh.profile)  # the trial's, shared with its schedule
+        before, costs = None, NodeCosts(mesh.profile, earlier=costs or base)  # the trial's, shared
         if schedule_fn is not None:
             before = (list(trial.graph.nodes), dict(trial.meta), [dict(n.meta) for n in trial.graph.nodes])
             schedule_fn(trial, costs)

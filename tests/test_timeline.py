@@ -1,9 +1,7 @@
 """The timeline simulator against hand-computed schedules."""
-import dataclasses
 import json
 
 import pytest
-import torch
 
 from cost_models.timeline import COMPUTE, Timeline
 
@@ -137,39 +135,35 @@ def test_tensors_are_the_tensor_leaves_in_pytree_order(tree):
     assert [id(x) for x in tensors(tree)] == [id(x) for x in expected]
 
 
-def test_roofline_prices_each_call_signature_once(monkeypatch):
-    """op_time works a roofline time out once per (operator, tensor shapes and dtypes, other
-    arguments, profile): a copied graph (a search's trial) prices as a fresh table does
-    without working any operator out again, and an operator given another shape (a pass
-    rewrote it) is worked out anew, at its new price."""
+def test_node_costs_reuse_an_earlier_graphs_prices_only_for_the_same_call(monkeypatch):
+    """NodeCosts(earlier=...) over a copied graph (a search's trial) prices every node as a
+    fresh table does: an operator reuses the earlier price only where its name, target,
+    value and argument values are the same; one given a new value (a pass rewrote it) is
+    priced again."""
     import torch
 
-    import cost_models.compute as compute
     from cost_models.program import NodeCosts
     from passes.fuse import Trial
 
     mesh, program = _lowered_mlp()
-    before = {n.name: NodeCosts(mesh.profile).seconds(n) for n in program.graph.nodes
-              if n.op == "call_function"}
-    worked_out = []
-    roofline = compute._roofline_time
-    monkeypatch.setattr(compute, "_roofline_time", lambda target, *a: worked_out.append(target)
-                        or roofline(target, *a))
+    first = NodeCosts(mesh.profile)
+    before = {n.name: first.seconds(n) for n in program.graph.nodes if n.op == "call_function"}
     trial = Trial(program)
-    again = {n.name: NodeCosts(mesh.profile).seconds(n) for n in trial.graph.nodes if n.op == "call_function"}
-    assert again == before and worked_out == []
     product = next(n for n in trial.graph.nodes if n.target is torch.ops.aten.mm.default)
     val = product.meta["val"]
     with val.fake_mode:
         product.meta["val"] = torch.empty(val.shape[0] * 4, val.shape[1], dtype=val.dtype)
-    rewritten = NodeCosts(mesh.profile).seconds(product)
-    assert worked_out == [product.target]
-    assert rewritten == roofline(product.target, *_call(product), mesh.profile) != before[product.name]
-    other = dataclasses.replace(mesh.profile, memory_bandwidth=mesh.profile.memory_bandwidth / 2)
-    NodeCosts(other).seconds(product)   # another profile: its own prices
-    assert worked_out == [product.target] * 2
-
-
-def _call(node):
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
-    return args, kwargs, node.meta["val"]
+    import cost_models.program as program_costs
+    from cost_models.compute import op_time
+    priced = []
+    monkeypatch.setattr(program_costs, "op_time", lambda target, *a: priced.append(target)
+                        or op_time(target, *a))
+    reused = NodeCosts(mesh.profile, earlier=first)
+    prices = {n: reused.seconds(n) for n in trial.graph.nodes if n.op == "call_function"}
+    # only the rewritten operator and those reading it were priced anew
+    assert priced[0] is product.target and len(priced) <= 1 + len(product.users)
+    assert set(priced[1:]) <= {u.target for u in product.users}
+    monkeypatch.undo()
+    fresh = NodeCosts(mesh.profile)
+    assert prices == {n: fresh.seconds(n) for n in prices}
+    assert prices[product] != before[product.name]
