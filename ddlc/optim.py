@@ -33,6 +33,8 @@ class OptimizerSpec:
     gates: tuple[str, ...] = ()
 
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state of a parameter that has not stepped: every tensor zeros (so each rank
+        of a compiled step makes its own pieces as zeros, without the whole)."""
         raise NotImplementedError
 
     def derived(self, hp: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -162,6 +162,17 @@ def test_optimizer_state_inputs_keep_their_metadata():
             (t.shape, t.stride(), t.dtype, t.device)
 
 
+@pytest.mark.parametrize("spec", [SGDSpec(lr=0.1, momentum=0.9), AdamSpec(lr=0.1), AdamWSpec(lr=0.1)],
+                         ids=lambda s: type(s).__name__)
+def test_every_optimizer_state_starts_at_zero(spec):
+    """The contract CompiledStep relies on to make each rank's pieces of a fresh optimizer
+    state as zeros, without the whole: every state tensor of a parameter that has not
+    stepped is zeros."""
+    state = spec.init_state(torch.randn(3, 4))
+    assert list(state) == list(spec.state_names) and state
+    assert all(torch.count_nonzero(t) == 0 for t in state.values())
+
+
 def test_passes_generate_no_code_until_the_program_runs():
     """A traced step is a lazy graph module: the passes' ``recompile()`` calls only mark it,
     the code is generated once when the lowered program first runs (or is printed), and
