@@ -30,9 +30,10 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import NoReturn
 
-from .errors import DDLCError, OptionError, RuntimeMismatchError, as_shared
+from .errors import DDLCError, OptionError, RuntimeMismatchError, UnsupportedInputError, as_shared
 
 TRACE_ITERATIONS = 2
 SEARCH_SHOWN = 5
@@ -45,6 +46,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     _configure_logging(args.verbose)
     try:
+        _check_outputs(args)
         return args.run(args)
     except DDLCError as error:
         if args.verbose:
@@ -65,6 +67,22 @@ def run_and_exit(argv=None) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _check_outputs(args) -> None:
+    """Refuse an output file the command could not write, before any work: its folder
+    missing, a folder in its place, a picture not named ``.svg``."""
+    for option in ("json", "svg", "html", "trace"):
+        path = getattr(args, option, None)
+        if not path:
+            continue
+        folder = Path(path).parent
+        if not folder.is_dir():
+            raise OptionError(f"cannot write --{option} {path}: there is no folder {folder}")
+        if Path(path).is_dir():
+            raise OptionError(f"cannot write --{option} {path}: it is a folder")
+    if getattr(args, "svg", None) and Path(args.svg).suffix.lower() != ".svg":
+        raise OptionError(f"--svg writes an SVG picture: give a file name ending in .svg, not {args.svg}")
 
 
 def _one_line(error: Exception) -> str:
@@ -207,7 +225,14 @@ def _compile_rank0(args) -> Compiled:
         start = time.perf_counter()
         model, inputs, loss_fn = call_factory(args.factory)
         log.info("factory      %8.1f ms  %s", (time.perf_counter() - start) * 1e3, args.factory)
-        gm = pipeline.trace_step(model, inputs, loss_fn, _optimizer(args.optimizer, model), options)
+        optimizer = _optimizer(args.optimizer, model)
+        try:
+            gm = pipeline.trace_step(model, inputs, loss_fn, optimizer, options)
+        except UnsupportedInputError as error:
+            if loss_fn is None and optimizer is not None and "loss" in str(error):
+                raise UnsupportedInputError(f"{error}; for an inference plan of a model that returns "
+                                            "no loss, pass --optimizer none") from error
+            raise
         if devices is not None:
             (mesh, plan, program), searched = _search_meshes(gm, devices, profile, options)
             return Compiled(plan, program, mesh, STEP(program), budget or profile.memory_capacity, searched)
@@ -283,7 +308,7 @@ def _send_candidate(writer, gm, mesh, options, reference, groups) -> None:
     torch.set_num_threads(1)   # the parent's OpenMP threads do not exist here
     try:
         candidate = pipeline.plan_data_parallel(gm, mesh, options, reference, groups)
-        message = None if candidate is None else candidate.to_send()
+        message = candidate.to_send() if isinstance(candidate, pipeline.Candidate) else candidate
     except Exception as error:
         message = as_shared(error, "planning data parallelism for comparison failed")
     writer.send(message)
@@ -334,11 +359,15 @@ def _search_meshes(gm, devices: int, profile, options):
 # -- plan -----------------------------------------------------------------------------------
 
 def _plan(args) -> int:
-    from .printing import format_graph_by_module
-    from .report import collective_rows, format_report, module_rows, report_data, step_breakdown
+    from .printing import format_bytes, format_graph_by_module
+    from .report import (collective_rows, format_report, module_rows, over_budget_note, report_data,
+                         step_breakdown)
     compiled = _compile_rank0(args)
     rows = module_rows(compiled.plan, compiled.signature)
     step = step_breakdown(compiled.plan, compiled.program, compiled.mesh, compiled.budget)
+    if over_budget_note(step):
+        log.warning("the lowered program's modeled peak memory, %s a device, is over the budget of %s: %s",
+                    format_bytes(step.peak_memory), format_bytes(step.budget), over_budget_note(step))
     collectives = collective_rows(compiled.program)
     text = format_report(compiled.plan, rows, step, collectives)
     if compiled.searched:
@@ -379,9 +408,19 @@ def _pictures(args, compiled: Compiled, rows, report: str) -> None:
     graph = step_graph(compiled.plan, compiled.program, rows, repeats_of(compiled.plan, compiled.signature))
     title = f"{args.factory} on mesh {compiled.mesh}, profile {compiled.plan.profile}"
     if args.svg:
-        write_picture(graph, title, args.svg)
+        try:
+            write_picture(graph, title, args.svg)
+        except OSError as e:
+            raise OptionError(f"cannot write {args.svg}: {e.strerror}") from e
     if args.html:
         _write(args.html, html_page(graph, title, report))
+
+
+def _write_trace(timeline, path: str) -> None:
+    try:
+        timeline.write_chrome_trace(path)
+    except OSError as e:
+        raise OptionError(f"cannot write {path}: {e.strerror}") from e
 
 
 def _write(path: str, text: str) -> None:
@@ -403,7 +442,7 @@ def _schedule(args) -> int:
     compiled = _compile_rank0(args)
     rows, result = scheduled_collectives(compiled.program, compiled.mesh)
     if args.trace:
-        result.write_chrome_trace(args.trace)
+        _write_trace(result, args.trace)
     if args.json:
         print(json.dumps({"makespan": result.makespan, "exposed_communication": result.exposed_communication,
                           "lower_bound": result.lower_bound, "peak_memory": result.peak_memory,
@@ -418,13 +457,15 @@ def _layer_schedule(args) -> int:
     from cost_models.layer_schedules import LayerProfile, lower_bound, schedules
     try:
         profile = LayerProfile.load(args.layer_profile)
-    except (OSError, ValueError) as e:
-        print(f"ddlc schedule: {args.layer_profile}: {e}", file=sys.stderr)
-        return 2
+    except OSError as e:
+        raise OptionError(f"cannot read --layer-profile {args.layer_profile}: {e.strerror}") from None
+    except ValueError as e:
+        raise OptionError(f"--layer-profile {e}" if str(e).startswith(args.layer_profile)
+                          else f"--layer-profile {args.layer_profile}: {e}") from None
     results = schedules(profile)
     bound = lower_bound(profile)
     if args.trace:
-        results["ddlc"].simulate(TRACE_ITERATIONS).write_chrome_trace(args.trace)
+        _write_trace(results["ddlc"].simulate(TRACE_ITERATIONS), args.trace)
     if args.json:
         times = {name: s.iteration_time for name, s in results.items()}
         print(json.dumps(times | {"lower_bound": bound}))

@@ -65,9 +65,12 @@ def load_factory(spec_text: str) -> Callable[[], Any]:
                            "package.module:function")
     is_file = where.endswith(".py") or os.sep in where or "/" in where
     module = _module_from_file(where, spec_text) if is_file else _module_by_name(where, spec_text)
-    factory = getattr(module, attr, None)
-    if not callable(factory):
+    if not hasattr(module, attr):
         raise FactoryError(f"{spec_text}: {where} has no function {attr!r}")
+    factory = getattr(module, attr)
+    if not callable(factory):
+        raise FactoryError(f"{spec_text}: {where}'s {attr!r} is of type {type(factory).__name__}, not a "
+                           "function to call")
     return factory
 
 

@@ -162,8 +162,17 @@ def load_profile(name_or_path: str | HardwareProfile) -> HardwareProfile:
     if isinstance(name_or_path, HardwareProfile):
         return name_or_path
     if name_or_path.endswith(".json"):
-        with open(name_or_path) as f:
-            return HardwareProfile.from_dict(json.load(f))
+        try:
+            with open(name_or_path) as f:
+                d = json.load(f)
+        except OSError as e:
+            raise MeshError(f"cannot read hardware profile {name_or_path!r}: {e.strerror}") from None
+        except ValueError as e:
+            raise MeshError(f"hardware profile {name_or_path!r} is not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise MeshError(f"hardware profile {name_or_path!r} holds a JSON {type(d).__name__}, "
+                            "not an object of the profile's fields")
+        return HardwareProfile.from_dict(d)
     if name_or_path not in available_profiles():
         raise MeshError(f"unknown hardware profile {name_or_path!r}; "
                         f"known: {', '.join(available_profiles())} (or pass a .json path)")

@@ -65,7 +65,7 @@ from .sbp import NdSBP, S, divides, parse_sbp
 from .tracing import trace
 
 __all__ = ["PLANNING", "LOWERING", "run_pass", "collections_deferred", "trace_step",
-           "resolve_placements", "plan", "choose_plan", "ChosenPlan", "Candidate",
+           "resolve_placements", "plan", "choose_plan", "ChosenPlan", "Candidate", "NoCandidate",
            "data_parallel_reference", "plan_data_parallel", "named_alike_copy",
            "data_parallel_placements", "lower", "LoweringChoices", "mesh_shapes"]
 
@@ -182,9 +182,16 @@ class Candidate(NamedTuple):
         return self._replace(plan=self.plan.without_solver(), program=None)
 
 
+class NoCandidate(NamedTuple):
+    """Why data parallelism could not be planned for comparison (e.g. over the memory
+    budget): :func:`plan_data_parallel`'s answer instead of a :class:`Candidate`."""
+
+    reason: str
+
+
 def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
                 fixed: Mapping[str, NdSBP], groups: Sequence[str] | None = None,
-                data_parallel: Callable[[], Candidate | None] | None = None) -> ChosenPlan:
+                data_parallel: Callable[[], Candidate | NoCandidate] | None = None) -> ChosenPlan:
     """:func:`plan`, checked against data parallelism, the plan most users write by hand.
 
     The search minimises an additive objective (per node and per edge); the program's
@@ -208,7 +215,9 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     mine, *my_program = _lowered_step(named_alike_copy(gm), mesh, options, groups)
     candidate = data_parallel() if data_parallel is not None else \
         plan_data_parallel(gm, mesh, options, reference, groups)
-    if candidate is None:
+    if candidate is None or isinstance(candidate, NoCandidate):
+        reason = candidate.reason if candidate is not None else "not made"
+        searched.stats.update(searched_step=mine, data_parallel_none=reason)
         return ChosenPlan(searched, *my_program)
     log.info("modeled step of the searched plan %.3f ms, of data parallelism %.3f ms",
              mine * 1e3, candidate.step * 1e3)
@@ -235,7 +244,7 @@ def data_parallel_reference(gm: fx.GraphModule, mesh: Mesh, options: CompileOpti
 
 def plan_data_parallel(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
                        reference: Mapping[str, NdSBP], groups: Sequence[str] | None = None,
-                       coord: Sequence[int] | None = None) -> Candidate | None:
+                       coord: Sequence[int] | None = None) -> Candidate | NoCandidate:
     """The :class:`Candidate` of the plan with the pins ``reference`` (activations stay
     where the pins put them), planned and lowered on a copy of ``gm``; None where it
     cannot be planned (a ``ShardingError``, e.g. over the memory budget). Its program is
@@ -248,7 +257,7 @@ def plan_data_parallel(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
         result = plan(planned, mesh, replace(options, move_activations=False), reference)
     except ShardingError as e:
         log.info("data-parallel plan: none (%s)", str(e).splitlines()[0])
-        return None
+        return NoCandidate(str(e).splitlines()[0])
     decisions = {n.name: SHARDING(n) for n in planned.graph.nodes if SHARDING.has(n)}
     wanted = tuple(coord) if coord is not None else (0,) * mesh.ndim
     lowered_for = wanted if _splits_evenly(planned, mesh) else (0,) * mesh.ndim

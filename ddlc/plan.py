@@ -67,7 +67,7 @@ class Plan:
     # -- text -------------------------------------------------------------------
     def summary(self) -> str:
         mesh = "x".join(map(str, self.mesh_shape)) + f"({','.join(self.axis_names)})"
-        return (f"plan on mesh {mesh}, profile {self.profile}, solver {self.solver}: modeled step "
+        return (f"plan on mesh {mesh}, profile {self.profile}, solver {self.solver}: planner objective "
                 f"{self.objective * 1e3:.3f} ms = compute {self.compute * 1e3:.3f} ms + "
                 f"communication {self.communication * 1e3:.3f} ms; resident memory "
                 f"{self.memory / 2**20:.2f} MiB per device")

@@ -217,6 +217,16 @@ def collective_rows(program: fx.GraphModule) -> list[CollectiveRow]:
     return [CollectiveRow(*key, *entry) for key, entry in groups.items()]
 
 
+def over_budget_note(b: StepBreakdown) -> str:
+    """Why the lowered program's modeled peak can exceed the budget the plan was searched
+    under, or "" where it does not: the search's memory model counts the plan's tensors,
+    not the buffers lowering adds (buckets, pieces) or the order's live ranges."""
+    if not b.budget or b.peak_memory <= b.budget:
+        return ""
+    return ("the plan fits it by the search's estimate, which leaves out the buffers lowering "
+            "adds (buckets, pieces) and the order's live ranges: give a smaller budget")
+
+
 def _format_step(plan: Plan, b: StepBreakdown) -> list[str]:
     ms = lambda s: f"{s * 1e3:10.3f} ms"  # noqa: E731
     share = f"{b.peak_memory / b.budget:.1%}" if b.budget else "-"
@@ -225,7 +235,7 @@ def _format_step(plan: Plan, b: StepBreakdown) -> list[str]:
             f"  communication exposed   {ms(b.exposed)}",
             f"  communication hidden    {ms(b.hidden)}",
             f"  peak memory per device  {format_bytes(b.peak_memory):>13} of {format_bytes(b.budget)} "
-            f"budget ({share})",
+            f"budget ({share})" + (over_budget_note(b) and f": OVER THE BUDGET, {over_budget_note(b)}"),
             f"  planner objective       {ms(b.planner_objective)} (compute + communication before "
             "bucketing and overlap)"]
 
@@ -235,6 +245,9 @@ def format_report(plan: Plan, rows: list[ModuleRow], step: StepBreakdown,
     """The plan table, the modeled step and the collectives per step, as text."""
     mesh = "x".join(map(str, plan.mesh_shape)) + f"({','.join(plan.axis_names)})"
     lines = [f"plan on mesh {mesh}, profile {plan.profile}, solver {plan.solver}"]
+    if "data_parallel_none" in plan.stats:
+        lines.append(f"checked against data parallelism: none could be planned "
+                     f"({plan.stats['data_parallel_none']}): kept the searched plan")
     if "data_parallel_step" in plan.stats:
         kept = "data parallelism" if plan.stats.get("chosen_over_search") else "the searched plan"
         lines.append(f"checked against data parallelism (modeled step of rank 0's program: searched "

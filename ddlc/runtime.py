@@ -215,7 +215,7 @@ def _receive_from(source: int):
 
 def _send_to_rank0(message) -> None:
     """Rank 1's one message to rank 0 during ``compile``: its data-parallel
-    :class:`ddlc.pipeline.Candidate` (as sent), None, or its failure."""
+    :class:`ddlc.pipeline.Candidate` (as sent) or ``NoCandidate``, None, or its failure."""
     dist.send_object_list([message], dst=0)
 
 
@@ -260,14 +260,14 @@ def _plan_with_rank1(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], opt
         if reference is not None:
             try:
                 message = pipeline.plan_data_parallel(gm, mesh, options, reference, groups, coord)
-                if message is not None:
+                if isinstance(message, pipeline.Candidate):
                     mine, message = message.program, message.to_send()
             except Exception as error:  # raised on rank 0, which shares it with every rank
                 message = as_shared(error, "rank 1 failed while planning data parallelism")
         _send_to_rank0(message)
     received = []
 
-    def candidate() -> pipeline.Candidate | None:
+    def candidate() -> pipeline.Candidate | pipeline.NoCandidate:
         if not received:
             received.append(_receive_from(1))
         if isinstance(received[0], Exception):

@@ -76,6 +76,30 @@ def test_the_plan_whose_program_models_faster_is_kept(monkeypatch, faster):
             {n.name: SHARDING(n) for n in searched.graph.nodes if SHARDING.has(n)}
 
 
+def test_a_data_parallel_plan_that_cannot_be_made_is_reported(monkeypatch):
+    """Where data parallelism cannot be planned (here: it is made to fail as over a memory
+    budget would), the searched plan is kept and its report says why it was not compared."""
+    from ddlc.errors import ShardingError
+    from ddlc.report import format_report
+    mesh = ddlc.Mesh((4,), links=[FAST])
+    real_plan = pipeline.plan
+
+    def plan(gm, mesh, options, fixed):
+        if not options.move_activations:  # the data-parallel candidate's planning
+            raise ShardingError("no sharding fits the memory budget of 1 KiB per device")
+        return real_plan(gm, mesh, options, fixed)
+    monkeypatch.setattr(pipeline, "plan", plan)
+    chosen = pipeline.choose_plan(traced("mlp"), mesh, CompileOptions(), {})
+    assert chosen.plan.stats["data_parallel_none"] == "no sharding fits the memory budget of 1 KiB per device"
+    text = format_report(chosen.plan, [], _step(), [])
+    assert "checked against data parallelism: none could be planned (no sharding fits" in text
+
+
+def _step():
+    from ddlc.report import StepBreakdown
+    return StepBreakdown(1e-3, 1e-3, 0.0, 0.0, 1, 2, 1e-3)
+
+
 def test_the_choices_fit_the_graph_every_rank_lowers():
     """choose_plan lowers a copy of the graph, and lowering's choices name its nodes (their
     order); another rank lowers the shipped graph (``ddlc.portable``), whose namespace

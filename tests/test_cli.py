@@ -39,6 +39,7 @@ def broken():
 def _commands(tmp: Path) -> dict[str, tuple[list[str], str]]:
     """name -> (arguments of ``python -m ddlc``, PYTHONHASHSEED)."""
     (tmp / "raising.py").write_text(RAISING)
+    (tmp / "raising.json").write_text(RAISING)  # a profile that is not JSON
     (tmp / "fast.json").write_text(json.dumps(FAST_GLOO_DICT))  # a link the MLP's dp pays on
     full = ["plan", f"{FACTORIES}:mlp_deep", "--mesh", "2x2", "--profile", str(tmp / "fast.json"), "--graph",
             "--json", str(tmp / "plan.json"), "--svg", str(tmp / "plan.svg"), "--html", str(tmp / "plan.html")]
@@ -53,6 +54,9 @@ def _commands(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "factory_raises_verbose": (["plan", f"{tmp / 'raising.py'}:broken", "--mesh", "2", "-v"], "0"),
         "bad_mesh": (["plan", f"{FACTORIES}:mlp", "--mesh", "2y4"], "0"),
         "over_budget": (["plan", f"{FACTORIES}:mlp", "--mesh", "2", "--memory", "1KB"], "0"),
+        "profile_not_json": (["plan", f"{FACTORIES}:mlp", "--mesh", "2", "--profile", str(tmp / "raising.py")
+                              .replace(".py", ".json")], "0"),
+        "svg_no_folder": (["plan", f"{FACTORIES}:mlp", "--mesh", "2", "--svg", str(tmp / "no" / "p.svg")], "0"),
     }
 
 
@@ -158,6 +162,8 @@ def test_schedule_prints_the_timeline_and_writes_a_trace(runs):
     ("factory_raises", "the factory raised ValueError: no weights for this model"),
     ("bad_mesh", "cannot parse mesh shape '2y4'"),
     ("over_budget", "no sharding fits the memory budget of 1000 B per device"),
+    ("profile_not_json", "raising.json' is not valid JSON"),
+    ("svg_no_folder", "cannot write --svg"),
 ])
 def test_bad_input_is_one_line_and_exit_2(runs, name, cause):
     out = _result(runs, name)
@@ -261,3 +267,12 @@ def test_the_forked_data_parallel_candidate_gives_the_plan_of_one_process():
         {n.name: SHARDING(n) for n in chosen.program.graph.nodes if SHARDING.has(n)}
     assert [n.name for n in program.graph.nodes] == [n.name for n in chosen.program.graph.nodes]
     assert collective_sequence(program) == collective_sequence(chosen.program)
+
+
+def test_a_program_over_the_memory_budget_is_flagged():
+    """The search meets the budget by its own memory model; where the lowered program's
+    modeled peak exceeds it (buckets, pieces, live ranges), the report says so."""
+    from ddlc.report import StepBreakdown, over_budget_note
+    within = StepBreakdown(1e-3, 1e-3, 0.0, 0.0, 300e3, 400e3, 1e-3)
+    over = StepBreakdown(1e-3, 1e-3, 0.0, 0.0, 536e3, 400e3, 1e-3)
+    assert over_budget_note(within) == "" and "give a smaller budget" in over_budget_note(over)

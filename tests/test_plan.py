@@ -27,7 +27,7 @@ def test_prints_summary_and_table(plans):
     plan, _ = plans
     text = str(plan)
     assert text.startswith("plan on mesh 2x2(dp,tp)")
-    assert "modeled step" in text and "signature" in text
+    assert "planner objective" in text and "signature" in text
     assert all(n.name in text for n in plan.nodes)
     assert plan.objective == pytest.approx(plan.compute + plan.communication, rel=1e-9)
 

@@ -348,7 +348,7 @@ def test_memory_budgets_are_kept_or_refused_with_the_smallest_that_fits():
     free = shard(gm, mesh, memory_budget=1e12)
     for budget in (smallest, (smallest + free.memory) / 2):
         assert shard(gm, mesh, memory_budget=budget).memory <= budget
-    with pytest.raises(ddlc.errors.ShardingError, match=r"KiB.*memory_budget >= \d+ bytes"):
+    with pytest.raises(ddlc.errors.ShardingError, match=r"KiB.*memory_budget=, --memory\) of at least \d+ bytes"):
         shard(gm, mesh, memory_budget=smallest / 2)  # small model: KiB, not "0.0 MiB"
 
 

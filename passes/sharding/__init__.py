@@ -115,7 +115,8 @@ def _refuse_budget(budget: float, smallest: float, dominant: Sequence[tuple[str,
     raise ShardingError(f"no sharding fits the memory budget of {format_bytes(budget)} per device: "
                         f"the smallest possible footprint is {format_bytes(smallest)} "
                         "(parameters x2 for gradients, optimizer state, inputs, saved activations); "
-                        f"give memory_budget >= {smallest:.0f} bytes. The largest tensors even at "
+                        f"give a budget (memory_budget=, --memory) of at least {smallest:.0f} bytes. "
+                        "The largest tensors even at "
                         f"their best split: {top}")
 
 
