@@ -74,7 +74,7 @@ def _check_outputs(args) -> None:
     missing, a folder in its place, a picture not named ``.svg``."""
     for option in ("json", "svg", "html", "trace"):
         path = getattr(args, option, None)
-        if not path:
+        if not isinstance(path, str):  # not given, or a flag (``schedule --json`` prints JSON)
             continue
         folder = Path(path).parent
         if not folder.is_dir():
