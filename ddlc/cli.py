@@ -365,9 +365,10 @@ def _plan(args) -> int:
     compiled = _compile_rank0(args)
     rows = module_rows(compiled.plan, compiled.signature)
     step = step_breakdown(compiled.plan, compiled.program, compiled.mesh, compiled.budget)
-    if over_budget_note(step):
+    note = over_budget_note(step)
+    if note:
         log.warning("the lowered program's modeled peak memory, %s a device, is over the budget of %s: %s",
-                    format_bytes(step.peak_memory), format_bytes(step.budget), over_budget_note(step))
+                    format_bytes(step.peak_memory), format_bytes(step.budget), note)
     collectives = collective_rows(compiled.program)
     text = format_report(compiled.plan, rows, step, collectives)
     if compiled.searched:

@@ -215,9 +215,8 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     mine, *my_program = _lowered_step(named_alike_copy(gm), mesh, options, groups)
     candidate = data_parallel() if data_parallel is not None else \
         plan_data_parallel(gm, mesh, options, reference, groups)
-    if candidate is None or isinstance(candidate, NoCandidate):
-        reason = candidate.reason if candidate is not None else "not made"
-        searched.stats.update(searched_step=mine, data_parallel_none=reason)
+    if isinstance(candidate, NoCandidate):
+        searched.stats.update(searched_step=mine, data_parallel_none=candidate.reason)
         return ChosenPlan(searched, *my_program)
     log.info("modeled step of the searched plan %.3f ms, of data parallelism %.3f ms",
              mine * 1e3, candidate.step * 1e3)
@@ -246,8 +245,9 @@ def plan_data_parallel(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
                        reference: Mapping[str, NdSBP], groups: Sequence[str] | None = None,
                        coord: Sequence[int] | None = None) -> Candidate | NoCandidate:
     """The :class:`Candidate` of the plan with the pins ``reference`` (activations stay
-    where the pins put them), planned and lowered on a copy of ``gm``; None where it
-    cannot be planned (a ``ShardingError``, e.g. over the memory budget). Its program is
+    where the pins put them), planned and lowered on a copy of ``gm``; a
+    :class:`NoCandidate` with the reason where it cannot be planned (a ``ShardingError``,
+    e.g. over the memory budget). Its program is
     lowered for mesh coordinate ``coord`` (default 0) where the plan splits every tensor
     evenly (then every rank's program models the same step and searches to the same
     choices), else for coordinate 0 and left out of the candidate unless that is
