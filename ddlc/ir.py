@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run 
 __all__ = ["MetaKey", "Origin", "InputSpec", "OutputSpec", "StepSignature", "Signature",
            "NdSignature", "CollectiveInfo", "Piece", "ROLES", "ORIGIN", "ROLE", "SHARDING",
            "COLLECTIVE", "PIECE", "FUSED", "GLOBAL_VAL", "STEP", "BUCKET_CAP", "PIECE_BYTES",
-           "UPDATES", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait", "is_mutating", "in_update",
+           "RECOMPUTE", "RECOMPUTED", "UPDATES", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait", "is_mutating", "in_update",
            "collective_kind", "collective_sequence", "is_scalar_valued", "output_scalars"]
 
 T = TypeVar("T")
@@ -434,6 +434,12 @@ GLOBAL_VAL: MetaKey[Any] = MetaKey("ddlc_global_val", object)
 STEP: MetaKey[StepSignature] = MetaKey("ddlc_step", StepSignature)
 BUCKET_CAP: MetaKey[float] = MetaKey("ddlc_bucket_cap", (int, float))
 PIECE_BYTES: MetaKey[float] = MetaKey("ddlc_piece_bytes", (int, float))
+#: the activation-checkpointed call (``torch.utils.checkpoint``) a forward node was traced in,
+#: numbered in forward order: ``passes.recompute`` recomputes its values for the backward pass
+RECOMPUTE: MetaKey[int] = MetaKey("ddlc_recompute", int)
+#: a backward node that recomputes a value of that checkpointed call: it runs where it is, as
+#: late as its readers allow (a scheduler that hoisted it would keep the activation alive again)
+RECOMPUTED: MetaKey[int] = MetaKey("ddlc_recomputed", int)
 #: where the schedule put the optimizer updates: "end", "early" (inside backward) or "mixed" (per group)
 UPDATES: MetaKey[str] = MetaKey("ddlc_updates", str)
 

@@ -5,6 +5,8 @@
     planning  (rank 0 traces and plans, see ddlc.runtime)
       trace          model + inputs + loss + optimizer -> one functional aten graph (ddlc.tracing)
       canonicalize   mean reductions -> sum / count, so batch splits give partial sums
+      recompute      backward reads recomputed copies of activation-checkpointed calls'
+                     values (torch.utils.checkpoint), as eager autograd recomputes them
       shard          every node's SBP signature (AutoDDL): ir.SHARDING on every node
       decouple       gradient all-reduce -> reduce-scatter + update on the shard + all-gather
       (choose_plan)  where nothing is pinned: data parallelism instead, if its lowered
@@ -52,6 +54,7 @@ from passes.inplace import update_in_place
 from passes.localize import localize
 from passes.partition import partition, partition_search
 from passes.random import draw_globally
+from passes.recompute import recompute_checkpointed
 from passes.schedule import check_waits, follow, schedule, searches_updates
 from passes.sharding import mesh_shapes, shard
 from passes.views import views_as_views
@@ -72,7 +75,7 @@ __all__ = ["PLANNING", "LOWERING", "run_pass", "collections_deferred", "trace_st
 log = logging.getLogger("ddlc.pipeline")
 
 #: The passes, in the order they run.
-PLANNING = ("trace", "canonicalize", "shard", "decouple")
+PLANNING = ("trace", "canonicalize", "recompute", "shard", "decouple")
 LOWERING = ("collectives", "localize", "random", "fuse", "partition", "schedule", "views", "inplace")
 
 
@@ -110,10 +113,12 @@ def collections_deferred():
 
 def trace_step(model: nn.Module, example_inputs, loss_fn, optimizer,
                options: CompileOptions) -> fx.GraphModule:
-    """trace, canonicalize: the step graph at global shapes, mean losses as sum / count."""
+    """trace, canonicalize, recompute: the step graph at global shapes, mean losses as sum /
+    count, checkpointed activations recomputed in backward."""
     gm = run_pass("trace", trace, model, example_inputs, loss_fn, optimizer,
                   num_targets=options.num_targets, clip_grad_norm=options.clip_grad_norm)
-    return run_pass("canonicalize", canonicalize, gm)
+    gm = run_pass("canonicalize", canonicalize, gm)
+    return run_pass("recompute", recompute_checkpointed, gm)
 
 
 def resolve_placements(gm: fx.GraphModule, placements: Mapping[str, object],

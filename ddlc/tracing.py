@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import rng, strided_views
 from .errors import TraceError, UnsupportedInputError
-from .ir import (ORIGIN, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
+from .ir import (ORIGIN, RECOMPUTE, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
                  dataclasses_as_nodes, hyperparameter_tensors)
 from .model_state import PLAIN, ModelWatch, describe, same_plain as _same_plain
 from .optim import hyperparameter_key, optimizer_spec
@@ -121,7 +121,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         (created inside the transforms, so the update is functionalized into outputs)."""
         updated = {k: v.clone() for k, v in buffer_values.items()}
         annotator.phase("forward")
-        with _BatchNormAsReductions():
+        with _BatchNormAsReductions(), _RequiresGradFlagsIgnored():
             out = _checked_output(batch.call(model, {**weights, **updated}, xs[:n_model_inputs]))
         return out, updated
 
@@ -588,6 +588,21 @@ class _BatchNormAsReductions(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _RequiresGradFlagsIgnored(TorchFunctionMode):
+    """``t.requires_grad_(True)`` on a tensor of the forward does nothing. torch.func
+    refuses the call, and it cannot change the step: the transform differentiates with
+    respect to the parameters whatever the flags of the tensors in between. Hugging Face's
+    ``enable_input_require_grads`` (which ``gradient_checkpointing_enable`` turns on) calls
+    it on the input embeddings' output, so that reentrant checkpointing sees an input
+    that requires a gradient."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.requires_grad_ and kwargs.get("requires_grad", args[1] if len(args) > 1 else True):
+            return args[0]
+        return func(*args, **kwargs)
+
+
 _BATCH_NORM = inspect.signature(F.batch_norm)
 _INSTANCE_NORM = inspect.signature(F.instance_norm)
 
@@ -669,21 +684,39 @@ _COPIES = (torch.ops.aten.clone.default, torch.ops.aten.alias.default, torch.ops
 
 
 class _ModuleAnnotator:
-    """Forward hooks that stamp the current module path and phase on new nodes."""
+    """Forward hooks that stamp the current module path and phase on new nodes, and the
+    activation-checkpointed call they run in (:meth:`checkpointed`)."""
 
     def __init__(self, model: nn.Module):
         self.names = {id(m): n for n, m in model.named_modules()}
         self.stack: list[str] = []
         self.current_phase = "forward"
+        self.regions = 0        # checkpointed calls entered so far
+        self.region: int | None = None  # the outermost one running now
 
     def phase(self, name: str) -> None:
         self.current_phase = name
         self._publish()
 
     def _publish(self):
-        module = self.stack[-1] if self.stack and self.current_phase == "forward" else None
-        fx_traceback.current_meta["custom"] = {"ddlc_phase": self.current_phase,
-                                               "ddlc_module": module}
+        forward = self.current_phase == "forward"
+        module = self.stack[-1] if self.stack and forward else None
+        fx_traceback.current_meta["custom"] = {"ddlc_phase": self.current_phase, "ddlc_module": module,
+                                               "ddlc_recompute": self.region if forward else None}
+
+    @contextlib.contextmanager
+    def checkpointed(self):
+        """Within, new forward nodes belong to a new checkpointed region (a call nested in
+        another stays in the outer one, whose recomputation covers it)."""
+        outer = self.region
+        if outer is None:
+            self.region, self.regions = self.regions, self.regions + 1
+            self._publish()
+        try:
+            yield
+        finally:
+            self.region = outer
+            self._publish()
 
     def pre(self, module, args):
         if id(module) in self.names:
@@ -713,11 +746,11 @@ _CAUSES = (
      "torch's functionalization has no rule for it): write that function with plain tensor "
      "operations (a straight-through estimator: x + (torch.round(x) - x).detach())"),
     (re.compile(r"saved tensor hooks", re.I), UnsupportedInputError,
-     "the model uses activation checkpointing (torch.utils.checkpoint without reentrant "
-     "mode; Hugging Face's gradient_checkpointing_enable) or another saved-tensor hook, "
-     "which the torch.func transforms ddlc traces with cannot run: call the block directly "
-     "(model.gradient_checkpointing_disable() in Hugging Face; ddlc keeps activations within "
-     "memory_budget= by its plan instead)"),
+     "the model uses a saved-tensor hook (torch.autograd.graph.saved_tensors_hooks, "
+     "save_on_cpu: activation offloading), which the torch.func transforms ddlc traces with "
+     "cannot run: leave it out (ddlc keeps activations within memory_budget= by its plan; "
+     "activation checkpointing, torch.utils.checkpoint with use_reentrant=False, is "
+     "recomputed in the graph)"),
     (re.compile(r"mutate a captured Tensor", re.I), UnsupportedInputError,
      "the model updates in place a tensor that is not one of its buffers: a frozen parameter "
      "(requires_grad=False, e.g. the weights of an EMA or momentum teacher), a tensor "
@@ -741,7 +774,7 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
         # passes rewrite the graph many times before anything runs it (0.25 s a time on a
         # GPT-2-small step)
         with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model), \
-                _forward_frames_only(), _use_lazy_graph_module(True):
+                _forward_frames_only(), _use_lazy_graph_module(True), _checkpoints_as_regions(annotator):
             # a tensor the forward or loss captures from outside the model (class weights
             # in a global) becomes a constant of the graph
             return make_fx(functionalize(fn, remove=remove), tracing_mode="fake",
@@ -759,6 +792,42 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
     finally:
         for h in hooks:
             h.remove()
+
+
+@contextlib.contextmanager
+def _checkpoints_as_regions(annotator: _ModuleAnnotator):
+    """Within, ``torch.utils.checkpoint.checkpoint`` (``use_reentrant=False``, as Hugging
+    Face's ``gradient_checkpointing_enable`` calls it) runs its function directly, its
+    nodes marked as one region (:meth:`_ModuleAnnotator.checkpointed`), whose values
+    ``passes.recompute`` then recomputes for the backward pass as eager does. Eager's
+    saved-tensor hooks cannot run under the torch.func transforms ddlc traces with; the
+    reentrant variant (an old-style autograd Function, which gives no gradient to the
+    parameters inside when no input of the call requires one) is refused."""
+    import torch.utils.checkpoint as checkpoint_module
+
+    def without_reentrant(fn, preserve_rng_state=True, context_fn=checkpoint_module.noop_context_fn,
+                          *args, **kwargs):
+        with annotator.checkpointed():  # checkpoint runs fn between two next() calls
+            yield
+
+    class Reentrant:
+        @staticmethod
+        def apply(*args):
+            frames = traceback.extract_stack()[:-1]
+            raise UnsupportedInputError(
+                "the model calls torch.utils.checkpoint with use_reentrant=True, which runs "
+                "the block in an old-style autograd Function that ddlc cannot trace; pass "
+                "use_reentrant=False (Hugging Face's gradient_checkpointing_enable does by "
+                "default): ddlc then recomputes the block's activations in backward",
+                where=_cite([(f.filename, f.lineno, f.name, f.line or "") for f in frames]))
+
+    saved = checkpoint_module._checkpoint_without_reentrant_generator, checkpoint_module.CheckpointFunction
+    checkpoint_module._checkpoint_without_reentrant_generator = without_reentrant
+    checkpoint_module.CheckpointFunction = Reentrant
+    try:
+        yield
+    finally:
+        checkpoint_module._checkpoint_without_reentrant_generator, checkpoint_module.CheckpointFunction = saved
 
 
 class _ForwardFrames:
@@ -939,7 +1008,8 @@ def _check_hidden_mutations(gm: fx.GraphModule) -> None:
 
 def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],
                       annotator: _ModuleAnnotator) -> None:
-    """Record an Origin per node. Backward nodes borrow the module of their first
+    """Record an Origin per node, and the checkpointed region of a forward node traced in
+    one (``ir.RECOMPUTE``). Backward nodes borrow the module of their first
     forward-phase input (a saved activation or parameter), else of any input; then,
     walking backwards, a backward node whose users all sit in one submodule of its
     module moves into that submodule."""
@@ -962,6 +1032,8 @@ def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],
             if phase == "backward":
                 source = source or next((o.source for o in preferred if o.source), "")
         ORIGIN.set(node, Origin(phase, module, source))
+        if custom.get("ddlc_recompute") is not None and phase == "forward":
+            RECOMPUTE.set(node, custom["ddlc_recompute"])
     # Weight-gradient chains read only activations of the module *before*; refine a
     # backward node to the one module all its users belong to when that is a submodule.
     for node in reversed(gm.graph.nodes):

@@ -6,6 +6,7 @@ about ddlc. ``example_batch`` helpers build deterministic inputs.
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -56,11 +57,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A GPT-2-style decoder: token + position embedding, pre-LN blocks, LM head."""
+    """A GPT-2-style decoder: token + position embedding, pre-LN blocks, LM head. With
+    ``checkpoint``, each block runs under ``torch.utils.checkpoint`` while training
+    (activation checkpointing: its activations are recomputed in backward)."""
 
     def __init__(self, vocab: int = 64, d_model: int = 32, n_heads: int = 4, n_layers: int = 2,
-                 seq_len: int = 16, tied: bool = False):
+                 seq_len: int = 16, tied: bool = False, checkpoint: bool = False):
         super().__init__()
+        self.checkpoint = checkpoint
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
@@ -73,7 +77,10 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(self.positions[: idx.shape[1]])
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint and self.training:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.ln_f(x))
 
 

@@ -76,7 +76,7 @@ from torch import fx
 from cost_models.program import (NodeCosts, ProgramClock, allocated_bytes, live_bytes, order_makespan,
                                   owner, reads_until, releases)
 from ddlc.errors import LoweringError
-from ddlc.ir import ORIGIN, PIECE, ROLE, UPDATES as UPDATES_KEY, is_collective as is_issue, is_wait
+from ddlc.ir import ORIGIN, PIECE, RECOMPUTED, ROLE, UPDATES as UPDATES_KEY, is_collective as is_issue, is_wait
 from ddlc.mesh import HardwareProfile
 
 __all__ = ["schedule", "follow", "check_waits", "UPDATES"]
@@ -101,10 +101,12 @@ def _depends_on(node: fx.Node) -> set[fx.Node]:
 
 
 def _feeders(nodes: list[fx.Node], seeds: set[fx.Node]) -> set[fx.Node]:
-    """``seeds`` plus the operators that only feed them (transitively), reading no wait."""
+    """``seeds`` plus the operators that only feed them (transitively), reading no wait,
+    but recomputed activations (``ir.RECOMPUTED``: hoisted, they would live from forward
+    on, as if they had not been checkpointed)."""
     out = set(seeds)
     for node in reversed(nodes):
-        if node.op == "call_function" and node.users and not is_wait(node) \
+        if node.op == "call_function" and node.users and not is_wait(node) and not RECOMPUTED.has(node) \
                 and all(u in out for u in node.users) \
                 and not any(is_wait(a) for a in node.all_input_nodes):
             out.add(node)

@@ -21,7 +21,7 @@ from ddlc.sbp import NdSBP, parse_sbp
 from ddlc.zoo import CNN, GPT, MLP, lm_loss
 
 STEPS = 3
-MODELS = ("mlp", "gpt", "gpt_tied", "cnn")
+MODELS = ("mlp", "gpt", "gpt_tied", "gpt_checkpointed", "cnn")
 
 #: A fast local network beside CPU compute: the former guess of the ``cpu-gloo`` profile
 #: (50 us start-ups, 2 GB/s, 2e10 FLOP/s, no cache level), for tests of mechanisms that
@@ -54,7 +54,8 @@ OPTIMIZERS = {
 def model_and_loss(model_name: str):
     """One of :data:`MODELS` with the parameters of seed 0, and its loss function."""
     torch.manual_seed(0)
-    model = {"mlp": MLP, "gpt": GPT, "gpt_tied": lambda: GPT(tied=True), "cnn": CNN}[model_name]()
+    model = {"mlp": MLP, "gpt": GPT, "gpt_tied": lambda: GPT(tied=True),
+             "gpt_checkpointed": lambda: GPT(checkpoint=True), "cnn": CNN}[model_name]()
     loss = {"mlp": F.mse_loss, "cnn": F.cross_entropy}.get(model_name, lm_loss)
     return model, loss
 
@@ -170,9 +171,11 @@ def simulated(model, loss_fn, make_optimizer, data, mesh_shape, batch_sbp=None, 
     """The same training on simulated ranks of ``mesh_shape`` with every batch input split
     as ``batch_sbp`` (default :data:`MESHES`): (losses, params, buffers, step graph)."""
     from passes.canonicalize import canonicalize  # imported on use: see the module docstring
+    from passes.recompute import recompute_checkpointed
     from passes.sharding import shard
     from ddlc.simulate import simulate_steps
-    gm = canonicalize(ddlc.trace(model, data[0], loss_fn, make_optimizer(model), **trace_options))
+    gm = recompute_checkpointed(canonicalize(ddlc.trace(model, data[0], loss_fn, make_optimizer(model),
+                                                        **trace_options)))
     sig = STEP(gm)
     sbp = parse_sbp(batch_sbp or MESHES[mesh_shape])
     mesh = ddlc.Mesh(mesh_shape)

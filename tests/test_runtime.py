@@ -34,7 +34,7 @@ JOBS = {
              ("gpt", "sgd", "train", MIXED_GPT, FAST), ("mlp", None, "gradients", {"input0": "(S0, S0)"}),
              ("gpt", None, "forward", {"input0": "(S0, B)"}),
              ("mlp", "sgd", "train", MATMUL_2D_MLP, {"schedule": False}),
-             ("mlp", "adamw", "train", ZERO_MLP, PINNED)],
+             ("mlp", "adamw", "train", ZERO_MLP, PINNED), ("gpt_checkpointed", "adamw", "train", None)],
     (4,): [("mlp", "adamw", "train", None), ("gpt", "sgd", "train", None),
            ("cnn", "adamw", "train", {"input0": "(S0)"}, FAST),
            ("mlp", "sgd", "train", TENSOR_PARALLEL_MLP, FAST),

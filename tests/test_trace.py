@@ -543,10 +543,10 @@ def test_recomputed_attributes_are_not_state():
         ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 2)), F.mse_loss, opt)
 
 
-def test_activation_checkpointing_is_refused_as_such():
-    """``torch.utils.checkpoint`` (non-reentrant) installs saved-tensor hooks, which the
-    torch.func transforms cannot run: refused naming checkpointing, at the user's line."""
-    from torch.utils.checkpoint import checkpoint
+def test_a_saved_tensor_hook_is_refused_as_such():
+    """Activation offloading (``torch.autograd.graph.save_on_cpu``, a saved-tensor hook)
+    cannot run under the torch.func transforms: refused naming the hook, at the user's
+    line (activation checkpointing is traced: tests/test_recompute.py)."""
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -554,9 +554,10 @@ def test_activation_checkpointing_is_refused_as_such():
             self.lin = torch.nn.Linear(4, 4)
 
         def forward(self, x):
-            return checkpoint(self.lin, x, use_reentrant=False)
+            with torch.autograd.graph.save_on_cpu():
+                return self.lin(x).relu()
 
-    with pytest.raises(UnsupportedInputError, match="activation checkpointing") as info:
+    with pytest.raises(UnsupportedInputError, match="saved-tensor hook") as info:
         ddlc.trace(Model(), (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss)
     assert "test_trace.py" in str(info.value)
 
