@@ -17,13 +17,18 @@ only backward read), so the plan prices fewer saved activations
 (``passes.sharding.problem``) and the program's live bytes peak lower, and the copies'
 compute is priced like any other operator. Values are the originals' exactly: the same
 operators on the same inputs. A region nested in another belongs to the outer one.
+
+A call that updates a buffer (BatchNorm's running statistics in training mode) is refused:
+eager runs the update again when it recomputes the call (the statistics move twice a
+step, ``num_batches_tracked`` counts two), which this pass does not reproduce.
 """
 from __future__ import annotations
 
 from torch import fx
 
 from ddlc import rng
-from ddlc.ir import ORIGIN, RECOMPUTE, RECOMPUTED, Origin
+from ddlc.errors import UnsupportedInputError
+from ddlc.ir import ORIGIN, RECOMPUTE, RECOMPUTED, STEP, Origin, where
 
 __all__ = ["recompute_checkpointed"]
 
@@ -38,6 +43,7 @@ def recompute_checkpointed(gm: fx.GraphModule) -> fx.GraphModule:
             regions.setdefault(RECOMPUTE(node), []).append(node)
     if not regions:
         return gm
+    _refuse_buffer_updates(gm)
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     for members in regions.values():
         _recompute_region(gm.graph, members, position)
@@ -45,6 +51,18 @@ def recompute_checkpointed(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _refuse_buffer_updates(gm: fx.GraphModule) -> None:
+    """Refuse a buffer whose new value a checkpointed call computes (see the module docstring)."""
+    (output,) = gm.graph.find_nodes(op="output")
+    for spec, value in zip(STEP(gm).outputs, output.args[0]):
+        if spec.role == "buffer" and isinstance(value, fx.Node) and RECOMPUTE.has(value):
+            raise UnsupportedInputError(
+                f"buffer {spec.key!r} is updated inside a checkpointed call (torch.utils.checkpoint; "
+                "BatchNorm's running statistics in training mode): eager updates it a second time "
+                "when it recomputes the call in backward, which ddlc does not reproduce; keep that "
+                "layer outside the checkpointed call, or put it in eval mode", where=where(value))
 
 
 def _in_backward(node: fx.Node) -> bool:

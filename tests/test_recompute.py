@@ -170,3 +170,22 @@ def test_hugging_face_gradient_checkpointing_trains_as_eager():
     want, _ = eager(reference, None, adamw, data, seed=0)
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())})
+
+
+def test_a_buffer_updated_inside_a_checkpointed_call_is_refused():
+    """Eager's recomputation updates BatchNorm's running statistics a second time (and
+    counts num_batches_tracked twice); ddlc refuses rather than update them once."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.BatchNorm1d(16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.fc(checkpoint(self.norm, x, use_reentrant=False))
+
+    model = Model()
+    with pytest.raises(UnsupportedInputError, match="a second time") as info:
+        _step(model)
+    assert "norm.running_mean" in str(info.value) or "norm.num_batches_tracked" in str(info.value)
+    model.norm.eval()  # running statistics read, not updated: traced
+    assert any(RECOMPUTE.has(n) for n in _step(model).graph.nodes)
