@@ -260,7 +260,7 @@ def _plan_and_lower(gm, mesh, options):
 @contextlib.contextmanager
 def _candidate_elsewhere(gm, mesh, options, reference, groups):
     """Within, a forked process plans and lowers the data-parallel candidate
-    (``pipeline.plan_data_parallel`` with the pins ``reference``) on ``gm`` as it is on
+    (``pipeline.plan_pinned`` with the pins ``reference``) on ``gm`` as it is on
     entry, one intra-op thread, and the function yielded receives it (without its program;
     the child's error is raised instead). Yields None, and forks nothing, where there is
     nothing to compare (``reference`` None), where operators are timed by running them
@@ -307,7 +307,7 @@ def _send_candidate(writer, gm, mesh, options, reference, groups) -> None:
     from . import pipeline
     torch.set_num_threads(1)   # the parent's OpenMP threads do not exist here
     try:
-        candidate = pipeline.plan_data_parallel(gm, mesh, options, reference, groups)
+        candidate = pipeline.plan_pinned(gm, mesh, options, reference, groups)
         message = candidate.to_send() if isinstance(candidate, pipeline.Candidate) else candidate
     except Exception as error:
         message = as_shared(error, "planning data parallelism for comparison failed")

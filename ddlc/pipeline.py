@@ -45,6 +45,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 from torch import fx, nn
 
+from cost_models.collectives import axis_time
+from cost_models.compute import op_time
 from cost_models.program import NodeCosts, program_makespan
 from passes.canonicalize import canonicalize
 from passes.collectives import insert_collectives
@@ -56,11 +58,11 @@ from passes.partition import partition, partition_search
 from passes.random import draw_globally
 from passes.recompute import recompute_checkpointed
 from passes.schedule import check_waits, follow, schedule, searches_updates
-from passes.sharding import mesh_shapes, shard
+from passes.sharding import mesh_shapes, replicate, shard
 from passes.views import views_as_views
 
 from .errors import MeshError, SBPError, ShardingError, UnsupportedInputError
-from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP, leaves
+from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP, leaves, map_leaves
 from .mesh import Mesh
 from .options import CompileOptions
 from .plan import Plan
@@ -69,8 +71,8 @@ from .tracing import trace
 
 __all__ = ["PLANNING", "LOWERING", "run_pass", "collections_deferred", "trace_step",
            "resolve_placements", "plan", "choose_plan", "ChosenPlan", "Candidate", "NoCandidate",
-           "data_parallel_reference", "plan_data_parallel", "named_alike_copy",
-           "data_parallel_placements", "lower", "LoweringChoices", "mesh_shapes"]
+           "data_parallel_reference", "plan_pinned", "named_alike_copy",
+           "data_parallel_placements", "plan_replicated", "unsharded_compute", "lower", "LoweringChoices", "mesh_shapes"]
 
 log = logging.getLogger("ddlc.pipeline")
 
@@ -170,10 +172,11 @@ class ChosenPlan(NamedTuple):
 
 
 class Candidate(NamedTuple):
-    """The data-parallel plan as :func:`choose_plan` weighs it: the ``plan``, its
+    """A plan with pinned inputs (data parallelism, replication) as :func:`choose_plan`
+    weighs it: the ``plan``, its
     ``decisions`` (node name -> ``ir.SHARDING``), the modeled seconds of its program for
     mesh coordinate 0 (``step``), the ``choices`` that program was lowered with and the
-    program of the coordinate it was made for (:func:`plan_data_parallel`; None where it is
+    program of the coordinate it was made for (:func:`plan_pinned`; None where it is
     not there)."""
 
     plan: Plan
@@ -188,8 +191,8 @@ class Candidate(NamedTuple):
 
 
 class NoCandidate(NamedTuple):
-    """Why data parallelism could not be planned for comparison (e.g. over the memory
-    budget): :func:`plan_data_parallel`'s answer instead of a :class:`Candidate`."""
+    """Why a plan with pinned inputs could not be planned for comparison (e.g. over the
+    memory budget): :func:`plan_pinned`'s answer instead of a :class:`Candidate`."""
 
     reason: str
 
@@ -197,42 +200,73 @@ class NoCandidate(NamedTuple):
 def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
                 fixed: Mapping[str, NdSBP], groups: Sequence[str] | None = None,
                 data_parallel: Callable[[], Candidate | NoCandidate] | None = None) -> ChosenPlan:
-    """:func:`plan`, checked against data parallelism, the plan most users write by hand.
+    """:func:`plan`, checked against data parallelism, the plan most users write by hand,
+    and against replication, where the model is so small that running it whole on every
+    rank may beat any plan that communicates.
 
     The search minimises an additive objective (per node and per edge); the program's
     timeline adds what that leaves out: buckets sharing start-ups, overlap, the order. So
-    where :func:`data_parallel_reference` gives pins and the search did not choose them
-    itself, the searched plan is lowered for mesh coordinate 0 on a copy, the data-parallel
-    :class:`Candidate` is made (:func:`plan_data_parallel`, or ``data_parallel()`` where
-    another process made it meanwhile: ``ddlc.runtime``'s rank 1), and ``gm`` keeps the
-    plan whose program has the shorter modeled step
-    (:func:`cost_models.program.program_makespan`; the searched plan on ties and where no
-    candidate could be made, e.g. over the memory budget): adopting the candidate sets its
-    decisions on ``gm``. The kept plan's choices come with it (:func:`lower` takes them
-    instead of searching again), and its program where this process lowered it
-    (``groups`` names the program's process groups, default ``axis0``, ``axis1``, ...).
+    where :func:`data_parallel_reference` gives pins, the searched plan is lowered for mesh
+    coordinate 0 on a copy and compared with the candidates (:func:`plan_pinned`,
+    :func:`plan_replicated`): data
+    parallelism where the search did not choose it itself (or ``data_parallel()``'s
+    candidate where another process made it meanwhile: ``ddlc.runtime``'s rank 1), and
+    replication (:func:`plan_replicated`) where its compute alone, unsharded
+    (:func:`unsharded_compute`), is modeled below the searched plan's step: the lowered
+    program's, or where the search chose data parallelism and nothing else is lowered
+    yet, the plan's objective plus one all-reduce start-up (the objective prices gradient
+    traffic as if bucketed, without one). ``gm`` keeps the plan whose program has the
+    shortest modeled step (:func:`cost_models.program.program_makespan`; ties: the searched
+    plan, then data parallelism; a candidate that cannot be made, e.g. over the memory
+    budget, is left out): adopting a candidate sets its decisions on ``gm``. The kept
+    plan's choices come with it (:func:`lower` takes them instead of searching again), and
+    its program where this process lowered it (``groups`` names the program's process
+    groups, default ``axis0``, ``axis1``, ...). ``stats`` record the steps compared
+    (``searched_step``, ``data_parallel_step``, ``replicated_step``), which won
+    (``chosen_over_search``: data parallelism; ``replicated_chosen``) and why data
+    parallelism was not compared (``data_parallel_none``).
     Deterministic: rank 0 runs it and broadcasts the decisions (``ddlc.runtime``)."""
     reference = data_parallel_reference(gm, mesh, options, fixed)
     searched = plan(gm, mesh, options, fixed)
-    if reference is None or all(SHARDING(n).outputs[0] == reference[n.name]
-                                for n in gm.graph.find_nodes(op="placeholder") if n.name in reference):
+    if reference is None:
+        return ChosenPlan(searched)
+    searched_data_parallel = all(SHARDING(n).outputs[0] == reference[n.name]
+                                 for n in gm.graph.find_nodes(op="placeholder") if n.name in reference)
+    whole = NdSBP.broadcast(mesh.ndim)
+    searched_replicated = all(SHARDING(n).outputs[0] == whole for n in gm.graph.find_nodes(op="placeholder"))
+    compute = unsharded_compute(gm, mesh) if options.batch == "global" and not searched_replicated \
+        else math.inf
+    if searched_data_parallel and compute >= searched.objective + _one_startup(mesh):
         return ChosenPlan(searched)
     mine, *my_program = _lowered_step(named_alike_copy(gm), mesh, options, groups)
-    candidate = data_parallel() if data_parallel is not None else \
-        plan_data_parallel(gm, mesh, options, reference, groups)
-    if isinstance(candidate, NoCandidate):
-        searched.stats.update(searched_step=mine, data_parallel_none=candidate.reason)
+    stats: dict[str, Any] = {"searched_step": mine}
+    best, kept = mine, None
+    if not searched_data_parallel:
+        candidate = data_parallel() if data_parallel is not None else \
+            plan_pinned(gm, mesh, options, reference, groups)
+        if isinstance(candidate, NoCandidate):
+            stats["data_parallel_none"] = candidate.reason
+        else:
+            stats["data_parallel_step"] = candidate.step
+            if candidate.step < best:
+                best, kept = candidate.step, (candidate, "chosen_over_search")
+    if compute < best:
+        candidate = plan_replicated(gm, mesh, options, groups)
+        if isinstance(candidate, Candidate):
+            stats["replicated_step"] = candidate.step
+            if candidate.step < best:
+                best, kept = candidate.step, (candidate, "replicated_chosen")
+    log.info("modeled step of the searched plan %.3f ms%s", mine * 1e3, "".join(
+        f", {name.removesuffix('_step').replace('_', ' ')} {stats[name] * 1e3:.3f} ms"
+        for name in ("data_parallel_step", "replicated_step") if name in stats))
+    if kept is None:
+        searched.stats.update(stats)
         return ChosenPlan(searched, *my_program)
-    log.info("modeled step of the searched plan %.3f ms, of data parallelism %.3f ms",
-             mine * 1e3, candidate.step * 1e3)
-    compared = dict(searched_step=mine, data_parallel_step=candidate.step)
-    if candidate.step >= mine:
-        searched.stats.update(compared)
-        return ChosenPlan(searched, *my_program)
+    candidate, flag = kept
     for node in gm.graph.nodes:
         if node.name in candidate.decisions:
             SHARDING.set(node, candidate.decisions[node.name])
-    candidate.plan.stats.update(compared, chosen_over_search=True)
+    candidate.plan.stats.update(stats, **{flag: True})
     return ChosenPlan(candidate.plan, candidate.choices, candidate.program)
 
 
@@ -246,9 +280,9 @@ def data_parallel_reference(gm: fx.GraphModule, mesh: Mesh, options: CompileOpti
     return data_parallel_placements(gm, mesh)
 
 
-def plan_data_parallel(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
-                       reference: Mapping[str, NdSBP], groups: Sequence[str] | None = None,
-                       coord: Sequence[int] | None = None) -> Candidate | NoCandidate:
+def plan_pinned(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
+                reference: Mapping[str, NdSBP], groups: Sequence[str] | None = None,
+                coord: Sequence[int] | None = None) -> Candidate | NoCandidate:
     """The :class:`Candidate` of the plan with the pins ``reference`` (activations stay
     where the pins put them), planned and lowered on a copy of ``gm``; a
     :class:`NoCandidate` with the reason where it cannot be planned (a ``ShardingError``,
@@ -257,11 +291,26 @@ def plan_data_parallel(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     evenly (then every rank's program models the same step and searches to the same
     choices), else for coordinate 0 and left out of the candidate unless that is
     ``coord``."""
+    return _candidate(gm, mesh, options, groups, coord, lambda planned: plan(
+        planned, mesh, replace(options, move_activations=False), reference))
+
+
+def plan_replicated(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
+                    groups: Sequence[str] | None = None) -> Candidate | NoCandidate:
+    """The :class:`Candidate` of replication (``passes.sharding.replicate``: every rank
+    runs the whole step, nothing is communicated), as :func:`plan_pinned` makes its."""
+    return _candidate(gm, mesh, options, groups, None, lambda planned: run_pass(
+        "shard", replicate, planned, mesh, memory_budget=options.memory_budget))
+
+
+def _candidate(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions, groups: Sequence[str] | None,
+               coord: Sequence[int] | None, planner: Callable[[fx.GraphModule], Plan]) -> Candidate | NoCandidate:
+    """``planner`` run on a copy of ``gm``, and that copy lowered (see :func:`plan_pinned`)."""
     planned = named_alike_copy(gm)  # planning annotates every node afresh: as if unplanned
     try:
-        result = plan(planned, mesh, replace(options, move_activations=False), reference)
+        result = planner(planned)
     except ShardingError as e:
-        log.info("data-parallel plan: none (%s)", str(e).splitlines()[0])
+        log.info("candidate plan: none (%s)", str(e).splitlines()[0])
         return NoCandidate(str(e).splitlines()[0])
     decisions = {n.name: SHARDING(n) for n in planned.graph.nodes if SHARDING.has(n)}
     wanted = tuple(coord) if coord is not None else (0,) * mesh.ndim
@@ -282,6 +331,25 @@ def named_alike_copy(gm: fx.GraphModule) -> fx.GraphModule:
     namespace._used_names |= original._used_names
     namespace._base_count.update(original._base_count)
     return new
+
+
+def unsharded_compute(gm: fx.GraphModule, mesh: Mesh) -> float:
+    """Roofline seconds of ``gm``'s operators at their global shapes on ``mesh``'s profile
+    (alone on its cores, whatever its contention): less than the replicated plan's modeled
+    step, which runs them all on every rank and adds the per-operator costs."""
+    profile = replace(mesh.profile, compute="roofline", contention=None)
+    total = 0.0
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            args, kwargs = map_leaves(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a,
+                                      (node.args, node.kwargs))
+            total += op_time(node.target, args, kwargs, node.meta.get("val"), profile)
+    return total
+
+
+def _one_startup(mesh: Mesh) -> float:
+    """The longest start-up of an all-reduce over one of ``mesh``'s axes."""
+    return max(axis_time("all_reduce", 0, mesh, axis) for axis in range(mesh.ndim))
 
 
 def data_parallel_placements(gm: fx.GraphModule, mesh: Mesh) -> dict[str, NdSBP] | None:

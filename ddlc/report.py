@@ -240,19 +240,29 @@ def _format_step(plan: Plan, b: StepBreakdown) -> list[str]:
             "bucketing and overlap)"]
 
 
+#: the steps ``choose_plan`` compares (its plan's stats) and how the report names them
+_COMPARED = (("searched_step", "searched"), ("data_parallel_step", "data parallel"),
+             ("replicated_step", "replicated"))
+_CANDIDATE_NAMES = {"data parallel": "data parallelism", "replicated": "replication"}
+
+
 def format_report(plan: Plan, rows: list[ModuleRow], step: StepBreakdown,
                   collectives: list[CollectiveRow]) -> str:
     """The plan table, the modeled step and the collectives per step, as text."""
     mesh = "x".join(map(str, plan.mesh_shape)) + f"({','.join(plan.axis_names)})"
     lines = [f"plan on mesh {mesh}, profile {plan.profile}, solver {plan.solver}"]
-    if "data_parallel_none" in plan.stats:
+    stats = plan.stats
+    steps = [(label, stats[key]) for key, label in _COMPARED if key in stats]
+    kept = ("replication (every rank runs the whole step; nothing is communicated)"
+            if stats.get("replicated_chosen") else
+            "data parallelism" if stats.get("chosen_over_search") else "the searched plan")
+    if "data_parallel_none" in stats:
         lines.append(f"checked against data parallelism: none could be planned "
-                     f"({plan.stats['data_parallel_none']}): kept the searched plan")
-    if "data_parallel_step" in plan.stats:
-        kept = "data parallelism" if plan.stats.get("chosen_over_search") else "the searched plan"
-        lines.append(f"checked against data parallelism (modeled step of rank 0's program: searched "
-                     f"{plan.stats['searched_step'] * 1e3:.3f} ms, data parallel "
-                     f"{plan.stats['data_parallel_step'] * 1e3:.3f} ms): kept {kept}")
+                     f"({stats['data_parallel_none']})" + ("" if len(steps) > 1 else f": kept {kept}"))
+    if len(steps) > 1:
+        against = " and ".join(_CANDIDATE_NAMES[label] for label, _ in steps[1:])
+        lines.append(f"checked against {against} (modeled step of rank 0's program: "
+                     + ", ".join(f"{label} {step * 1e3:.3f} ms" for label, step in steps) + f"): kept {kept}")
     lines.append("")
     table = [("module", "layers", "parameters", "activation", "compute us", "comm us", "memory")]
     table += [(r.module, str(r.layers), r.parameters, r.activation, f"{r.compute * 1e6:.1f}",

@@ -259,7 +259,7 @@ def _plan_with_rank1(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], opt
         message = None
         if reference is not None:
             try:
-                message = pipeline.plan_data_parallel(gm, mesh, options, reference, groups, coord)
+                message = pipeline.plan_pinned(gm, mesh, options, reference, groups, coord)
                 if isinstance(message, pipeline.Candidate):
                     mine, message = message.program, message.to_send()
             except Exception as error:  # raised on rank 0, which shares it with every rank

@@ -3,6 +3,7 @@
 inference).
 
     python -m ddlc plan examples/factories.py:gpt_tiny --mesh 2x2
+    python -m ddlc plan examples/factories.py:gpt_medium_4 --mesh 2x2 --profile dgx-h100-ib
     python -m ddlc plan examples/factories.py:gpt2_small --mesh 2x4 --profile dgx-h100-ib
 """
 from __future__ import annotations
@@ -29,6 +30,13 @@ def gpt_tiny():
 def gpt_small_4():
     """GPT, 4 layers of width 64, vocabulary 256, sequence 32, batch 8."""
     return _gpt(256, 64, 4, 4, 32, 8)
+
+
+def gpt_medium_4():
+    """GPT, 4 layers of width 256, vocabulary 1024, sequence 128, batch 16 (on a GPU node,
+    large enough that distributing it is modeled faster than running it whole on every
+    device; ``gpt_small_4`` is not)."""
+    return _gpt(1024, 256, 8, 4, 128, 16)
 
 
 def gpt2_small():

@@ -36,8 +36,8 @@ def compiled_run(rank: int, mesh, cases):
 
 
 def compiled_run_preferring_data_parallel(rank: int, mesh, cases):
-    """:func:`compiled_run` where rank 0's ``choose_plan`` models the data-parallel program
-    faster than the searched one; rank 0's first result says whether it chose it."""
+    """:func:`compiled_run_recording_the_kept_plan` where rank 0's ``choose_plan`` models
+    the data-parallel program faster than the searched one."""
     from ddlc import pipeline
     from ddlc.ir import SHARDING, STEP
 
@@ -49,16 +49,25 @@ def compiled_run_preferring_data_parallel(rank: int, mesh, cases):
 
     lowered_step = pipeline._lowered_step
     pipeline._lowered_step = modeled_step
-    chosen = []
+    return compiled_run_recording_the_kept_plan(rank, mesh, cases)
+
+
+def compiled_run_recording_the_kept_plan(rank: int, mesh, cases):
+    """:func:`compiled_run`; rank 0's first result also holds which plan its first
+    ``choose_plan`` kept (``kept``: "data parallel", "replicated" or "searched")."""
+    from ddlc import pipeline
+    kept = []
     choose_plan = pipeline.choose_plan
 
     def recording(*args, **kwargs):
         result = choose_plan(*args, **kwargs)
-        chosen.append("chosen_over_search" in result.plan.stats)
+        stats = result.plan.stats
+        kept.append("replicated" if stats.get("replicated_chosen") else
+                    "data parallel" if stats.get("chosen_over_search") else "searched")
         return result
 
     pipeline.choose_plan = recording
     results = compiled_run(rank, mesh, cases)
     if rank == 0:
-        results[0]["chosen_over_search"] = chosen[0]
+        results[0]["kept"] = kept[0]
     return results

@@ -1,4 +1,4 @@
-"""``pipeline.choose_plan``: the searched plan checked against data parallelism by the
+"""``pipeline.choose_plan``: the searched plan checked against data parallelism and replication by the
 modeled step of mesh coordinate 0's lowered program; the chosen plan is adopted by every
 rank and matches single device."""
 import pytest
@@ -10,7 +10,7 @@ from ddlc import pipeline
 from ddlc.ir import SHARDING, STEP, collective_sequence
 from ddlc.launch import spawn
 from ddlc.options import CompileOptions
-from distributed_cases import compiled_run_preferring_data_parallel
+from distributed_cases import compiled_run_preferring_data_parallel, compiled_run_recording_the_kept_plan
 
 #: a 0.1 us, 10 GB/s link: the search shards these small models instead of replicating them
 FAST = ddlc.LinkModel(1e-7, 1e10)
@@ -32,6 +32,10 @@ def is_data_parallel(gm) -> bool:
     chosen = placements(gm)
     return all(sbp == "(B)" for (role, _), sbp in chosen.items() if role == "param") and \
         all(sbp == "(S0)" for (role, _), sbp in chosen.items() if role == "input")
+
+
+def is_replicated(gm) -> bool:
+    return all(sbp == "(B)" for sbp in placements(gm).values())
 
 
 def test_data_parallel_splits_the_batch_over_every_axis_and_replicates_parameters():
@@ -57,6 +61,8 @@ def test_the_plan_whose_program_models_faster_is_kept(monkeypatch, faster):
     lowered = {}
 
     def lowered_step(g, *_):
+        if is_replicated(g):  # the replication candidate (this MLP computes little): slowest here
+            return 3.0, pipeline.LoweringChoices(2.0, 0.0, None), g
         data_parallel = is_data_parallel(g)
         lowered[data_parallel] = pipeline.LoweringChoices(float(data_parallel), 0.0, None)
         return (1.0 if data_parallel == (faster == "data-parallel") else 2.0), lowered[data_parallel], g
@@ -151,9 +157,63 @@ def test_a_data_parallel_plan_chosen_over_the_search_matches_single_device(mesh)
     world = mesh[0] * (mesh[1] if len(mesh) > 1 else 1)
     per_rank = spawn(compiled_run_preferring_data_parallel, world, mesh, cases, timeout=120, deadline=240)
     got = per_rank[0][0]
-    assert got.pop("chosen_over_search")
+    assert got.pop("kept") == "data parallel"
     got.pop("collectives")
     assert_matches_reference(got, reference("gpt", "adamw"), "gpt/adamw",
+                             **dict.fromkeys(TOLERANCES, (1e-4, 1e-5)))
+    for results in per_rank[1:]:
+        for a, b in zip(got["losses"], results[0]["losses"]):
+            torch.testing.assert_close(a, b)
+
+
+def test_a_model_smaller_than_a_collective_is_replicated():
+    """One Linear(8, 8) on 2 ranks: any plan that communicates pays a gloo start-up (about a
+    millisecond with 2 ranks on 2 cores) for microseconds of compute, so the plan kept runs
+    the whole step on every rank, and the report says so."""
+    from ddlc.report import format_report
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    gm = pipeline.trace_step(model, (torch.randn(8, 8), torch.randn(8, 8)), torch.nn.functional.mse_loss,
+                             torch.optim.AdamW(model.parameters()), CompileOptions())
+    chosen = pipeline.choose_plan(gm, ddlc.Mesh((2,)), CompileOptions(), {})
+    stats = chosen.plan.stats
+    assert stats["replicated_chosen"] is True
+    assert stats["replicated_step"] < min(stats["searched_step"], stats["data_parallel_step"])
+    assert is_replicated(gm)
+    assert collective_sequence(chosen.program) == []
+    text = format_report(chosen.plan, [], _step(), [])
+    assert "checked against data parallelism and replication" in text and "kept replication" in text
+
+
+def test_replication_is_not_tried_for_a_model_it_cannot_win(monkeypatch):
+    """The zoo GPT of the tests on (4,) with a fast link: its unsharded compute alone is
+    modeled longer than the searched plan's step, so no replicated candidate is planned."""
+    real = pipeline.plan_pinned
+
+    def plan_pinned(gm, mesh, options, reference, *rest):
+        assert not all(str(x) == "(B)" for x in reference.values()), "replication was planned"
+        return real(gm, mesh, options, reference, *rest)
+    monkeypatch.setattr(pipeline, "plan_pinned", plan_pinned)
+    torch.manual_seed(0)
+    model, loss_fn = model_and_loss("gpt")
+    gm = pipeline.trace_step(model, batches("gpt", 64)[0], loss_fn, optimizer("adamw", model), CompileOptions())
+    chosen = pipeline.choose_plan(gm, ddlc.Mesh((4,), links=[FAST]), CompileOptions(), {})
+    assert "replicated_step" not in chosen.plan.stats
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)], ids=["4", "2x2"])
+def test_a_replicated_plan_matches_single_device(mesh):
+    """The tests' CNN on 4 gloo ranks is modeled fastest replicated (its searched plan
+    paid start-ups for tiny collectives): every rank adopts it and the steps match single
+    device, with no collective."""
+    cases = [("cnn", "adamw", "train", None)]
+    per_rank = spawn(compiled_run_recording_the_kept_plan, 4, mesh, cases, timeout=120, deadline=240)
+    got = per_rank[0][0]
+    assert got.pop("kept") == "replicated"
+    assert got.pop("collectives") == []
+    assert_matches_reference(got, reference("cnn", "adamw"), "cnn/adamw",
                              **dict.fromkeys(TOLERANCES, (1e-4, 1e-5)))
     for results in per_rank[1:]:
         for a, b in zip(got["losses"], results[0]["losses"]):

@@ -29,7 +29,7 @@ from .exact import smallest_footprint, solve_exact
 from .problem import (FORBIDDEN, PriceCache, ShardingProblem, build_problem, compute_seconds,
                       lone_scalar_axes, reduce_problem)
 
-__all__ = ["shard", "make_plan", "coordinate_descent", "search_mesh_shapes", "mesh_shapes", "SEEDS",
+__all__ = ["shard", "replicate", "make_plan", "coordinate_descent", "search_mesh_shapes", "mesh_shapes", "SEEDS",
            "build_problem", "compute_seconds", "ShardingProblem", "solve_exact"]
 
 
@@ -108,6 +108,32 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         raise ShardingError("every sharding found needs a forbidden redistribution (S->P); "
                             "the rules are missing a signature for some operator")
     return make_plan(problem, choice, solver, stats)
+
+
+def replicate(gm: fx.GraphModule, mesh: Mesh, *, memory_budget: float | None = None) -> Plan:
+    """The plan that communicates nothing: every node of ``gm`` takes its signature whose
+    every input and output is whole on every rank (``B`` on every mesh axis), so every
+    rank runs the whole step. Annotates every node and returns the plan (solver
+    "replicated"); a ``ShardingError`` where an operator has no such signature or the
+    step does not fit ``memory_budget`` (default: the profile's device memory) whole."""
+    whole = NdSBP.broadcast(mesh.ndim)
+    problem = build_problem(gm, mesh, {n.name: whole for n in gm.graph.find_nodes(op="placeholder")})
+
+    def replicated(signature) -> bool:
+        return all(x is None or x == whole for x in (*signature.inputs, *signature.outputs))
+    choice = []
+    for v, candidates in enumerate(problem.candidates):
+        k = next((k for k, c in enumerate(candidates) if replicated(c)), None)
+        if k is None:
+            node = problem.members[v][0]
+            raise ShardingError(f"{op_name(node)} has no signature that keeps every tensor whole",
+                                where=where(node))
+        choice.append(k)
+    budget = mesh.profile.memory_capacity if memory_budget is None else memory_budget
+    if problem.memory_of(choice) > budget:
+        raise ShardingError(f"the whole step does not fit the memory budget of {format_bytes(budget)} "
+                            f"per device ({format_bytes(problem.memory_of(choice))})")
+    return make_plan(problem, choice, "replicated", {})
 
 
 def _refuse_budget(budget: float, smallest: float, dominant: Sequence[tuple[str, float]]):
