@@ -102,11 +102,14 @@ def scalars(node: fx.Node) -> tuple:
     return tuple(values[name] for name in names)
 
 
+@fx.node.has_side_effect  # it advances the generator: dead code elimination keeps it
 def draw(generator: torch.Generator, after, op: str, shape: Sequence[int], dtype: torch.dtype,
          params: tuple, piece: tuple[slice, ...]) -> torch.Tensor:
     """The numbers random operator ``op`` (``str`` of an entry of :data:`DRAWS`) draws for
     its global ``shape``, from ``generator``; this rank's ``piece`` of them. ``after`` is
-    the previous draw of the step (unused: it orders the draws for any scheduler)."""
+    the previous draw of the step (unused: it orders the draws for any scheduler). A draw
+    nothing reads still runs, as eager's does: the draws after it, and the next step's,
+    take the numbers that follow it."""
     _, fn = _BY_NAME[op]
     whole = fn(generator, list(shape), dtype, generator.device, *params)
     return whole[piece].contiguous()

@@ -191,6 +191,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     _check_no_input_mutation(gm, inputs)
     _annotate_origins(gm, inputs, annotator)
     _check_random_ops(gm)
+    _check_checkpointed_draws(gm, annotator.fresh_draws)
     _check_hidden_mutations(gm)
     _check_static_shapes(gm)
     gm.recompile()
@@ -693,6 +694,7 @@ class _ModuleAnnotator:
         self.current_phase = "forward"
         self.regions = 0        # checkpointed calls entered so far
         self.region: int | None = None  # the outermost one running now
+        self.fresh_draws: set[int] = set()  # regions whose recomputation draws afresh in eager
 
     def phase(self, name: str) -> None:
         self.current_phase = name
@@ -705,13 +707,17 @@ class _ModuleAnnotator:
                                                "ddlc_recompute": self.region if forward else None}
 
     @contextlib.contextmanager
-    def checkpointed(self):
+    def checkpointed(self, preserve_rng_state: bool = True):
         """Within, new forward nodes belong to a new checkpointed region (a call nested in
-        another stays in the outer one, whose recomputation covers it)."""
+        another stays in the outer one, whose recomputation covers it). Without
+        ``preserve_rng_state``, eager's recomputation of the region draws new random
+        numbers (see :func:`_check_checkpointed_draws`)."""
         outer = self.region
         if outer is None:
             self.region, self.regions = self.regions, self.regions + 1
             self._publish()
+        if not preserve_rng_state:
+            self.fresh_draws.add(self.region)
         try:
             yield
         finally:
@@ -751,6 +757,12 @@ _CAUSES = (
      "cannot run: leave it out (ddlc keeps activations within memory_budget= by its plan; "
      "activation checkpointing, torch.utils.checkpoint with use_reentrant=False, is "
      "recomputed in the graph)"),
+    (re.compile(r"differentiated Tensors does not require grad", re.I), UnsupportedInputError,
+     "the model calls torch.autograd.grad with respect to a tensor it marks with "
+     "requires_grad_() inside the step (a gradient penalty on the input batch): under the "
+     "torch.func transforms ddlc traces with only the parameters carry gradients, and "
+     "requires_grad_() does nothing; take the gradient with respect to an activation the "
+     "parameters produce (e.g. the first layer's output), which ddlc traces"),
     (re.compile(r"mutate a captured Tensor", re.I), UnsupportedInputError,
      "the model updates in place a tensor that is not one of its buffers: a frozen parameter "
      "(requires_grad=False, e.g. the weights of an EMA or momentum teacher), a tensor "
@@ -807,7 +819,7 @@ def _checkpoints_as_regions(annotator: _ModuleAnnotator):
 
     def without_reentrant(fn, preserve_rng_state=True, context_fn=checkpoint_module.noop_context_fn,
                           *args, **kwargs):
-        with annotator.checkpointed():  # checkpoint runs fn between two next() calls
+        with annotator.checkpointed(preserve_rng_state):  # checkpoint runs fn between two next() calls
             yield
 
     class Reentrant:
@@ -988,6 +1000,21 @@ def _check_random_ops(gm: fx.GraphModule) -> None:
                 "multinomial) cannot be, others (exponential: F.gumbel_softmax; cauchy, geometric) "
                 "are not yet",
                 where=origin.where(node.name) if origin else node.name)
+
+
+def _check_checkpointed_draws(gm: fx.GraphModule, fresh: set[int]) -> None:
+    """Refuse a random draw inside a checkpointed call with ``preserve_rng_state=False``:
+    eager's recomputation draws new numbers there (the backward pass sees other dropout
+    masks than the forward did, and the generator moves on twice), which ddlc, whose
+    copies reuse the forward's draw, does not reproduce."""
+    for node in gm.graph.nodes:
+        if RECOMPUTE.get(node) in fresh and rng.draws_random_numbers(node):
+            raise UnsupportedInputError(
+                f"the step draws random numbers ({node.target}) inside a call checkpointed with "
+                "preserve_rng_state=False, whose recomputation in backward draws other numbers "
+                "in eager; ddlc reuses the forward's: drop preserve_rng_state=False (the "
+                "default keeps the masks), or the dropout in that call",
+                where=ORIGIN(node).where(node.name))
 
 
 def _check_hidden_mutations(gm: fx.GraphModule) -> None:

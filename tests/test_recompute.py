@@ -189,3 +189,16 @@ def test_a_buffer_updated_inside_a_checkpointed_call_is_refused():
     assert "norm.running_mean" in str(info.value) or "norm.num_batches_tracked" in str(info.value)
     model.norm.eval()  # running statistics read, not updated: traced
     assert any(RECOMPUTE.has(n) for n in _step(model).graph.nodes)
+
+
+def test_fresh_draws_in_recomputation_are_refused():
+    """With ``preserve_rng_state=False`` eager's recomputation draws new dropout masks (the
+    backward pass sees other masks than the forward); ddlc would reuse the forward's, so
+    a call that draws random numbers is refused; one that draws none is traced."""
+    torch.manual_seed(0)
+    with pytest.raises(UnsupportedInputError, match="preserve_rng_state=False") as info:
+        _step(_Checkpointed(use_reentrant=False, preserve_rng_state=False))
+    assert "test_recompute.py" in str(info.value)
+    model = _Checkpointed(use_reentrant=False, preserve_rng_state=False)
+    model.eval()  # no dropout, but the blocks still run checkpointed under a training step
+    assert any(RECOMPUTE.has(n) for n in _step(model).graph.nodes)

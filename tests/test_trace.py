@@ -596,3 +596,26 @@ def test_an_operator_without_a_static_shape_rule_is_named():
         ddlc.trace(model, (torch.randn(10, 8, 6), torch.randint(1, 6, (8, 3))), loss,
                    torch.optim.SGD(model.parameters(), lr=0.1))
     assert "_ctc_loss" in str(info.value) and "test_trace.py" in str(info.value)
+
+
+def test_a_gradient_penalty_on_the_input_is_refused_with_the_cause():
+    """``x.requires_grad_()`` then ``autograd.grad(..., x)`` inside forward (a gradient
+    penalty on the input batch): only parameters carry gradients in ddlc's trace, so it
+    is refused naming the cause and the fix (a penalty on an activation traces)."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = x.detach().requires_grad_(True)
+            y = self.lin(x).tanh()
+            (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+            return y + g.pow(2).mean()
+
+    model = Model()
+    with pytest.raises(UnsupportedInputError, match="gradient penalty on the input") as info:
+        ddlc.trace(model, (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss,
+                   torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "test_trace.py" in str(info.value)

@@ -177,6 +177,32 @@ def test_dropout_masks_equal_single_device_with_the_same_seed(mesh_shape):
     assert not torch.allclose(torch.stack(without), torch.stack(want))  # the masks matter
 
 
+class _UnreadDraws(_DropoutMLP):
+    """A dropout whose result nothing reads (a head the loss leaves out) and an unused
+    ``torch.rand`` at the end of forward."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        F.dropout(out, 0.5, self.training)
+        torch.rand(4)
+        return out
+
+
+def test_draws_nothing_reads_still_advance_the_generator():
+    """Eager draws the numbers of a random operator whose result nothing reads, so the
+    next step's masks come after them; lowering had removed such a draw as dead code
+    where it was the step's last, and every later mask was shifted."""
+    torch.manual_seed(0)
+    model = _UnreadDraws()
+    reference = copy.deepcopy(model)
+    data = _regression()
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)  # noqa: E731
+    losses, params, _, _ = simulated(model, F.mse_loss, sgd, data, (4,))
+    want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+
+
 @pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
 def test_clipping_adam_groups_and_frozen_parameters(mesh_shape):
     """Clip to a global norm of 0.5 (the norm over sharded gradients is reduced across the
