@@ -25,8 +25,7 @@ def modeled(checkpoint: bool, args) -> tuple[float, float, int]:
     model = GPT(vocab=256, d_model=args.width, n_heads=8, n_layers=args.layers, seq_len=args.seq,
                 checkpoint=checkpoint)
     tokens = torch.randint(0, 256, (args.batch, args.seq))
-    mesh = Mesh(args.mesh)
-    profile = load_profile("cpu-gloo").for_local_ranks(mesh.size)
+    profile = load_profile("cpu-gloo").for_local_ranks(Mesh(args.mesh).size)
     mesh = Mesh(args.mesh, profile=profile)
     options = CompileOptions.from_kwargs(profile=profile)
     groups = axis_group_names(mesh)
