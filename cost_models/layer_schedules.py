@@ -41,7 +41,7 @@ import heapq
 import itertools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .timeline import COMPUTE, Timeline, TimelineResult
@@ -500,6 +500,10 @@ class _Clock:
     ready: tuple[float, ...]
     tail: tuple[float, ...]
     compute: float
+    allocations: tuple[tuple[float, int], ...]  # (when, elements) of each gradient buffer, in time order
+    #: per message priced: when its gradients are ready, its duration, the longest forward
+    #: tail after a layer whose parameters it delivers (None: none), the elements it frees
+    _facts: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def of(profile: LayerProfile) -> "_Clock":
@@ -511,7 +515,8 @@ class _Clock:
         for l in reversed(range(len(profile.layers))):
             t += profile.layers[l].forward
             tail[l] = t
-        return _Clock(tuple(ready), tuple(tail), ready[0] + tail[0])
+        allocations = sorted((ready[l] - layer.backward, layer.params) for l, layer in enumerate(profile.layers))
+        return _Clock(tuple(ready), tuple(tail), ready[0] + tail[0], tuple(allocations))
 
     def price(self, profile: LayerProfile, collectives) -> tuple[float, int]:
         """Iteration time and peak gradient bytes of ``collectives``, as :func:`simulate`
@@ -520,22 +525,27 @@ class _Clock:
         times."""
         link, end, frees = 0.0, self.compute, []
         for c in collectives:
-            reduced = c.reduced_layers()
-            ready = self.ready[0] if c.after_full_backward else \
-                max((self.ready[l] for l in reduced), default=0.0)
-            link = max(link, ready) + c.duration(profile)
-            end = max([end] + [link + self.tail[l] for k, l in c.parts if k != "rs"])
-            frees.append((link, sum(profile.layers[l].params for l in reduced)))
-        allocations = sorted((self.ready[l] - layer.backward, layer.params)
-                             for l, layer in enumerate(profile.layers))
+            ready, duration, tail, freed = self._facts.get(c) or self._facts.setdefault(c, self._of(profile, c))
+            link = max(link, ready) + duration
+            if tail is not None:  # max over parts of link + tail: the sum is monotone in the tail
+                end = max(end, link + tail)
+            frees.append((link, freed))
         live = peak = freed = 0
-        for t, n in allocations:
+        for t, n in self.allocations:
             while freed < len(frees) and frees[freed][0] <= t:
                 live -= frees[freed][1]
                 freed += 1
             live += n
             peak = max(peak, live)
         return end, peak * GRADIENT_BYTES_PER_ELEMENT
+
+    def _of(self, profile: LayerProfile, c: Collective) -> tuple[float, float, float | None, int]:
+        """What :meth:`price` needs of message ``c``, which depends on ``c`` alone."""
+        reduced = c.reduced_layers()
+        ready = self.ready[0] if c.after_full_backward else max((self.ready[l] for l in reduced), default=0.0)
+        tails = [self.tail[l] for k, l in c.parts if k != "rs"]
+        return (ready, c.duration(profile), max(tails) if tails else None,
+                sum(profile.layers[l].params for l in reduced))
 
 
 # -- ddlc's search: runs of consecutive layers --------------------------------------------------
