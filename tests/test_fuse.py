@@ -286,33 +286,87 @@ def unfused():
                       schedule=False), mesh
 
 
-def test_caps_below_the_smallest_refused_bucket_fuse_alike(unfused):
-    """:func:`passes.fuse._fuse` returns the smallest bucket the cap ruled out; every cap
-    from it up to below that fuses to the same program, and a cap that admits the bucket
-    fuses differently."""
+def test_caps_between_the_largest_formed_and_smallest_refused_bucket_fuse_alike(unfused):
+    """:func:`passes.fuse._fuse` returns the largest bucket it formed and the smallest one
+    the cap ruled out (:class:`passes.fuse.CapsAlike`); every cap from the one up to below
+    the other fuses to the same program, a cap that admits the refused bucket or cuts the
+    formed one fuses differently."""
     from passes.fuse import Trial, _fuse
     gm, mesh = unfused
-    refused = _fuse(Trial(gm), mesh, 64)
-    assert 64 < refused < math.inf
+    cap = next(c for c in (2**k for k in range(6, 20)) if 0 < _fuse(Trial(gm), mesh, c).formed
+               and _fuse(Trial(gm), mesh, c).refused < math.inf)
+    alike = _fuse(Trial(gm), mesh, cap)
+    formed, refused = int(alike.formed), int(alike.refused)
+    assert formed <= cap < refused
     programs = {}
-    for cap in (64, (64 + refused) // 2, refused - 1, refused):
+    for c in (formed - 1, formed, cap, (cap + refused) // 2, refused - 1, refused):
         trial = Trial(gm)
-        _fuse(trial, mesh, cap)
-        programs[cap] = _program(trial)
-    assert programs[64] == programs[(64 + refused) // 2] == programs[refused - 1] != programs[refused]
+        _fuse(trial, mesh, c)
+        programs[c] = _program(trial)
+        assert alike.covers(c) == (formed <= c < refused)
+    assert programs[formed] == programs[cap] == programs[(cap + refused) // 2] == programs[refused - 1]
+    assert programs[formed - 1] != programs[cap] != programs[refused]
+    assert not alike.covers(0)
 
 
 def test_skipping_caps_that_fuse_alike_keeps_the_choice(unfused):
-    """fuse_best skips the caps that fuse like one tried already; trying every cap, as
-    choose_by_timeline does without ``tried_alike``, chooses the same cap and program."""
-    from passes.fuse import CAPS, Trial, choose_by_timeline, fuse, fuse_best
+    """fuse_best skips the caps that fuse like one tried already; trying every cap (in the
+    same order), as choose_by_timeline does without ``tried_alike``,
+    chooses the same cap and program."""
+    from passes.fuse import CAPS, Trial, _descending, choose_by_timeline, fuse, fuse_best
     from passes.schedule import schedule
     gm, mesh = unfused
     order = lambda g, costs=None: schedule(g, profile=mesh.profile, updates="auto", costs=costs)  # noqa: E731
     every, skipping = Trial(gm), Trial(gm)
-    assert choose_by_timeline(every, mesh, CAPS, lambda g, cap: fuse(g, mesh, cap), order) == \
-        fuse_best(skipping, mesh, order)
+    assert choose_by_timeline(every, mesh, _descending(CAPS), lambda g, cap: fuse(g, mesh, cap),
+                              order) == fuse_best(skipping, mesh, order)
     assert _program(every) == _program(skipping)
+
+
+@pytest.mark.parametrize("latency, stops_early", [(1e-7, True), (1e-5, False), (1e-3, False)],
+                         ids=["fast start-ups", "10 us", "1 ms"])
+def test_the_cap_search_stops_at_the_first_slower_cap(monkeypatch, latency, stops_early):
+    """fuse_search times no fusion, then the caps from the largest down up to the first
+    one slower than the best of them so far; it chooses the cap (and program) of least
+    makespan over every cap, and times exactly the caps of that descent that fuse
+    differently. (With sub-microsecond start-ups the makespan is not unimodal from the
+    largest cap down to 0: a cap of 4096 bytes models faster than 1024 and 256, and no
+    fusion fastest; trying no fusion apart chooses it.)"""
+    import passes.fuse as fuse_module
+    from cost_models.program import order_makespan
+    from passes.fuse import Trial, _fuse, fuse, fuse_search
+    from passes.schedule import schedule
+    planned, _, _, _ = data_parallel_mlp("adamw")
+    replicate_updates(planned, mesh := ddlc.Mesh((4,), links=[ddlc.LinkModel(latency, 1e9)], profile=FAST_GLOO))
+    decouple(planned, mesh, "forward")
+    gm = lower_rank(planned, mesh, (0,), axis_group_names(mesh), fuse=False, partition=False, schedule=False)
+    monkeypatch.setattr(fuse_module, "CAPS", CAPS := (0, 64, 256, 1024, 4096, 16384, math.inf))  # the MLP's sizes
+    order = lambda g, costs=None: schedule(g, profile=mesh.profile, updates="auto", costs=costs)  # noqa: E731
+    makespans, programs = {}, {}
+    for cap in CAPS:
+        trial = order(fuse(Trial(gm), mesh, cap))
+        makespans[cap] = order_makespan(list(trial.graph.nodes), mesh.profile)
+        programs[cap] = _program(fuse(Trial(gm), mesh, cap))
+    descent, best = [0], None  # the caps timed: each new program, up to the first slower one
+    for cap in sorted(CAPS[1:], reverse=True):
+        if any(programs[cap] == programs[c] for c in descent):
+            continue
+        descent.append(cap)
+        if best is not None and makespans[cap] > best + 1e-12:
+            break
+        best = makespans[cap] if best is None else min(best, makespans[cap])
+    tried = []
+    monkeypatch.setattr(fuse_module, "_fuse", lambda g, m, cap, values=None: tried.append(cap) or
+                        _fuse(g, m, cap, values))
+    searched = Trial(gm)
+    chosen = fuse_search(searched, mesh, order).option
+    *trials, final = tried  # the last one fuses ``searched`` itself
+    assert final == chosen and makespans[chosen] == min(makespans.values())
+    assert _program(searched) == programs[chosen]
+    distinct = [p for i, p in enumerate(programs.values()) if p not in list(programs.values())[:i]]
+    assert (len(set(trials)) < len(distinct)) == stops_early
+    assert [c for c in trials if c in descent] == descent
+    assert all(any(programs[c] == programs[d] for d in descent) for c in trials)
 
 
 def test_trial_copies_the_graph_without_code(unfused):
@@ -378,7 +432,8 @@ def test_sizes_that_split_alike_are_tried_once(unfused, monkeypatch):
 def test_sizes_that_cannot_beat_the_best_are_not_tried(unfused, monkeypatch, latency, shared, pruned):
     """partition_search skips a size whose busiest stream (its pieces' seconds in place of
     the collectives they split) already exceeds the best makespan: that bound never
-    exceeds the size's scheduled makespan, and trying every size chooses the same. Where
+    exceeds the size's scheduled makespan, and trying every size chooses the same. Sizes
+    are tried from the largest down, up to the first one slower than the best. Where
     ranks share cores, collectives run on the compute stream, so no split can pay: none
     is tried; nor where a start-up costs a millisecond."""
     import passes.partition as partition_module
@@ -410,7 +465,13 @@ def test_sizes_that_cannot_beat_the_best_are_not_tried(unfused, monkeypatch, lat
     assert _program(every) == _program(skipping)
     assert chosen == min(sizes, key=lambda s: (makespans[s], -s))
     splits_tried = [s for s in tried if s < math.inf]
-    assert splits_tried == ([] if pruned else sizes[1:])
+    until_slower, best = [], makespans[math.inf]  # the search stops at the first slower size
+    for size in sizes[1:]:
+        until_slower.append(size)
+        if makespans[size] > best + 1e-12:
+            break
+        best = min(best, makespans[size])
+    assert splits_tried == ([] if pruned else until_slower)
 
 
 def test_where_ranks_share_cores_the_order_does_not_change_the_makespan(unfused):
