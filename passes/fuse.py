@@ -338,7 +338,7 @@ def fuse_search(gm: fx.GraphModule, mesh: Mesh, schedule_fn=None) -> "Timed":
     exists), so it is always tried. On the models of the benchmarks and tests (98
     searches of fusion and partition: 11 models, meshes (4,), (2,2), (2,4), profiles
     ``cpu-gloo`` and ``dgx-h100-ib``) this chose the program that trying every cap and size
-    chose, in 159 trials instead of 172; on the GPT-2-small-shaped model on 2x4, in
+    chose, in 160 trials instead of 172; on the GPT-2-small-shaped model on 2x4, in
     three trials instead of five (its best cap is the largest, as on most large models).
     Without cap 0 apart, a test's MLP with sub-microsecond start-ups chose a program 5%
     slower than the best (tests/test_fuse.py)."""
