@@ -388,9 +388,11 @@ def _plan(args) -> int:
 
 def _format_search(results) -> str:
     """The searched shapes: the lowered ones by modeled step, then the rest by planner
-    objective, then those with no plan."""
+    objective, then those with no plan; ties in the order :func:`_search_meshes` breaks
+    them (planner objective, then the order of ``results``), so the first row is the
+    shape chosen."""
     ranked = sorted((r for r in results if r[1] is not None),
-                    key=lambda r: (r[2] is None, r[2] if r[2] is not None else r[1]))
+                    key=lambda r: (r[2] is None, r[2] if r[2] is not None else r[1], r[1]))
     lines = [f"mesh shapes of {math.prod(results[0][0])} devices, best {min(SEARCH_SHOWN, len(ranked))} "
              f"of {len(results)}, by the modeled step of the {min(SEARCH_LOWERED, len(ranked))} of "
              "least planner objective (lowered)",

@@ -18,10 +18,11 @@ __all__ = ["align_columns", "format_bytes", "format_graph", "format_graph_by_mod
 
 
 def format_bytes(n: float) -> str:
-    """``n`` bytes with a unit that keeps three significant digits (``12.3 KiB``)."""
+    """``n`` bytes with a unit that keeps three significant digits (``12.3 KiB``), and
+    whole numbers from 1000 up to the next unit (``1010 KiB``, never ``1.01e+03 KiB``)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+            return f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 1000 else f"{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

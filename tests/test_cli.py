@@ -149,6 +149,15 @@ def test_mesh_search_lists_the_shapes(runs):
     assert modeled == pytest.approx(steps[0], abs=1e-3)  # the report is of the chosen program
 
 
+def test_the_search_table_breaks_ties_as_the_choice_does():
+    # two shapes of the same modeled step (a replicated plan): the choice takes the one of
+    # least planner objective, and the table listed the other first
+    from ddlc.cli import _format_search
+    results = [((4,), 3.2e-6, 3.0e-6, ""), ((2, 2), 2.9e-6, 3.0e-6, ""), ((1, 4), None, None, "cannot cut")]
+    rows = _format_search(results).splitlines()[2:]
+    assert [r.split()[0] for r in rows] == ["2x2", "4", "1x4"]
+
+
 @pytest.mark.timeout(TIMEOUT)
 def test_schedule_prints_the_timeline_and_writes_a_trace(runs):
     out = _result(runs, "schedule")

@@ -61,3 +61,13 @@ def test_diff(plans):
     text = free.diff(pinned)
     assert "~ input0:" in text and "(S0, S0)" in text
     assert text.splitlines()[-1].startswith("objective")
+
+
+@pytest.mark.parametrize("n, shown", [
+    (40, "40 B"), (1023, "1023 B"), (1024, "1 KiB"), (12.3 * 1024, "12.3 KiB"),
+    (1010.3 * 1024, "1010 KiB"), (1023.9 * 1024, "1024 KiB"), (1024 ** 2, "1 MiB"),
+    (7.45 * 1024 ** 3, "7.45 GiB"), (2048 * 1024 ** 3, "2048 GiB")])
+def test_byte_counts_never_print_in_exponent_form(n, shown):
+    # a value from 1000 up to the next unit printed as 1.01e+03 KiB in the plan's report
+    from ddlc.printing import format_bytes
+    assert format_bytes(n) == shown
