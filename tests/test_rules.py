@@ -445,6 +445,9 @@ def test_factories():
     assert _claims(aten.full.default, [4, 6], 2.0) == {"->B", "->S0", "->S1"}
     assert "P->B" in _claims(aten.ones_like.default, _r())
     assert _claims(aten.arange.default, 8) == {"->B"}
+    # new_* read only self's dtype and device: self may come split any way (T5 and BART
+    # shift their labels into input_ids.new_zeros(input_ids.shape), the batch split)
+    assert {"S0->S0", "S1->S0", "S0->S1", "P->B", "B->P"} <= _claims(aten.new_zeros.default, _r(4, 6), [4, 6])
 
 
 def test_pointwise_ops_are_elementwise_by_tag():

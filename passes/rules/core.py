@@ -11,8 +11,9 @@ labels into every valid 1-D signature:
   and becomes ``P`` (and so do the ``addends`` added to that contraction);
 - per linear set (argument names the op is jointly linear in): those inputs
   ``P``, the rest ``B``; an output is ``P`` if it depends on one of them, else ``B``;
-- ``shape_only`` inputs (values never read) may also be ``P``; a ``zero_output``
-  op's outputs may also be ``P``.
+- ``shape_only`` inputs (values never read) may also be ``P``; ``metadata_only``
+  inputs (neither values nor shape read: ``new_zeros``' ``self``) may also be split
+  along any dim; a ``zero_output`` op's outputs may also be ``P``.
 
 ``P`` is never claimed for a non-floating tensor; a number in a linear set
 (``x + 1``) is a broadcast value, so that set gives no signature.
@@ -92,6 +93,7 @@ class Labels:
     deps: Mapping[int, Collection[str]] = field(default_factory=dict)
     addends: Collection[str] = ()
     shape_only: Collection[str] = ()
+    metadata_only: Collection[str] = ()
     zero_output: bool = False
 
 
@@ -250,9 +252,12 @@ def enumerate_signatures(call: Call, labels: Labels) -> list[Signature]:
         outs = tuple(None if lab is None else P if deps[k] & chosen else B
                      for k, lab in enumerate(out_labels))
         found.add(Signature(ins, outs))
-    for i in sorted(shape_only):
+    for i in sorted(shape_only | slots_of(labels.metadata_only)):
         found |= {Signature(s.inputs[:i] + (P,) + s.inputs[i + 1:], s.outputs)
                   for s in found if s.inputs[i] == B}
+    for i in sorted(slots_of(labels.metadata_only)):
+        found |= {Signature(s.inputs[:i] + (S(d),) + s.inputs[i + 1:], s.outputs)
+                  for s in found if s.inputs[i] == B for d in range(call.inputs[i].ndim)}
     if labels.zero_output:
         found |= {Signature(s.inputs, tuple(P if x == B else x for x in s.outputs)) for s in found}
     return sorted(s for s in found if _partial_only_on_floats(s, call))

@@ -3,7 +3,7 @@
 ``*_like`` ops and ``fill.Scalar`` read only the shape of their input, so it may have
 any SBP (``P`` included) and the output splits with it. Sized factories (``full``,
 ``zeros``, ``ones``, ``empty``, ``new_*``) may split any output dim: the ``size``
-argument is localized. Zero-filled outputs may also be ``P`` (zeros sum to zeros);
+argument is localized; ``new_*``'s ``self`` (its dtype and device only) any SBP. Zero-filled outputs may also be ``P`` (zeros sum to zeros);
 ones and other fills only ``B`` or ``S``, and so do ``empty`` outputs (their values are
 undefined, and a plan must not read them). ``fill.Tensor`` broadcasts its 0-d value over
 ``self``'s shape: linear in the value (``P`` value, ``P`` output). ``arange`` and
@@ -50,8 +50,10 @@ def like(call: Call) -> Labels:
 
 
 def sized(call: Call) -> Labels:
-    """Any output dim may split (``size`` localized); ``P`` output if all zeros."""
-    return Labels({}, [letters(call.outputs[0].ndim)], shape_only=["self"],
+    """Any output dim may split (``size`` localized); ``P`` output if all zeros. ``new_*``
+    read only their ``self``'s dtype and device, so it may have any SBP (a batch split
+    input's ``new_zeros(labels.shape)``, as BART shifts its labels, splits with it)."""
+    return Labels({}, [letters(call.outputs[0].ndim)], metadata_only=["self"],
                   zero_output=_zero(call, SIZED))
 
 
