@@ -7,7 +7,8 @@ by its ``total_weight`` output; ``mse_loss`` (and its backward) and ``mean.dim``
 become their sum forms divided by the static element count. All are exact.
 ``ones_like`` / ``zeros_like`` of a scalar read its metadata from the earliest input
 that has the same (:func:`_rewrite_like_of_scalar`), so the loss's last arithmetic
-feeds only the output.
+feeds only the output. Indexing by whole ranges (``arange``) in dim order is a view
+(:func:`_rewrite_index_by_aranges`: transformers' padding masks), so it shards.
 """
 from __future__ import annotations
 
@@ -128,6 +129,67 @@ def _rewrite_like_of_scalar(graph: fx.Graph, node: fx.Node) -> None:
     node.args = (x, *node.args[1:])
 
 
+#: Operators that keep the values of their first input in order, only adding or
+#: dropping unit dims (or reshaping a tensor whose dims are all unit but one).
+_UNIT_DIM_VIEWS = (aten.unsqueeze_copy.default, aten.squeeze_copy.dim, aten.squeeze_copy.dims,
+                   aten.squeeze_copy.default, aten.view_copy.default, aten._unsafe_view.default)
+
+
+def _whole_arange_dim(index, size: int, rank: int) -> int | None:
+    """Where ``index`` (a node of an ``aten.index.Tensor`` index list, of an output of
+    ``rank`` dims) holds ``arange(size)`` along one dim and has unit dims elsewhere: that
+    dim's position in the output (broadcasting aligns the right ends); -1 where ``size``
+    is 1 (every value is 0, any position); None where it is anything else. ``arange(n) +
+    0`` (transformers adds a zero offset) counts as ``arange(n)``."""
+    if not isinstance(index, fx.Node):
+        return None
+    val = index.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype not in (torch.int64, torch.int32) \
+            or any(n not in (1, size) for n in val.shape) or val.numel() != size:
+        return None
+    source = index
+    while source.op == "call_function" and (
+            source.target in _UNIT_DIM_VIEWS
+            or (source.target in (aten.add.Tensor, aten.sub.Tensor) and source.args[1:] == (0,))):
+        source = source.args[0]
+    arange = source.op == "call_function" and (
+        (source.target is aten.arange.default and source.args == (size,))
+        or (source.target is aten.arange.start and source.args == (0, size))
+        or (source.target is aten.arange.start_step and source.args in ((0, size), (0, size, 1))))
+    if not arange:
+        return None
+    if size == 1:
+        return -1
+    return rank - val.dim() + list(val.shape).index(size)
+
+
+def _rewrite_index_by_aranges(graph: fx.Graph, node: fx.Node) -> None:
+    """``x[i0, i1, ...]`` where every index is the whole ``arange`` of its dim of ``x``,
+    given unit dims, with the ranges in dim order (transformers' mask functions:
+    ``attention_mask[batch_idx, kv_idx]``, ``batch_idx = arange(B)[:, None, None, None]``):
+    ``out[b, 0, 0, k] = x[b, k]``, so the result is ``x`` viewed with those unit dims. A
+    view shards with ``x`` (a split batch stays split), where indexing by values needs
+    ``x`` whole on every rank."""
+    x, indices = node.args[:2]
+    shape, out = tuple(x.meta["val"].shape), node.meta["val"]
+    if len(indices) != len(shape) or not isinstance(out, torch.Tensor):
+        return
+    positions = [_whole_arange_dim(i, n, out.dim()) for i, n in zip(indices, shape)]
+    if None in positions:
+        return
+    placed = [p for p in positions if p != -1]
+    expected = [1] * out.dim()
+    for p, n in zip(positions, shape):
+        if p != -1:
+            expected[p] = n
+    if placed != sorted(set(placed)) or list(out.shape) != expected:
+        return
+    with graph.inserting_before(node):
+        view = _emit(graph, aten.view_copy.default, (x, list(out.shape)), node)
+    node.replace_all_uses_with(view)
+    graph.erase_node(node)
+
+
 def _position(graph: fx.Graph, node: fx.Node) -> int:
     for i, n in enumerate(graph.nodes):
         if n is node:
@@ -142,6 +204,7 @@ REWRITES = {
     aten.mse_loss_backward.default: _rewrite_mse_backward_mean,
     aten.ones_like.default: _rewrite_like_of_scalar,
     aten.zeros_like.default: _rewrite_like_of_scalar,
+    aten.index.Tensor: _rewrite_index_by_aranges,
 }
 
 

@@ -69,3 +69,40 @@ def test_the_backward_seed_reads_the_loss_sum_so_the_loss_division_feeds_only_th
     assert output_scalars(gm.graph) == {division}
     for a, b in zip(before, _run(gm, model, batch)):
         torch.testing.assert_close(a, b)
+
+
+class MaskByRanges(torch.nn.Module):
+    """Indexes its mask as transformers' mask functions do, ``mask[batch_idx, kv_idx]`` with
+    ``batch_idx = arange(B)[:, None, None]`` and ``kv_idx = arange(S)[None, None, :] + 0``,
+    then (``shuffled``) by a permutation, which is not a view."""
+
+    def __init__(self, shuffled: bool = False):
+        super().__init__()
+        self.fc, self.shuffled = torch.nn.Linear(6, 6), shuffled
+
+    def forward(self, x, mask):
+        b, s = mask.shape
+        rows = torch.arange(b)[:, None, None]
+        cols = torch.arange(s)[None, None, :] + 0
+        if self.shuffled:
+            cols = torch.arange(s - 1, -1, -1)[None, None, :]
+        keep = mask.bool()[rows, cols]  # (b, 1, s)
+        return (self.fc(x) * keep).sum(-1)
+
+
+def test_indexing_by_whole_aranges_in_dim_order_becomes_a_view():
+    # transformers' padding masks: a view of the mask shards with the batch, where
+    # indexing by values needed the mask whole on every rank (found on Mistral, OPT,
+    # Gemma ...: no data-parallel plan without moving activations)
+    torch.manual_seed(0)
+    x, mask, y = torch.randn(4, 6, 6), torch.ones(4, 6, dtype=torch.long), torch.randn(4, 6)
+    mask[:2, :3] = 0
+    for shuffled, views in ((False, True), (True, False)):
+        model = MaskByRanges(shuffled)
+        gm = ddlc.trace(model, (x, mask, y), F.mse_loss)
+        assert op_summary(gm)["aten.index"] == 1
+        before = _run(gm, model, (x, mask, y))
+        canonicalize(gm)
+        assert ("aten.index" not in op_summary(gm)) == views
+        for a, b in zip(before, _run(gm, model, (x, mask, y))):
+            torch.testing.assert_close(a, b)

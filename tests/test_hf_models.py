@@ -198,3 +198,30 @@ def test_padding_mask_matters(name):
     params = dict(unmasked.named_parameters())
     assert any(not torch.allclose(p, params[k], rtol=1e-4, atol=1e-5)
                for k, p in masked.named_parameters())
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "bert", "t5"])
+def test_data_parallel_needs_no_activation_moved(name):
+    """Data parallelism as a user writes it (the batch split, parameters whole, no
+    activation redistributed: ``move_activations=False``, the candidate ``choose_plan``
+    compares with) plans for a model with a padding mask, and three AdamW steps on
+    simulated (4,) ranks equal eager's. transformers builds the mask by indexing it with
+    ranges (``mask[batch_idx, kv_idx]``), which needed the mask whole on every rank
+    until canonicalize made it a view; no data-parallel plan could be made before."""
+    from passes.canonicalize import canonicalize  # imported on use, as in conftest
+    from passes.sharding import shard
+    from ddlc.pipeline import data_parallel_placements
+    from ddlc.simulate import simulate_steps
+    from conftest import LOWER
+    model, data = build(name), batches(name)
+    reference = copy.deepcopy(model)
+    gm = canonicalize(ddlc.trace(model, data[0], None, adamw(model)))
+    mesh = ddlc.Mesh((4,))
+    shard(gm, mesh, fixed=data_parallel_placements(gm, mesh), move_activations=False)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+    losses, params, _, _ = simulate_steps(gm, mesh, params, buffers, data, **LOWER)
+    want, _ = eager(reference, None, adamw, data, seed=0)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())},
+                             label=f"{name} data parallel on (4,)")

@@ -102,7 +102,7 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         raise ShardingError("no plan runs this step without redistributing activations "
                             f"(move_activations=False) on mesh {mesh} with these placements: "
                             f"{edge.what} needs a collective ({op_name(reader)} cannot run on the "
-                            "pieces its input has; e.g. batch-norm statistics over a split batch)",
+                            "pieces its input has)",
                             where=where(reader))
     if problem.objective(choice) >= FORBIDDEN:
         raise ShardingError("every sharding found needs a forbidden redistribution (S->P); "
