@@ -294,6 +294,18 @@ SYNTHETIC.update({
     "index_after_none": lambda: (aten.index.Tensor, (_r(4, 6, 2), [None, _indices(4, 2, vocab=6)]), {}),
     "index_non_adjacent": lambda: (aten.index.Tensor, (_r(4, 6, 2), [
         _indices(2, 4, vocab=4), None, _indices(4, vocab=2)]), {}),
+    # index_put: an embedding-style backward (accumulate into zeros at ids of a batch),
+    # broadcast and non-adjacent indices, an overwrite, and values that broadcast
+    "index_put_accumulate": lambda: (aten.index_put.default, (_r(10, 6), [_indices(4, 8, vocab=10)],
+                                                             _r(4, 8, 6, seed=1), True), {}),
+    "index_put_broadcast": lambda: (aten.index_put.default, (_r(4, 8, 2), [
+        _indices(4, 1, vocab=4), _indices(1, 6, vocab=8)], _r(4, 6, 2, seed=1), True), {}),
+    "index_put_non_adjacent": lambda: (aten.index_put.default, (_r(4, 6, 2), [
+        _indices(3, vocab=4), None, _indices(3, vocab=2)], _r(3, 6, seed=1), True), {}),
+    "index_put_overwrite": lambda: (aten.index_put.default, (_r(10, 6), [torch.randperm(
+        10, generator=torch.Generator().manual_seed(0))[:4]], _r(4, 6, seed=1), False), {}),
+    "index_put_broadcast_values": lambda: (aten.index_put.default, (_r(10, 6), [_indices(4, vocab=10)],
+                                                                   _r(6, seed=1), True), {}),
     # views and data movement
     "select_copy": lambda: (aten.select_copy.int, (_r(4, 2, 6), 1, 0), {}),
     "select_last": lambda: (aten.select.int, (_r(4, 6), 0, -1), {}),
@@ -512,6 +524,17 @@ def test_indexing_and_view_claims():
     assert "S1->S1" not in _claims(aten.constant_pad_nd.default, _r(4, 6), [1, 0], 0.0)
     assert "P->P" not in _claims(aten.constant_pad_nd.default, _r(4, 6), [1, 0], 1.0)
     assert "S1->S1" not in _claims(aten.repeat.default, _r(4, 6), [1, 2])
+
+
+def test_index_put_claims():
+    # the backward of weight[ids] (Whisper's positions, Swin's relative position bias):
+    # ids and values split together, each rank adds its part (P); an overwrite never
+    # splits its indices (the ranks would each keep the others' old values)
+    ids = _indices(4, 8, vocab=10)
+    added = _claims(aten.index_put.default, _r(10, 6), [ids], _r(4, 8, 6), True)
+    assert {"P,S0,S0->P", "P,S1,S1->P", "S1,B,S2->S1"} <= added
+    written = _claims(aten.index_put.default, _r(10, 6), [ids], _r(4, 8, 6), False)
+    assert written == {"B,B,B->B", "P,B,P->P", "S1,B,S2->S1"}
 
 
 def test_empty_splits_like_other_sized_factories():

@@ -20,6 +20,9 @@ the data, the index and the output share position by position splits all of them
   holding the dim (the others ``B``) and the output; the dims of ``self`` not indexed
   split through. Bool (mask) indices give data-dependent shapes: nothing splits.
   Linear in ``self``.
+- ``index_put(self, indices, values, accumulate)``: the adjoint of ``index.Tensor``
+  (:func:`index_put`): with ``accumulate`` the index dims split ``values`` and the index
+  tensors, the output and ``self`` ``P``.
 """
 from __future__ import annotations
 
@@ -85,30 +88,81 @@ def index_select(call: Call) -> Labels:
     return Labels({"self": src, "index": idx}, [out], linear=SELF)
 
 
-def index(call: Call) -> Labels:
-    meta, out = call["self"], call.outputs[0]
-    entries = list(call["indices"])
+def _advanced(meta: TensorMeta, entries: list, gathered: TensorMeta) -> tuple[str, list[str], str, str] | None:
+    """Labels of advanced indexing ``self[indices]`` (``self``: ``meta``), whose result is
+    ``gathered``: (``self``, each index, the result, the result's index dims); None for
+    bool (mask) indices or none at all, whose shapes depend on values."""
     positions = [i for i, m in enumerate(entries) if isinstance(m, TensorMeta)]
     tensors = [entries[i] for i in positions]
     if not tensors or any(m.dtype in (torch.bool, torch.uint8) for m in tensors):
-        return Labels({"self": UNSPLIT * meta.ndim,
-                       "indices": [UNSPLIT * m.ndim if isinstance(m, TensorMeta) else ""
-                                   for m in entries]}, [UNSPLIT * out.ndim], linear=SELF)
+        return None
     n_index = max(m.ndim for m in tensors)
     adjacent = positions == list(range(positions[0], positions[-1] + 1))
-    start = positions[0] if adjacent else 0      # where the index dims sit in the output
-    out_labels = letters(out.ndim)
+    start = positions[0] if adjacent else 0      # where the index dims sit in the result
+    out_labels = letters(gathered.ndim)
     index_labels = out_labels[start:start + n_index]
-    # the output dim of each dim of self that is not indexed, in order
+    # the result's dim of each dim of self that is not indexed, in order
     rest = [i for i in range(meta.ndim) if i not in positions]
     out_dims = [i if i < start else i - len(positions) + n_index for i in rest] if adjacent \
         else [n_index + k for k in range(len(rest))]
     src = [UNSPLIT] * meta.ndim
     for i, j in zip(rest, out_dims):
         src[i] = out_labels[j]
-    indices = [aligned(m, out.shape[start:start + n_index], index_labels)
+    indices = [aligned(m, gathered.shape[start:start + n_index], index_labels)
                if isinstance(m, TensorMeta) else "" for m in entries]
-    return Labels({"self": "".join(src), "indices": indices}, [out_labels], linear=SELF)
+    return "".join(src), indices, out_labels, index_labels
+
+
+def _unsplit(entries: list) -> list[str]:
+    return [UNSPLIT * m.ndim if isinstance(m, TensorMeta) else "" for m in entries]
+
+
+def index(call: Call) -> Labels:
+    meta, out = call["self"], call.outputs[0]
+    entries = list(call["indices"])
+    labels = _advanced(meta, entries, out)
+    if labels is None:
+        return Labels({"self": UNSPLIT * meta.ndim, "indices": _unsplit(entries)},
+                      [UNSPLIT * out.ndim], linear=SELF)
+    src, indices, out_labels, _ = labels
+    return Labels({"self": src, "indices": indices}, [out_labels], linear=SELF)
+
+
+def index_put(call: Call) -> Labels:
+    """``self[indices] = values`` (``accumulate``: ``+=``), the adjoint of :func:`index`:
+    ``values`` has the shape ``self[indices]`` has (else nothing splits). The dims of
+    ``self`` not indexed split with ``values``' through them. With ``accumulate`` the
+    index dims split ``values`` and the index tensors together, and the output is ``P``
+    with ``self`` ``P`` (each rank adds its part: the backward of ``weight[ids]``);
+    overwriting, they never split. Linear in ``self`` and ``values`` jointly."""
+    meta, values = call["self"], call["values"]
+    entries = list(call["indices"])
+    shaped = isinstance(values, TensorMeta) and _gathers_to(meta, entries, values)
+    labels = _advanced(meta, entries, values) if shaped else None
+    linear = [{"self", "values"}] if isinstance(values, TensorMeta) else SELF
+    if labels is None:
+        inputs = {"self": UNSPLIT * meta.ndim, "indices": _unsplit(entries)}
+        if isinstance(values, TensorMeta):
+            inputs["values"] = UNSPLIT * values.ndim
+        return Labels(inputs, [UNSPLIT * meta.ndim], linear=linear)
+    src, indices, value_labels, index_labels = labels
+    if not call.get("accumulate", False):
+        value_labels = "".join(UNSPLIT if c in index_labels else c for c in value_labels)
+        indices = [UNSPLIT * len(lab) for lab in indices]
+    return Labels({"self": src, "indices": indices, "values": value_labels}, [src],
+                  addends=["self"], linear=linear)
+
+
+def _gathers_to(meta: TensorMeta, entries: list, values: TensorMeta) -> bool:
+    """Whether ``values`` has exactly the shape of ``self[indices]`` (no broadcasting)."""
+    try:
+        with torch.device("meta"):
+            like = torch.empty(meta.shape)[tuple(torch.zeros(m.shape, dtype=torch.long)
+                                                 if isinstance(m, TensorMeta) else slice(None)
+                                                 for m in entries)]
+    except (IndexError, RuntimeError):
+        return False
+    return tuple(like.shape) == tuple(values.shape)
 
 
 RULES = {
@@ -117,4 +171,5 @@ RULES = {
     aten.scatter.src: scatter, aten.scatter.value: scatter,
     aten.index_select.default: index_select,
     aten.index.Tensor: index,
+    aten.index_put.default: index_put,
 }
