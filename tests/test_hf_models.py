@@ -73,6 +73,14 @@ def _vit():
         hidden_dropout_prob=0.1, image_size=32, patch_size=8, num_labels=10))
 
 
+def _swin():
+    # shifted windows: a relative position bias looked up by index (its backward an
+    # index_put that accumulates) and stochastic depth (drop_path_rate 0.1 by default)
+    return transformers.SwinForImageClassification(transformers.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4,
+        num_labels=10))
+
+
 #: model name -> (builder, batch kind, whether its step draws random numbers (dropout)).
 #: LLaMA and Qwen2 have no dropout by default (attention_dropout 0).
 MODELS = {
@@ -84,6 +92,7 @@ MODELS = {
     "t5": (_t5, "seq2seq", True),
     "vit": (_vit, "image", True),
     "deberta": (_deberta, "masked", True),  # divides a permuted view in place (ddlc.strided_views)
+    "swin": (_swin, "image", True),
 }
 #: operators that fall back to running replicated: DeBERTa's in-place update of a view
 #: traces to autograd's as_strided replays of it, which have no sharding rule
@@ -200,7 +209,7 @@ def test_padding_mask_matters(name):
                for k, p in masked.named_parameters())
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "bert", "t5"])
+@pytest.mark.parametrize("name", ["llama_gqa", "bert", "t5", "swin"])
 def test_data_parallel_needs_no_activation_moved(name):
     """Data parallelism as a user writes it (the batch split, parameters whole, no
     activation redistributed: ``move_activations=False``, the candidate ``choose_plan``
