@@ -3,9 +3,10 @@
 ``*_like`` ops and ``fill.Scalar`` read only the shape of their input, so it may have
 any SBP (``P`` included) and the output splits with it. Sized factories (``full``,
 ``zeros``, ``ones``, ``empty``, ``new_*``) may split any output dim: the ``size``
-argument is localized; ``new_*``'s ``self`` (its dtype and device only) any SBP. Zero-filled outputs may also be ``P`` (zeros sum to zeros);
-ones and other fills only ``B`` or ``S``, and so do ``empty`` outputs (their values are
-undefined, and a plan must not read them). ``fill.Tensor`` broadcasts its 0-d value over
+argument is localized; ``new_*``'s ``self`` (its dtype and device only) may have any
+SBP. Zero-filled outputs may also be ``P`` (zeros sum to zeros); ones and other fills
+only ``B`` or ``S``, and so do ``empty`` outputs (their values are undefined, and a plan
+must not read them). ``fill.Tensor`` broadcasts its 0-d value over
 ``self``'s shape: linear in the value (``P`` value, ``P`` output). ``arange`` and
 ``scalar_tensor`` stay ``B`` (a split ``arange`` would need per-rank start values).
 
