@@ -33,6 +33,10 @@ __all__ = ["shard", "replicate", "make_plan", "coordinate_descent", "search_mesh
            "build_problem", "compute_seconds", "ShardingProblem", "solve_exact"]
 
 
+#: How many forbidden redistributions beyond the first a refusal names.
+MORE_EDGES = 8
+
+
 def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
           memory_budget: float | None = None, fixed: Mapping[str, NdSBP] | None = None,
           time_limit: float = 60.0, move_activations: bool = True) -> Plan:
@@ -97,12 +101,17 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         raise ShardingError(f"the exact solver stopped ({stats['status']}) before finding a "
                             f"solution without forbidden redistributions; raise time_limit")
     if problem.objective(choice) >= FORBIDDEN and not move_activations:
-        edge = next(e for e in problem.edges if e.cost[choice[e.src], choice[e.dst]] >= FORBIDDEN)
+        edge, *others = [e for e in problem.edges if e.cost[choice[e.src], choice[e.dst]] >= FORBIDDEN]
         reader = problem.members[edge.dst][0]
+        # where a move is needed is the solver's pick among plans that all need one (a
+        # ResNet's moves its input before the first convolution, for the batch norms
+        # after it): name every move of the plan found, not a cause
+        more = f"; and {len(others)} more: " + ", ".join(e.what for e in others[:MORE_EDGES]) + \
+            (", ..." if len(others) > MORE_EDGES else "") if others else ""
         raise ShardingError("no plan runs this step without redistributing activations "
                             f"(move_activations=False) on mesh {mesh} with these placements: "
-                            f"{edge.what} needs a collective ({op_name(reader)} cannot run on the "
-                            "pieces its input has)",
+                            f"the least costly plan found moves {edge.what} (read by "
+                            f"{op_name(reader)}){more}",
                             where=where(reader))
     if problem.objective(choice) >= FORBIDDEN:
         raise ShardingError("every sharding found needs a forbidden redistribution (S->P); "
