@@ -85,7 +85,7 @@ class Labels:
 
     ``inputs`` maps argument names to a label string (a list of them for a tensor
     list); an unnamed tensor input is never split. ``deps`` maps an output index to
-    the arguments it depends on (default: every input not ``shape_only``)."""
+    the arguments it depends on (default: every input neither ``shape_only`` nor ``metadata_only``)."""
 
     inputs: Mapping[str, Any]
     outputs: Sequence[Optional[str]]
@@ -220,8 +220,8 @@ def enumerate_signatures(call: Call, labels: Labels) -> list[Signature]:
     in_labels = [_slot_labels(labels, slot, meta) for slot, meta in zip(call.slots, call.inputs)]
     out_labels = [lab if meta is not None else None for lab, meta in zip(labels.outputs, call.outputs)]
     slots_of = lambda names: {i for i, (name, _) in enumerate(call.slots) if name in names}  # noqa: E731
-    shape_only = slots_of(labels.shape_only)
-    deps = [slots_of(labels.deps[k]) if k in labels.deps else set(range(n_in)) - shape_only
+    shape_only, metadata_only = slots_of(labels.shape_only), slots_of(labels.metadata_only)
+    deps = [slots_of(labels.deps[k]) if k in labels.deps else set(range(n_in)) - shape_only - metadata_only
             for k in range(len(out_labels))]
     addends = slots_of(labels.addends)
 
@@ -252,10 +252,10 @@ def enumerate_signatures(call: Call, labels: Labels) -> list[Signature]:
         outs = tuple(None if lab is None else P if deps[k] & chosen else B
                      for k, lab in enumerate(out_labels))
         found.add(Signature(ins, outs))
-    for i in sorted(shape_only | slots_of(labels.metadata_only)):
+    for i in sorted(shape_only | metadata_only):
         found |= {Signature(s.inputs[:i] + (P,) + s.inputs[i + 1:], s.outputs)
                   for s in found if s.inputs[i] == B}
-    for i in sorted(slots_of(labels.metadata_only)):
+    for i in sorted(metadata_only):
         found |= {Signature(s.inputs[:i] + (S(d),) + s.inputs[i + 1:], s.outputs)
                   for s in found if s.inputs[i] == B for d in range(call.inputs[i].ndim)}
     if labels.zero_output:
