@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule
+
+from .fake import strided_fake
 
 __all__ = ["FakeSpec", "PortableGraph", "to_portable", "from_portable"]
 
@@ -42,12 +44,7 @@ class FakeSpec:
         """A fake tensor of this layout in ``mode``, on ``device`` where that is a device of
         the same type (another GPU of the receiving rank), else on this spec's device."""
         device = device if device is not None and device.type == self.device.type else self.device
-        with unset_fake_temporarily():
-            span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) if all(self.shape) else 0
-            meta = torch.empty(self.offset + span, dtype=self.dtype, device="meta")
-            meta = meta.as_strided(self.shape, self.stride, self.offset)
-            fake = FakeTensor(mode, meta, device)
-        return fake.requires_grad_(self.requires_grad) if self.requires_grad else fake
+        return strided_fake(mode, self.shape, self.stride, self.dtype, device, self.offset, self.requires_grad)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .errors import TraceError
+from .fake import strided_fake
 from .optim import OptimizerSpec
 
 __all__ = ["Update", "stamp_updates"]
@@ -86,10 +87,8 @@ def _fresh(val):
     """A fake tensor of ``val``'s metadata, in its fake mode (a node of its own)."""
     if not isinstance(val, torch.Tensor):
         return val
-    mode = val.fake_mode  # made from a meta tensor directly: 15 us, where dispatch takes 80
-    meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-    return mode.fake_tensor_converter.from_meta_and_device(mode, meta, val.device) \
-        .requires_grad_(val.requires_grad)
+    return strided_fake(val.fake_mode, val.shape, val.stride(), val.dtype, val.device, val.storage_offset(),
+                        val.requires_grad)
 
 
 def stamp_updates(graph: fx.Graph, updates: Sequence[Update], annotation: dict) -> list[list[fx.Node]]:
