@@ -121,7 +121,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         (created inside the transforms, so the update is functionalized into outputs)."""
         updated = {k: v.clone() for k, v in buffer_values.items()}
         annotator.phase("forward")
-        with _BatchNormAsReductions(), _RequiresGradFlagsIgnored():
+        with _ForwardRewrites():
             out = _checked_output(batch.call(model, {**weights, **updated}, xs[:n_model_inputs]))
         return out, updated
 
@@ -536,7 +536,7 @@ def _flatten_output(out) -> tuple[list[torch.Tensor], OutputTree]:
     plain constant (a generation cache object) is refused by name."""
     leaves, spec = tree_flatten(dataclasses_as_nodes(out))
     for leaf in leaves:
-        if not (isinstance(leaf, torch.Tensor) or leaf is None or isinstance(leaf, (bool, int, float, str))):
+        if not isinstance(leaf, (torch.Tensor, *PLAIN)):
             raise UnsupportedInputError(
                 f"the model's output holds a {type(leaf).__name__}, which is not a tensor; a "
                 "compiled program returns tensors only (for a generation cache, pass "
@@ -556,56 +556,68 @@ def _clip_by_global_norm(grads: Mapping[str, torch.Tensor], max_norm: float):
     return total, {k: g * scale.to(g.dtype) for k, g in grads.items()}
 
 
-class _BatchNormAsReductions(TorchFunctionMode):
-    """``F.batch_norm`` with batch statistics, written as sums over the batch and spatial
-    dims: ``mean = sum(x) / n``, ``var = sum((x - mean)^2) / n``. The sharding planner
-    turns a sum over a split batch into a partial sum reduced across the ranks that hold
-    the batch, so a distributed step normalizes with the statistics of the whole batch,
-    as ``nn.SyncBatchNorm`` does, and equals the single-device model; gradients follow
-    by autograd through the same sums. The running statistics are updated like torch's
-    kernel: ``running = (1 - momentum) * running + momentum * stat`` with the unbiased
-    variance. Eval mode (running statistics) goes to torch unchanged.
+class _ForwardRewrites(TorchFunctionMode):
+    """The calls of the forward that the step is traced as other calls (:data:`_REWRITES`:
+    function -> rewrite, which returns :data:`_AS_IS` where the call is traced as it is).
+    One mode for all of them: every call of the forward passes through it.
 
-    ``F.instance_norm`` with instance statistics and running ones too: torch's kernel
-    normalizes a per-sample repeat of the running statistics with ``native_batch_norm``,
-    which updates that repeat in place though its schema says nothing of it, and reads
-    the new statistics back from it, a dependence the traced graph does not hold (the
-    running statistics came out stale, or from one rank's samples only). Written as
-    reductions too: each sample's statistics over its spatial dims, the running ones
-    moved towards their mean over the samples, as torch's kernel does."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.batch_norm:
-            bound = _BATCH_NORM.bind(*args, **kwargs)
-            bound.apply_defaults()
-            if bound.arguments["training"]:
-                return _batch_norm_by_reductions(**bound.arguments)
-        if func is F.instance_norm:
-            bound = _INSTANCE_NORM.bind(*args, **kwargs)
-            bound.apply_defaults()
-            if bound.arguments["use_input_stats"] and bound.arguments["running_mean"] is not None:
-                return _instance_norm_by_reductions(**bound.arguments)
-        return func(*args, **kwargs)
-
-
-class _RequiresGradFlagsIgnored(TorchFunctionMode):
-    """``t.requires_grad_(True)`` on a tensor of the forward does nothing. torch.func
-    refuses the call, and it cannot change the step: the transform differentiates with
-    respect to the parameters whatever the flags of the tensors in between. Hugging Face's
-    ``enable_input_require_grads`` (which ``gradient_checkpointing_enable`` turns on) calls
-    it on the input embeddings' output, so that reentrant checkpointing sees an input
-    that requires a gradient."""
+    - ``F.batch_norm`` with batch statistics, written as sums over the batch and spatial
+      dims: ``mean = sum(x) / n``, ``var = sum((x - mean)^2) / n``. The sharding planner
+      turns a sum over a split batch into a partial sum reduced across the ranks that hold
+      the batch, so a distributed step normalizes with the statistics of the whole batch,
+      as ``nn.SyncBatchNorm`` does, and equals the single-device model; gradients follow
+      by autograd through the same sums. The running statistics are updated like torch's
+      kernel: ``running = (1 - momentum) * running + momentum * stat`` with the unbiased
+      variance. Eval mode (running statistics) goes to torch unchanged.
+    - ``F.instance_norm`` with instance statistics and running ones too: torch's kernel
+      normalizes a per-sample repeat of the running statistics with ``native_batch_norm``,
+      which updates that repeat in place though its schema says nothing of it, and reads
+      the new statistics back from it, a dependence the traced graph does not hold (the
+      running statistics came out stale, or from one rank's samples only). Written as
+      reductions too: each sample's statistics over its spatial dims, the running ones
+      moved towards their mean over the samples, as torch's kernel does.
+    - ``t.requires_grad_(True)`` on a tensor of the forward does nothing. torch.func
+      refuses the call, and it cannot change the step: the transform differentiates with
+      respect to the parameters whatever the flags of the tensors in between. Hugging
+      Face's ``enable_input_require_grads`` (which ``gradient_checkpointing_enable`` turns
+      on) calls it on the input embeddings' output, so that reentrant checkpointing sees an
+      input that requires a gradient."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.requires_grad_ and kwargs.get("requires_grad", args[1] if len(args) > 1 else True):
-            return args[0]
+        rewrite = _REWRITES.get(func)
+        if rewrite is not None:
+            result = rewrite(*args, **kwargs)
+            if result is not _AS_IS:
+                return result
         return func(*args, **kwargs)
+
+
+_AS_IS = object()
+
+
+def _batch_norm(*args, **kwargs):
+    bound = _BATCH_NORM.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return _batch_norm_by_reductions(**bound.arguments) if bound.arguments["training"] else _AS_IS
+
+
+def _instance_norm(*args, **kwargs):
+    bound = _INSTANCE_NORM.bind(*args, **kwargs)
+    bound.apply_defaults()
+    if bound.arguments["use_input_stats"] and bound.arguments["running_mean"] is not None:
+        return _instance_norm_by_reductions(**bound.arguments)
+    return _AS_IS
+
+
+def _requires_grad(tensor, requires_grad=True):
+    return tensor if requires_grad else _AS_IS
 
 
 _BATCH_NORM = inspect.signature(F.batch_norm)
 _INSTANCE_NORM = inspect.signature(F.instance_norm)
+_REWRITES = {F.batch_norm: _batch_norm, F.instance_norm: _instance_norm,
+             torch.Tensor.requires_grad_: _requires_grad}
 
 
 def _instance_norm_by_reductions(input, running_mean, running_var, weight, bias, use_input_stats,
@@ -1021,7 +1033,7 @@ def _check_hidden_mutations(gm: fx.GraphModule) -> None:
     """Refuse a ``native_batch_norm`` in training mode with running statistics: its CPU
     kernel updates them in place though its schema does not say so, so the traced graph
     misses that write (``F.batch_norm`` and ``F.instance_norm`` are written as reductions
-    while tracing, :class:`_BatchNormAsReductions`; this is another way to the kernel)."""
+    while tracing, :class:`_ForwardRewrites`; this is another way to the kernel)."""
     for node in gm.graph.nodes:
         if node.target is torch.ops.aten.native_batch_norm.default and node.args[5] \
                 and (node.args[3] is not None or node.args[4] is not None):
