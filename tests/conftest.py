@@ -167,9 +167,11 @@ def eager(model, loss_fn, make_optimizer, data, clip=None, seed=None):
     return losses, norm
 
 
-def simulated(model, loss_fn, make_optimizer, data, mesh_shape, batch_sbp=None, **trace_options):
+def simulated(model, loss_fn, make_optimizer, data, mesh_shape, batch_sbp=None, pins=None,
+              move_activations=True, **trace_options):
     """The same training on simulated ranks of ``mesh_shape`` with every batch input split
-    as ``batch_sbp`` (default :data:`MESHES`): (losses, params, buffers, step graph)."""
+    as ``batch_sbp`` (default :data:`MESHES`), or with the pins ``pins(gm, mesh)`` gives:
+    (losses, params, buffers, step graph)."""
     from passes.canonicalize import canonicalize  # imported on use: see the module docstring
     from passes.recompute import recompute_checkpointed
     from passes.sharding import shard
@@ -177,9 +179,13 @@ def simulated(model, loss_fn, make_optimizer, data, mesh_shape, batch_sbp=None, 
     gm = recompute_checkpointed(canonicalize(ddlc.trace(model, data[0], loss_fn, make_optimizer(model),
                                                         **trace_options)))
     sig = STEP(gm)
-    sbp = parse_sbp(batch_sbp or MESHES[mesh_shape])
     mesh = ddlc.Mesh(mesh_shape)
-    shard(gm, mesh, fixed={sig.input_name("input", k): sbp for k in sig.keys("input")})
+    if pins is None:
+        sbp = parse_sbp(batch_sbp or MESHES[mesh_shape])
+        fixed = {sig.input_name("input", k): sbp for k in sig.keys("input")}
+    else:
+        fixed = pins(gm, mesh)
+    shard(gm, mesh, fixed=fixed, move_activations=move_activations)
     params = {k: v.detach() for k, v in model.named_parameters()}
     buffers = {k: v.detach() for k, v in model.named_buffers()}
     losses, params, _, buffers = simulate_steps(gm, mesh, params, buffers, data, **LOWER)

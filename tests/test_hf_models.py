@@ -217,19 +217,11 @@ def test_data_parallel_needs_no_activation_moved(name):
     simulated (4,) ranks equal eager's. transformers builds the mask by indexing it with
     ranges (``mask[batch_idx, kv_idx]``), which needed the mask whole on every rank
     until canonicalize made it a view; no data-parallel plan could be made before."""
-    from passes.canonicalize import canonicalize  # imported on use, as in conftest
-    from passes.sharding import shard
-    from ddlc.pipeline import data_parallel_placements
-    from ddlc.simulate import simulate_steps
-    from conftest import LOWER
+    from ddlc.pipeline import data_parallel_placements  # imported on use, as in conftest
     model, data = build(name), batches(name)
     reference = copy.deepcopy(model)
-    gm = canonicalize(ddlc.trace(model, data[0], None, adamw(model)))
-    mesh = ddlc.Mesh((4,))
-    shard(gm, mesh, fixed=data_parallel_placements(gm, mesh), move_activations=False)
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    buffers = {k: v.detach() for k, v in model.named_buffers()}
-    losses, params, _, _ = simulate_steps(gm, mesh, params, buffers, data, **LOWER)
+    losses, params, _, _ = simulated(model, None, adamw, data, (4,), pins=data_parallel_placements,
+                                     move_activations=False)
     want, _ = eager(reference, None, adamw, data, seed=0)
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())},
