@@ -7,7 +7,7 @@ import pytest
 
 import ddlc
 from conftest import assert_matches_reference, batches, model_and_loss, optimizer, reference
-from ddlc.ir import COLLECTIVE, collective_sequence
+from ddlc.ir import COLLECTIVE, ROLE, SHARDING, collective_sequence
 from ddlc.sbp import parse_sbp
 from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
 from passes.canonicalize import canonicalize
@@ -123,3 +123,30 @@ def test_ranks_whose_local_nodes_differ_run_their_collectives_together():
     assert [o[0].tolist() for o in out] == [[11.0, 22.0, 11.0, 22.0]] * 2
     with pytest.raises(RuntimeMismatchError, match="different collectives"):
         run_ranks([_program(True), _program(False, then_gather=False)], mesh, [[a], [b]])
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 4)], ids=lambda s: "x".join(map(str, s)))
+def test_plans_made_for_gpus_match_single_device(mesh_shape):
+    """What a GPU user gets: the zoo GPT planned for ``dgx-h100-ib`` with nothing pinned
+    (fast links: parameters split for tensor parallelism) and lowered with that profile's
+    searches (bucket cap, piece size, the order with updates placed by the timeline), as
+    no gloo run plans it; three SGD steps on the simulated ranks equal the single device's.
+    SGD, not AdamW: plans that reduce in another order differ from eager by float rounding,
+    which Adam's division by the root of the second moment magnifies on gradients that are
+    zero but for rounding (attention's key bias)."""
+    from ddlc import pipeline
+    from ddlc.options import CompileOptions
+    from ddlc.sbp import NdSBP
+    model, loss_fn = model_and_loss("gpt")
+    data = batches("gpt")
+    gm = canonicalize(ddlc.trace(model, data[0], loss_fn, optimizer("sgd", model)))
+    mesh = ddlc.Mesh(mesh_shape, profile="dgx-h100-ib")
+    pipeline.plan(gm, mesh, CompileOptions(profile="dgx-h100-ib"), {})
+    whole = NdSBP.broadcast(mesh.ndim)
+    split = [n.name for n in gm.graph.find_nodes(op="placeholder")
+             if ROLE.get(n) == "param" and SHARDING(n).outputs[0] != whole]
+    assert split, "the plan should split parameters (tensor parallelism), not only the batch"
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    losses, params, _, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data,
+                                          profile="dgx-h100-ib")
+    assert_matches_reference({"losses": losses, "params": params}, reference("gpt", "sgd"))
