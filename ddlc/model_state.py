@@ -144,6 +144,14 @@ class ModelWatch:
                     held.clear()
                     held.update(members[kind])
 
+    def written(self) -> set[str]:
+        """The names of the parameters and buffers written in place since the snapshot
+        (their version counters moved)."""
+        then, now = self._snapshot[1], self._take()[1]
+        return {name for (name, _), (_, before, *_), (_, after, *_) in zip(self._params, then[2], now[2])
+                if before != after} | \
+            {name for (name, _), before, after in zip(self._buffers, then[3], now[3]) if before != after}
+
     def accept_writes(self) -> None:
         """Take the parameters' and buffers' values as they are now (version counters):
         the step's own weights were just replaced (a checkpoint loaded), so earlier writes

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import logging
 import pickle
+import weakref
 from typing import Mapping, Sequence
 
 import torch
@@ -357,6 +358,11 @@ def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh, st
     return mesh, device_mesh, device_type
 
 
+#: per model, the compiled step whose steps trained it last and whose state was not written
+#: back (:meth:`CompiledStep.write_back`): compiling the model again writes it back first
+_TRAINED_BY: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
 def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None,
             **options) -> "CompiledStep":
     """Compile ``model``'s training step (or forward pass without ``loss_fn``) for ``mesh``.
@@ -365,6 +371,10 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     ``DeviceMesh``. ``options`` are the fields of :class:`ddlc.options.CompileOptions`
     (placements, batch mode, solver, memory budget, profile, decoupling, fusion,
     partition, scheduling caps, where updates run); they are validated before any work.
+
+    A model that an earlier compiled step has trained (whose weights and optimizer state
+    that step holds) gets them back first (:meth:`CompiledStep.write_back`), so the new
+    step continues the training, as eager would after changing the model.
     """
     options = CompileOptions.from_kwargs(**options)
     rng_state = torch.get_rng_state()  # before anything could draw from it
@@ -372,7 +382,14 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
         raise RuntimeMismatchError("ddlc.compile needs an initialised process group: launch the "
                                    "script with torchrun, or use ddlc.spawn for local workers")
     mesh, device_mesh, device_type = _mesh_for_world(mesh, options)
-    _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options))
+    trained_by = _TRAINED_BY.get(model, lambda: None)()
+    held = trained_by.steps_done if trained_by is not None else 0
+    _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options)
+                 + [f"steps trained by an earlier compiled step of this model: {held}"])
+    if trained_by is not None:
+        log.info("the model's earlier compiled step trained it %d step(s): its weights, buffers and "
+                 "optimizer state are written back first", held)
+        trained_by.write_back()
     _take_rank0_state(model)
     # the garbage collector is not deferred here as ``ddlc plan`` defers it: with it
     # deferred, a later step of a gloo worker once aborted on a corrupted heap (as with
@@ -603,7 +620,31 @@ class CompiledStep:
         if "grad_norm" in out:
             self.last_grad_norm = out["grad_norm"]["grad_norm"].detach()
         self.steps_done += 1
+        _TRAINED_BY[self._model] = weakref.ref(self)
         return out["loss"]["loss"].detach()
+
+    def write_back(self) -> None:
+        """Put this step's training state into the model and optimizer it was compiled from
+        (collective): the full parameters and persistent buffers into the model's own
+        tensors, except those written in the model since compile (eager would train on
+        those values: they stay), and the optimizer state into ``optimizer.state`` as
+        torch.optim keeps it, so that an eager step, ``torch.save`` of the model or a
+        ``ddlc.compile`` of it again continues from them. This step keeps running as it was."""
+        written = self._watch.written()
+        full = self.state_dict()
+        with torch.no_grad():
+            for key, tensor in self._model.state_dict(keep_vars=True).items():
+                if key in full and self._state_dict_names.get(key) not in written:
+                    tensor.copy_(full[key])
+        if self._optimizer is not None:
+            params = dict(self._model.named_parameters())
+            for key, value in self.optimizer_state().items():
+                name, state_name = key.rsplit(":", 1)
+                shape = () if state_name == "step" else params[name].shape
+                self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
+        self._watch.accept_writes()
+        if _TRAINED_BY.get(self._model, lambda: None)() is self:
+            del _TRAINED_BY[self._model]
 
     def _only_gates_closed(self, now: tuple) -> bool:
         """Whether the optimizer structure ``now`` differs from the compiled one only in a
@@ -631,7 +672,8 @@ class CompiledStep:
                 f"the model changed after compile: {change}. The compiled step runs the model as "
                 "it was traced and holds its own copy of the weights and buffers, so it would "
                 "ignore the change: undo it, or compile again (that takes the model as it is "
-                "then); weights written into the model are superseded by step.load_checkpoint")
+                "then, with the weights and optimizer state this step trained, written back); "
+                "weights written into the model are superseded by step.load_checkpoint")
         if autocast_state() != self._autocast:
             raise UnsupportedInputError(
                 f"torch.autocast is {autocast_words(autocast_state())} here but was "

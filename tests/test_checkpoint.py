@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ddlc
+import ddlc.errors
 from ddlc.launch import spawn
 from ddlc.zoo import GPT, lm_loss
 
@@ -70,3 +71,59 @@ def test_resume_on_another_mesh_and_world_size(tmp_path):
             _close(got[k], state[k], f"{mesh} {k}")
         for k in opt_state:
             _close(got_opt[k], opt_state[k], f"{mesh} {k}")
+
+
+def _compiled_again(rank, mesh, load_other_weights: bool):
+    """Two steps, a change to the model that the step refuses, ddlc.compile again, a third
+    step: (losses, the refusal, state_dict, optimizer_state) on rank 0."""
+    model, opt, batches = _setup()
+    step = _compile(model, opt, batches[0], mesh)
+    losses = [step.step(*b) for b in batches[:2]]
+    if load_other_weights:
+        model.load_state_dict(_setup(seed=7)[0].state_dict())
+    else:
+        model.note = "a new attribute"  # changes nothing the step computes, but is refused
+    try:
+        step.step(*batches[2])
+        refusal = None
+    except ddlc.errors.UnsupportedInputError as e:
+        refusal = str(e)
+    step = _compile(model, opt, batches[2], mesh)
+    losses.append(step.step(*batches[2]))
+    return losses, refusal, step.state_dict(), step.optimizer_state()
+
+
+@pytest.mark.parametrize("load_other_weights", [False, True], ids=["attribute", "weights loaded"])
+def test_compiling_again_continues_the_training(load_other_weights):
+    """The step the compiler refuses after a change to the model says to compile again;
+    that continues the training as eager would: the weights and optimizer state the
+    earlier step trained are written back into the model and optimizer first (AdamW's
+    moments and step count too), except weights the user wrote into the model since,
+    which eager would train on. Before, the new step started from the model's weights of
+    before the first compile and a fresh optimizer state, silently."""
+    losses, refusal, state, opt_state = spawn(_compiled_again, 4, (2, 2), load_other_weights,
+                                              timeout=120, deadline=300)[0]
+    assert refusal is not None and "compile again" in refusal
+    model, opt, batches = _setup()
+    want = []
+    for i, (x, y) in enumerate(batches):
+        if i == 2 and load_other_weights:
+            model.load_state_dict(_setup(seed=7)[0].state_dict())
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.detach())
+    for i, (got, expected) in enumerate(zip(losses, want)):
+        _near(got, expected, f"loss {i}")
+    for k, v in model.state_dict().items():
+        _near(state[k], v, k)
+    for name, p in model.named_parameters():
+        for state_name, v in opt.state[p].items():
+            got = opt_state[f"{name}:{state_name}"]
+            _near(got.reshape(v.shape), v.to(got.dtype), f"{name}:{state_name}")
+
+
+def _near(a, b, what):
+    """Equal to eager within float tolerance (sharded sums round otherwise)."""
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
