@@ -363,6 +363,12 @@ def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh, st
 _TRAINED_BY: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
+def _trained_by(model: nn.Module) -> "CompiledStep | None":
+    """The live compiled step whose training of ``model`` is not written back, if any."""
+    ref = _TRAINED_BY.get(model)
+    return ref() if ref is not None else None
+
+
 def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None,
             **options) -> "CompiledStep":
     """Compile ``model``'s training step (or forward pass without ``loss_fn``) for ``mesh``.
@@ -382,7 +388,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
         raise RuntimeMismatchError("ddlc.compile needs an initialised process group: launch the "
                                    "script with torchrun, or use ddlc.spawn for local workers")
     mesh, device_mesh, device_type = _mesh_for_world(mesh, options)
-    trained_by = _TRAINED_BY.get(model, lambda: None)()
+    trained_by = _trained_by(model)
     held = trained_by.steps_done if trained_by is not None else 0
     _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options)
                  + [f"steps trained by an earlier compiled step of this model: {held}"])
@@ -490,6 +496,7 @@ class CompiledStep:
         self._members = _group_members(optimizer) if optimizer is not None else None
         self._groups = dict(self.signature.param_groups)
         self._model = model
+        self._ref = weakref.ref(self)  # what _TRAINED_BY holds once this step trains the model
         self._watch = ModelWatch(model)
         self._autocast = autocast_state()
 
@@ -620,7 +627,7 @@ class CompiledStep:
         if "grad_norm" in out:
             self.last_grad_norm = out["grad_norm"]["grad_norm"].detach()
         self.steps_done += 1
-        _TRAINED_BY[self._model] = weakref.ref(self)
+        _TRAINED_BY[self._model] = self._ref
         return out["loss"]["loss"].detach()
 
     def write_back(self) -> None:
@@ -643,7 +650,7 @@ class CompiledStep:
                 shape = () if state_name == "step" else params[name].shape
                 self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
         self._watch.accept_writes()
-        if _TRAINED_BY.get(self._model, lambda: None)() is self:
+        if _trained_by(self._model) is self:
             del _TRAINED_BY[self._model]
 
     def _only_gates_closed(self, now: tuple) -> bool:
