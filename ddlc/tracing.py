@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 from . import rng, strided_views
 from .errors import TraceError, UnsupportedInputError
 from .ir import (ORIGIN, RECOMPUTE, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
-                 dataclasses_as_nodes, hyperparameter_tensors)
+                 dataclasses_as_nodes, hyperparameter_tensors, where)
 from .model_state import PLAIN, ModelWatch, describe, same_plain as _same_plain
 from .optim import hyperparameter_key, optimizer_spec
 from .updates import Update, stamp_updates
@@ -194,6 +194,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     _check_checkpointed_draws(gm, annotator.fresh_draws)
     _check_hidden_mutations(gm)
     _check_static_shapes(gm)
+    _check_operand_dtypes(gm, batch.tensors)
     gm.recompile()
     STEP.set(gm, StepSignature(tuple(inputs), tuple(outputs), tuple((k, specs[k]) for k in specs),
                                n_targets, tuple(groups.items()), tuple(hyper.items()),
@@ -776,14 +777,15 @@ _CAUSES = (
      "requires_grad_() does nothing; take the gradient with respect to an activation the "
      "parameters produce (e.g. the first layer's output), which ddlc traces"),
     (re.compile(r"mutate a captured Tensor", re.I), UnsupportedInputError,
-     "the model updates in place a tensor that is not one of its buffers: a frozen parameter "
+     "the model updates in place a tensor that is not one of its buffers: an input of the "
+     "step (`x.mul_(2)` on the batch: write `x = x * 2`), a frozen parameter "
      "(requires_grad=False, e.g. the weights of an EMA or momentum teacher), a tensor "
      "attribute or a global; ddlc carries in-place updates of buffers only: keep such state "
      "in buffers (register_buffer), which the step updates as eager does (running "
      "statistics, EMA teachers, queues)"),
-    (re.compile(r"dtype|scalar type", re.I), TraceError,
+    (re.compile(r"dtype|scalar type|type \(.*\) and .* type \(.*\) should be the same", re.I), TraceError,
      "the example inputs' dtypes do not fit the model (an integer tensor fed into a float "
-     "layer?)"),
+     "layer, or a float64 or bfloat16 one into a float32 layer?)"),
     (re.compile(r"shape|size|dim|mat1 and mat2", re.I), TraceError,
      "the example inputs may not match the model"),
 )
@@ -994,6 +996,55 @@ def _check_static_shapes(gm: fx.GraphModule) -> None:
                 "graph cannot plan; write it with a fixed size, e.g. "
                 "`h = torch.where(mask[..., None], v, h)`",
                 where=origin.where(node.name) if origin else node.name)
+
+
+_aten = torch.ops.aten
+#: Operators whose floating-point tensor operands eager requires to share one dtype (it
+#: raises "mat1 and mat2 must have the same dtype", "expected scalar type Double but found
+#: Float", ...) where the meta kernels of the fake trace do not check it and promote
+#: (``bmm``, ``dot``, ``prelu`` and attention's do check: tracing fails there already).
+_SAME_DTYPE = frozenset({
+    _aten.mm, _aten.addmm, _aten.mv, _aten.addmv, _aten.vdot, _aten.convolution, _aten._convolution,
+    _aten.nll_loss_forward, _aten.nll_loss2d_forward, _aten._embedding_bag,
+    _aten._embedding_bag_forward_only,
+})
+#: The same on CPU, except that a bfloat16 or float16 input may meet float32 weights
+#: (CUDA's kernels take mixed operands).
+_SAME_DTYPE_ON_CPU = frozenset({
+    _aten.native_layer_norm, _aten.native_group_norm, _aten.native_batch_norm,
+    _aten._native_batch_norm_legit, _aten._native_batch_norm_legit_no_training,
+})
+
+
+def _refused_by_eager(packet, floats: Sequence[torch.Tensor]) -> bool:
+    """Whether eager refuses ``packet`` on the floating-point operands ``floats`` (the
+    operator's input first) for their mixed dtypes (see :data:`_SAME_DTYPE`)."""
+    dtypes = {v.dtype for v in floats}
+    if len(dtypes) < 2:
+        return False
+    if packet in _SAME_DTYPE:
+        return True
+    reduced = floats[0].dtype in (torch.bfloat16, torch.float16) and dtypes == {floats[0].dtype, torch.float32}
+    return packet in _SAME_DTYPE_ON_CPU and all(v.device.type == "cpu" for v in floats) and not reduced
+
+
+def _check_operand_dtypes(gm: fx.GraphModule, batch: Sequence[torch.Tensor]) -> None:
+    """Refuse an operator that eager refuses for its operands' mixed floating-point dtypes
+    (:func:`_refused_by_eager`: a float64 batch into a float32 layer), which the fake
+    trace lets through, so that the step would first fail when it runs, inside the per-rank
+    program."""
+    for node in gm.graph.nodes:
+        packet = getattr(node.target, "overloadpacket", None)
+        if packet not in _SAME_DTYPE and packet not in _SAME_DTYPE_ON_CPU:
+            continue
+        floats = [v for a in node.all_input_nodes if isinstance(v := a.meta.get("val"), torch.Tensor)
+                  and (v.is_floating_point() or v.is_complex())]
+        if _refused_by_eager(packet, floats):
+            dtypes = " and ".join(dict.fromkeys(str(v.dtype).removeprefix("torch.") for v in floats))
+            raise TraceError(f"the example inputs' dtypes do not fit the model: {packet.__name__} gets "
+                             f"{dtypes} operands, which eager refuses (the example inputs are "
+                             f"{_describe(batch)}); give inputs of the model's dtype or cast them "
+                             "in forward", where=where(node))
 
 
 def _check_random_ops(gm: fx.GraphModule) -> None:

@@ -215,6 +215,16 @@ class _FrozenTeacher(torch.nn.Module):
         return self.online(x) - self.target(x)
 
 
+class _WritesInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2.0)
+        return self.fc(x)
+
+
 _X = torch.randn(8, 4)
 
 #: (what a user tried, the call, the ddlc.errors type, words the message must contain)
@@ -226,6 +236,18 @@ CATALOGUE = [
     ("integer input into a float layer",
      lambda: ddlc.trace(MLP(), (torch.randint(0, 5, (8, 32)), torch.randn(8, 16)), F.mse_loss),
      ddlc.errors.TraceError, "dtypes do not fit"),
+    ("a float64 batch into a float32 model",
+     lambda: ddlc.trace(MLP(), (torch.randn(8, 32, dtype=torch.float64), torch.randn(8, 16)), F.mse_loss),
+     ddlc.errors.TraceError, "dtypes do not fit the model: addmm gets float32 and float64"),
+    ("a bfloat16 batch into a float32 convolution",
+     lambda: ddlc.trace(torch.nn.Conv1d(4, 4, 3), (torch.randn(8, 4, 6, dtype=torch.bfloat16),
+                                                    torch.randn(8, 4, 4)), F.mse_loss),
+     ddlc.errors.TraceError, "dtypes do not fit the model"),
+    ("a float32 batch into a float64 layer norm",
+     lambda: ddlc.trace(torch.nn.LayerNorm(4).double(), (_X, _X.double()), F.mse_loss),
+     ddlc.errors.TraceError, "native_layer_norm gets float32 and float64"),
+    ("a forward that writes its input in place", lambda: ddlc.trace(_WritesInput(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, r"an input of the step \(`x.mul_\(2\)` on the batch"),
     ("BatchNorm with a cumulative average", lambda: ddlc.trace(_bn_model(), (_X, _X), F.mse_loss),
      UnsupportedInputError, "BatchNorm1d '1' has momentum=None"),
     ("sampling from probabilities", lambda: ddlc.trace(_StochasticMask(), (_X, _X), F.mse_loss),
