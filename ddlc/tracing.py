@@ -174,9 +174,9 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
             batch.call(model, state, xs)
 
     with _no_state_kept_across_calls(model, forward_again):
-        gm = _make_fx(fn, flat, annotator, batch.tensors, model)
+        gm = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn)
         if strided_views.needs_repair(gm):  # an in-place update of a view: see ddlc.strided_views
-            with_views = _make_fx(fn, flat, annotator, batch.tensors, model, remove="mutations")
+            with_views = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn, remove="mutations")
             strided_views.repair(gm, with_views, lambda n: _source_from_stack(n.meta.get("stack_trace")) or None)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     untrained = ()
@@ -792,7 +792,7 @@ _CAUSES = (
 
 
 def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor],
-             model: nn.Module, remove: str = "mutations_and_views") -> fx.GraphModule:
+             model: nn.Module, loss_fn: Callable | None, remove: str = "mutations_and_views") -> fx.GraphModule:
     hooks = [module_mod.register_module_forward_pre_hook(annotator.pre),
              module_mod.register_module_forward_hook(annotator.post)]
     try:
@@ -800,7 +800,8 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
         # passes rewrite the graph many times before anything runs it (0.25 s a time on a
         # GPT-2-small step)
         with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model), \
-                _forward_frames_only(), _use_lazy_graph_module(True), _checkpoints_as_regions(annotator):
+                _forward_frames_only(), _loss_frames_kept(loss_fn), _use_lazy_graph_module(True), \
+                _checkpoints_as_regions(annotator):
             # a tensor the forward or loss captures from outside the model (class weights
             # in a global) becomes a constant of the graph
             return make_fx(functionalize(fn, remove=remove), tracing_mode="fake",
@@ -905,6 +906,24 @@ def _forward_frames_only():
         yield
     finally:
         fx_proxy.CapturedTraceback = original
+
+
+@contextlib.contextmanager
+def _loss_frames_kept(loss_fn: Callable | None):
+    """Within, node stack traces keep the frames of the function ``loss_fn`` besides those
+    of ``forward``s (it is a stack-trace anchor of torch.fx), so that an error in the loss
+    names the user's line."""
+    anchors = getattr(fx_proxy, "_STACK_TRACE_ANCHORS", None)
+    code = getattr(loss_fn, "__code__", None)
+    anchor = (code.co_filename, code.co_name) if code is not None else None
+    added = anchors is not None and anchor is not None and anchor not in anchors
+    if added:
+        anchors.add(anchor)
+    try:
+        yield
+    finally:
+        if added:
+            anchors.discard(anchor)
 
 
 def _describe(flat) -> str:

@@ -270,6 +270,17 @@ def test_catalogue_of_bad_inputs(case):
     assert "may not match" not in str(info.value)  # the generic wording only for shape errors
 
 
+def _loss_in_float64(out, target):
+    return F.mse_loss(F.linear(out, torch.eye(4, dtype=torch.float64)), target)
+
+
+def test_an_error_in_the_loss_names_the_loss_line():
+    """Node stack traces keep the frames of the loss function, not only of forwards."""
+    with pytest.raises(ddlc.errors.TraceError, match="mm gets float32 and float64") as info:
+        ddlc.trace(torch.nn.Linear(4, 4), (_X, _X), _loss_in_float64)
+    assert "test_reliability.py" in str(info.value) and "in _loss_in_float64: return F.mse_loss" in str(info.value)
+
+
 def test_a_shape_mismatch_says_the_inputs_may_not_match():
     with pytest.raises(ddlc.errors.TraceError, match="may not match"):
         ddlc.trace(MLP(d_in=32), (torch.randn(8, 31), torch.randn(8, 16)), F.mse_loss)
