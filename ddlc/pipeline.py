@@ -60,6 +60,7 @@ from passes.recompute import recompute_checkpointed
 from passes.schedule import check_waits, follow, schedule, searches_updates
 from passes.sharding import mesh_shapes, replicate, shard
 from passes.views import views_as_views
+from passes.waits import wait_at_once
 
 from .errors import MeshError, SBPError, ShardingError, UnsupportedInputError
 from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP, leaves, map_leaves
@@ -72,7 +73,8 @@ from .tracing import trace
 __all__ = ["PLANNING", "LOWERING", "run_pass", "collections_deferred", "trace_step",
            "resolve_placements", "plan", "choose_plan", "ChosenPlan", "Candidate", "NoCandidate",
            "data_parallel_reference", "plan_pinned", "named_alike_copy",
-           "data_parallel_placements", "plan_replicated", "unsharded_compute", "lower", "LoweringChoices", "mesh_shapes"]
+           "data_parallel_placements", "plan_replicated", "unsharded_compute", "lower", "LoweringChoices", "mesh_shapes",
+           "wait_at_once"]
 
 log = logging.getLogger("ddlc.pipeline")
 

@@ -399,7 +399,8 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     _take_rank0_state(model)
     # the garbage collector is not deferred here as ``ddlc plan`` defers it: with it
     # deferred, a later step of a gloo worker once aborted on a corrupted heap (as with
-    # ``gc.freeze`` before), so a collection's timing can expose a buffer freed too early
+    # ``gc.freeze`` before); most likely gloo's functional collectives overlapping, which
+    # gloo programs no longer do (passes/waits.py)
     gm = _trace_on_ranks01(model, example_inputs, loss_fn, optimizer, options)
     fixed = pipeline.resolve_placements(gm, options.placements, mesh.ndim)
     coord = tuple(device_mesh.get_coordinate())
@@ -407,6 +408,8 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     chosen, lowered = _plan_with_rank1(gm, mesh, coord, options, fixed, groups)
     gm = lowered if lowered is not None else _lower_after_rank0(gm, mesh, coord, groups, options, chosen)
     plan = chosen.plan
+    if dist.get_backend() == "gloo":  # one collective in flight at a time: see passes/waits.py
+        pipeline.run_pass("waits", pipeline.wait_at_once, gm)
     fingerprint = _check_fingerprint(gm)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")

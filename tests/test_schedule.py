@@ -19,6 +19,7 @@ from passes.canonicalize import canonicalize
 from passes.decouple import decouple
 from passes.schedule import UPDATES, _eager, check_waits, schedule
 from passes.sharding import shard
+from passes.waits import wait_at_once
 
 DP_GPT = {"input0": "(S0, S0)", "input1": "(S0, S0)"}
 
@@ -99,6 +100,22 @@ def test_check_waits_rejects_reading_a_collective_before_its_wait(planned):
         user.replace_input_with(wait, issue)
     with pytest.raises(LoweringError, match="read before"):
         check_waits(gm)
+
+
+def test_a_gloo_rank_waits_for_each_collective_at_once(planned):
+    """passes.waits: the scheduled program with every wait moved to right after its
+    collective (gloo's functional collectives must not overlap); the collective sequence,
+    the other nodes' order and the data flow stay."""
+    scheduled = _lowered(planned, (0, 0))
+    before = [n.name for n in scheduled.graph.nodes]
+    assert max(_gaps(scheduled).values()) > 1
+    waited = wait_at_once(copy.deepcopy(scheduled))
+    assert set(_gaps(waited).values()) == {1}
+    assert collective_sequence(waited) == collective_sequence(scheduled)
+    after = [n.name for n in waited.graph.nodes]
+    waits = {n.name for n in scheduled.graph.nodes if is_wait(n)}
+    assert [n for n in after if n not in waits] == [n for n in before if n not in waits]
+    check_waits(waited)
 
 
 def test_scheduled_graph_still_runs_the_same_locally():
