@@ -159,6 +159,7 @@ def test_a_data_parallel_plan_chosen_over_the_search_matches_single_device(mesh)
     got = per_rank[0][0]
     assert got.pop("kept") == "data parallel"
     got.pop("collectives")
+    assert got.pop("most_in_flight") <= 1   # gloo's functional collectives must not overlap
     assert_matches_reference(got, reference("gpt", "adamw"), "gpt/adamw",
                              **dict.fromkeys(TOLERANCES, (1e-4, 1e-5)))
     for results in per_rank[1:]:
@@ -213,6 +214,7 @@ def test_a_replicated_plan_matches_single_device(mesh):
     got = per_rank[0][0]
     assert got.pop("kept") == "replicated"
     assert got.pop("collectives") == []
+    assert got.pop("most_in_flight") == 0
     assert_matches_reference(got, reference("cnn", "adamw"), "cnn/adamw",
                              **dict.fromkeys(TOLERANCES, (1e-4, 1e-5)))
     for results in per_rank[1:]:
