@@ -27,7 +27,7 @@ from . import comm
 from .errors import LoweringError, UnsupportedInputError
 from .ir import is_collective
 
-__all__ = ["compile_program", "planned_collectives", "compiled_collectives", "check_order"]
+__all__ = ["compile_program", "planned_collectives", "compiled_collectives", "most_in_flight", "check_order"]
 
 #: a line of an Inductor wrapper that calls a ``_c10d_functional`` operator: name, arguments
 _CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\((.*)\)\s*$", re.MULTILINE)
@@ -35,8 +35,9 @@ _CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\((.*)\)\s*$", 
 _IN_PLACE = {"all_reduce_": "all_reduce"}
 
 
-def compile_program(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> tuple[Callable, list]:
-    """``(the compiled program, the collectives its wrapper calls, in order)``."""
+def compile_program(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> tuple[Callable, list, int]:
+    """``(the compiled program, the collectives its wrapper calls, in order, the most of
+    them in flight at once)``."""
     if any(n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Generator)
            for n in gm.graph.nodes):
         raise UnsupportedInputError("backend='inductor' does not run programs that draw random "
@@ -54,7 +55,8 @@ def compile_program(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) 
         raise LoweringError(f"Inductor could not compile this rank's program ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}); use backend='eager'") from e
     sources = [open(module.__file__).read() for module in PyCodeCache.modules[loaded:]]
-    return program, [call for source in sources for call in compiled_collectives(source)]
+    return program, [call for source in sources for call in compiled_collectives(source)], \
+        max((most_in_flight(source) for source in sources), default=0)
 
 
 def has_compiler() -> bool:
@@ -67,6 +69,16 @@ def compiled_collectives(source: str) -> list[tuple[str, str]]:
     (its group is the last quoted argument)."""
     return [(_IN_PLACE.get(name, name), re.findall(r"'([^']*)'", args)[-1])
             for name, args in _CALL.findall(source) if name != "wait_tensor"]
+
+
+def most_in_flight(source: str) -> int:
+    """The most collectives ``source`` has issued and not yet waited for at any point of
+    its calls (a gloo program must keep to one: :mod:`passes.waits`)."""
+    pending = most = 0
+    for name, _ in _CALL.findall(source):
+        pending += -1 if name == "wait_tensor" else 1
+        most = max(most, pending)
+    return most
 
 
 def planned_collectives(gm: fx.GraphModule) -> list[tuple[str, str]]:

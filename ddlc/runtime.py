@@ -423,16 +423,20 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
 
 def _compile_with_inductor(gm: fx.GraphModule, device: torch.device):
     """``gm`` compiled by Inductor (:mod:`ddlc.inductor`), once every rank's compiled
-    collectives are checked to be its planned ones, in order."""
+    collectives are checked to be its planned ones, in order (and on gloo, waited one at
+    a time: :mod:`passes.waits`)."""
     examples = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device).zero_()
                 for v in (n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")]
-    program, compiled = pipeline.run_pass("inductor", inductor.compile_program, gm, examples)
+    program, compiled, in_flight = pipeline.run_pass("inductor", inductor.compile_program, gm, examples)
     problem = inductor.check_order(inductor.planned_collectives(gm), compiled)
+    if problem is None and in_flight > 1 and dist.get_backend() == "gloo":
+        problem = (f"Inductor's program has {in_flight} collectives in flight at once, which gloo's "
+                   "functional collectives do not survive (passes/waits.py)")
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, problem)
     if any(everyone):
-        raise LoweringError("Inductor changed the planned collective sequence, so ranks would "
-                            "deadlock or reduce mismatched tensors: "
+        raise LoweringError("Inductor's program does not run the collectives as planned (another "
+                            "sequence would deadlock the ranks or reduce mismatched tensors): "
                             + "; ".join(f"rank {r}: {p}" for r, p in enumerate(everyone) if p)
                             + "; use backend='eager'")
     strides = [e.stride() for e in examples]

@@ -32,6 +32,13 @@ def test_the_collectives_of_a_wrapper_are_read_in_call_order():
         ("all_gather_into_tensor", "0"), ("all_reduce", "0"), ("reduce_scatter_tensor", "1")]
 
 
+def test_collectives_in_flight_at_once_are_counted():
+    """The excerpt waits for its all-gather, then issues an all-reduce and a reduce-scatter
+    without waiting: two in flight (which a gloo rank refuses, passes/waits.py)."""
+    assert inductor.most_in_flight(WRAPPER) == 2
+    assert inductor.most_in_flight(WRAPPER.split("all_reduce_")[0]) == 1
+
+
 def test_a_reordered_or_missing_collective_is_named():
     planned = [("all_gather_into_tensor", "0"), ("all_reduce", "0")]
     assert inductor.check_order(planned, planned) is None
