@@ -809,13 +809,13 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
     except (UnsupportedInputError, TraceError):
         raise
     except Exception as e:  # torch raises many types; name the cause and the user's line
-        where = _user_frame(e)
+        line = _user_frame(e)
         text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         for pattern, error, cause in _CAUSES:
             if pattern.search(f"{type(e).__name__} {e}"):
                 raise error(f"{cause}; the example inputs are {_describe(batch)} ({text})",
-                            where=where) from e
-        raise TraceError(f"tracing the training step failed ({text})", where=where) from e
+                            where=line) from e
+        raise TraceError(f"tracing the training step failed ({text})", where=line) from e
     finally:
         for h in hooks:
             h.remove()

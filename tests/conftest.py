@@ -227,3 +227,13 @@ def replicate_updates(gm, mesh):
             old = SHARDING(n)
             SHARDING.set(n, NdSignature(tuple(None if x is None else b for x in old.inputs),
                                         tuple(None if x is None else b for x in old.outputs)))
+
+
+def most_in_flight(gm) -> int:
+    """The most collectives ``gm``'s program has issued and not yet waited for at any point."""
+    from ddlc.ir import is_collective, is_wait
+    pending = most = 0
+    for node in gm.graph.nodes:
+        pending += is_collective(node) - is_wait(node)
+        most = max(most, pending)
+    return most

@@ -2,7 +2,7 @@
 optimizer (``conftest``) as the parent's single-device reference, compiles and runs them."""
 from __future__ import annotations
 
-from conftest import batches, model_and_loss, optimizer
+from conftest import batches, model_and_loss, most_in_flight, optimizer
 
 
 def compiled_run(rank: int, mesh, cases):
@@ -34,19 +34,6 @@ def compiled_run(rank: int, mesh, cases):
         out["most_in_flight"] = most_in_flight(compiled.gm)
         results.append(out if rank == 0 else {"losses": out.get("losses")})
     return results
-
-
-def most_in_flight(gm) -> int:
-    """The most collectives ``gm`` has issued and not yet waited for at any point."""
-    from ddlc.ir import is_collective, is_wait
-    issued, most = set(), 0
-    for node in gm.graph.nodes:
-        if is_collective(node):
-            issued.add(node)
-            most = max(most, len(issued))
-        elif is_wait(node):
-            issued.discard(node.args[0])
-    return most
 
 
 def compiled_run_preferring_data_parallel(rank: int, mesh, cases):
