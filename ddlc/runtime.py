@@ -415,7 +415,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
         else torch.device("cpu")
     _share_generator(gm, device, rng_state)
     step = CompiledStep(model, gm, plan, mesh, coord, options.batch, fingerprint, device, optimizer,
-                        device_mesh)
+                        device_mesh, host_scalars=options.backend == "eager")
     if options.backend == "inductor":
         step.program = _compile_with_inductor(gm, device)
     return step
@@ -478,7 +478,8 @@ class CompiledStep:
 
     def __init__(self, model: nn.Module, gm: fx.GraphModule, plan: Plan, mesh: Mesh,
                  coord: Sequence[int], batch: str, fingerprint: str, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None = None, device_mesh: DeviceMesh | None = None):
+                 optimizer: torch.optim.Optimizer | None = None, device_mesh: DeviceMesh | None = None,
+                 host_scalars: bool = True):
         self.gm, self.plan, self.mesh, self.coord = gm, plan, mesh, tuple(coord)
         #: what runs the program: the graph module itself, or Inductor's compiled form of it
         self.program = gm
@@ -490,6 +491,11 @@ class CompiledStep:
         buffers = dict(model.named_buffers())
         self.device_mesh = device_mesh
         self.steps_done = 0
+        #: on a GPU, the scalars the update reads that stay in host memory, as torch.optim keeps
+        #: them (:meth:`_device_for`); each hyper-parameter is one too
+        self._host_scalars = host_scalars and device.type == "cuda"
+        self._on_host = {k for k in self.signature.keys("opt_state")
+                         if self._host_scalars and k.endswith(":step") and not self._global_shape(k)}
         self._state_dict_names = _state_dict_names(model)
         self._extra_state = {k: v for k, v in model.state_dict().items() if k not in self._state_dict_names}
         self.params = {k: self._shard(k, params[k]) for k in self.signature.keys("param")}
@@ -502,6 +508,9 @@ class CompiledStep:
         self._structure = optimizer_structure(optimizer) if optimizer is not None else None
         self._members = _group_members(optimizer) if optimizer is not None else None
         self._groups = dict(self.signature.param_groups)
+        #: the hyper-parameter values of the last step and their tensors on the device
+        self._hyperparameter_values: dict[str, float] | None = None
+        self._hyperparameter_inputs: dict[str, torch.Tensor] = {}
         self._model = model
         self._ref = weakref.ref(self)  # what _TRAINED_BY holds once this step trains the model
         self._watch = ModelWatch(model)
@@ -527,17 +536,26 @@ class CompiledStep:
         if given is not None:
             return self._shard(key, given.detach().to(dtype))
         shape = local_shape(self._global_shape(key), self._sbp(key), self.mesh.shape, self.coord)
-        return torch.zeros(shape, dtype=dtype, device=self.device)
+        return torch.zeros(shape, dtype=dtype, device=self._device_for(key))
+
+    def _device_for(self, key: str) -> torch.device:
+        """Where this rank keeps ``key``: on the program's device, except, on a GPU, an
+        optimizer's ``step`` count, which stays in host memory as torch.optim keeps it. The
+        update's scalar arithmetic on it (bias corrections) then runs on the host, and the
+        GPU kernels read its results as scalar arguments, instead of launching a kernel per
+        parameter for each scalar operation and casting a float64 operand per element."""
+        return torch.device("cpu") if key in self._on_host else self.device
 
     def _shard(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         index = local_slices(tuple(tensor.shape), self._sbp(key), self.mesh.shape, self.coord)
-        return tensor.detach()[index].clone().to(self.device)
+        return tensor.detach()[index].clone().to(self._device_for(key))
 
     def _gather(self, key: str, local: torch.Tensor) -> torch.Tensor:
         """The full tensor from every rank's piece (a collective: every rank must call it).
         Pieces of an uneven split differ in size: each is zero-padded to the largest
         (coordinate 0's) for the all-gather, and placed without its padding."""
         shape, sbp = self._global_shape(key), self._sbp(key)
+        home, local = local.device, local.to(self.device)  # a host scalar is gathered on the GPU
         largest = local_shape(shape, sbp, self.mesh.shape)
         padded = torch.zeros(largest, dtype=local.dtype, device=local.device)
         padded[tuple(slice(0, n) for n in local.shape)] = local
@@ -547,7 +565,7 @@ class CompiledStep:
         for rank, piece in enumerate(pieces):
             where = local_slices(shape, sbp, self.mesh.shape, self.mesh.coordinate(rank))
             full[where] = piece[tuple(slice(0, s.stop - s.start) for s in where)]
-        return full
+        return full.to(home)
 
     @property
     def local_input_shapes(self) -> list[tuple[int, ...]]:
@@ -716,7 +734,20 @@ class CompiledStep:
                 "new hyper-parameter value (a zero weight decay or momentum made non-zero, another "
                 f"flag, or parameters moved between groups): {'; '.join(changed)}; compile again")
         values = hyperparameter_values(self._optimizer, self._groups)
-        return {k: torch.tensor(v, dtype=HYPERPARAMETER_DTYPE, device=self.device) for k, v in values.items()}
+        if values != self._hyperparameter_values:  # the first step, or a schedule's new values
+            self._hyperparameter_inputs = self._on_device(values)
+            self._hyperparameter_values = values
+        return self._hyperparameter_inputs
+
+    def _on_device(self, values: dict[str, float]) -> dict[str, torch.Tensor]:
+        """``values`` as scalar tensors: in host memory on the CPU or where the program
+        keeps scalars there (:meth:`_device_for`), else on the GPU, each copied from pinned
+        memory without waiting for it (``torch.tensor(v, device="cuda")`` synchronizes the
+        host with the device, which stalls the step once per hyper-parameter)."""
+        if self.device.type == "cpu" or self._host_scalars:
+            return {k: torch.tensor(v, dtype=HYPERPARAMETER_DTYPE) for k, v in values.items()}
+        return {k: torch.tensor(v, dtype=HYPERPARAMETER_DTYPE, pin_memory=True)
+                .to(self.device, non_blocking=True) for k, v in values.items()}
 
     def __call__(self, *inputs, **keyword_inputs):
         """Inference (compiled without loss_fn and optimizer): the model's output, in the
@@ -759,7 +790,7 @@ class CompiledStep:
 
         def dtensor(key: str, local: torch.Tensor) -> DTensor:
             shape = self._global_shape(key)
-            return DTensor.from_local(local, self.device_mesh, self._sbp(key).to_placements(),
+            return DTensor.from_local(local.to(self.device), self.device_mesh, self._sbp(key).to_placements(),
                                       run_check=False, shape=torch.Size(shape),
                                       stride=torch.empty(shape, device="meta").stride())
         tables = {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}
@@ -792,15 +823,26 @@ class CompiledStep:
                 continue
             role, name = key.split("/", 1)
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
-                value.to_local().contiguous()
+                value.to_local().contiguous().to(self._device_for(name))
         self._watch.accept_writes()  # the model's weights written since compile are superseded
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """Full optimizer state keyed ``"<param>:<state>"`` (collective), as torch.optim
         keeps it: none for a parameter the loss does not read (never given a gradient)."""
         untrained = set(self.signature.untrained)
-        return {k: self._gather(k, v) for k, v in self.opt_state.items()
-                if k.rsplit(":", 1)[0] not in untrained}
+        on_cpu = self._steps_kept_on_cpu()
+        return {k: self._gather(k, v).cpu() if k in on_cpu else self._gather(k, v)
+                for k, v in self.opt_state.items() if k.rsplit(":", 1)[0] not in untrained}
+
+    def _steps_kept_on_cpu(self) -> set[str]:
+        """The ``"<param>:step"`` states torch.optim keeps on the CPU: those of param groups
+        neither ``capturable`` nor ``fused``. (The program keeps every count beside its
+        parameter, where the update reads it without a host sync.)"""
+        if self._optimizer is None:
+            return set()
+        names = {id(p): n for n, p in self._model.named_parameters()}
+        return {f"{names[id(p)]}:step" for g in self._optimizer.param_groups
+                if not (g.get("capturable") or g.get("fused")) for p in g["params"] if id(p) in names}
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Full gradients of the last step (compiled with loss_fn, no optimizer; collective)."""
