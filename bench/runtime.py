@@ -1,7 +1,9 @@
 """Wall time of a training step: ddlc against eager, DDP and FSDP2, measured in one run.
 
 Run: ``python bench/runtime.py`` (full, a few minutes) or ``python bench/runtime.py --quick``
-(smaller models, fewer steps, about a minute).
+(smaller models, fewer steps, about a minute). On GPUs: ``torchrun --nproc-per-node=NGPU
+bench/runtime.py``: the launcher's ranks, one GPU each, on NCCL, with larger models (the
+``GPU`` table) unless ``--quick``; times are taken after ``torch.cuda.synchronize``.
 
 On ``--world-size`` (default 4) local gloo processes started by :func:`ddlc.spawn`, for each
 model (a GPT and an MLP from :mod:`ddlc.zoo`, and a Hugging Face GPT-2 from a small config
@@ -61,11 +63,14 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ddlc  # noqa: E402
+import ddlc.launch  # noqa: E402
 from ddlc.inductor import has_compiler  # noqa: E402
 from ddlc.ir import collective_sequence  # noqa: E402
 from ddlc.zoo import GPT, MLP, lm_loss  # noqa: E402
 
-PROFILE = os.environ.get("DDLC_PROFILE", "cpu-gloo")  # workers inherit it; see --profile
+ON_GPUS = "RANK" in os.environ and torch.cuda.is_available()   # under torchrun with GPUs: NCCL
+PROFILE = os.environ.get("DDLC_PROFILE", "dgx-h100-ib" if ON_GPUS else "cpu-gloo")  # see --profile
+DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if ON_GPUS else torch.device("cpu")
 LR, EPS, WEIGHT_DECAY = 1e-2, 1e-4, 0.01
 
 # name -> (constructor kwargs, global batch); GPT batches are (tokens, next tokens), MLP
@@ -80,6 +85,12 @@ QUICK = {
     "mlp": (dict(d_in=128, d_hidden=512, d_out=32, depth=3), 128),
     "hf-gpt2": (dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=32), 8),
 }
+#: on GPUs, models large enough that a step is not all kernel launches
+GPU = {
+    "gpt": (dict(vocab=8192, d_model=1024, n_heads=16, n_layers=8, seq_len=512), 16),
+    "mlp": (dict(d_in=1024, d_hidden=4096, d_out=1024, depth=4), 8192),
+    "hf-gpt2": (dict(n_embd=768, n_layer=6, n_head=12, vocab_size=8192, n_positions=512), 16),
+}
 VARIANTS = ("eager", "DDP", "FSDP2", "ddlc", "ddlc-dp", "ddlc-inductor", "ddlc-measured")
 UNAVAILABLE: dict[str, str] = {}   # variant -> why it cannot run here (filled by main)
 MICRO_BATCHED = ("DDP", "FSDP2")   # variants that step on this rank's micro-batch
@@ -90,13 +101,13 @@ def build(name: str, kwargs: dict):
     """``(model, loss_fn)`` with the parameters of seed 0; loss_fn None: the model's own."""
     torch.manual_seed(0)
     if name == "gpt":
-        return GPT(**kwargs), lm_loss
+        return GPT(**kwargs).to(DEVICE), lm_loss
     if name == "mlp":
-        return MLP(**kwargs), F.mse_loss
+        return MLP(**kwargs).to(DEVICE), F.mse_loss
     import transformers
     config = transformers.GPT2Config(**kwargs, n_inner=4 * kwargs["n_embd"], bos_token_id=0,
                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(config), None
+    return transformers.GPT2LMHeadModel(config).to(DEVICE), None
 
 
 def make_batches(name: str, kwargs: dict, global_batch: int, n: int):
@@ -159,7 +170,8 @@ def ddp_variant(name, kwargs, batch0):
     model, loss_fn = build(name, kwargs)
     with warnings.catch_warnings():   # broadcast_buffers is deprecated but still the way
         warnings.simplefilter("ignore", FutureWarning)
-        ddp = DDP(model, broadcast_buffers=False)   # the buffers here are constants
+        ddp = DDP(model, broadcast_buffers=False,   # the buffers here are constants
+                  device_ids=[DEVICE] if DEVICE.type == "cuda" else None)
     opt = make_optimizer(ddp)
     return ((lambda batch: eager_step(ddp, loss_fn, opt, micro_batch(batch))),
             dict(comm_bytes=param_bytes(model), how="every gradient all-reduced once"))
@@ -169,7 +181,7 @@ def fsdp2_variant(name, kwargs, batch0):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     model, loss_fn = build(name, kwargs)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(DEVICE.type, (dist.get_world_size(),))
     layers = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)),
                  key=lambda m: sum(p.numel() for p in m.parameters()))
     for layer in layers:
@@ -258,22 +270,35 @@ def counting_collectives(counter: list):
             setattr(dist, name, fn)
 
 
+def _synchronize():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 def timed(variant: str, fn, batch):
+    _synchronize()
     dist.barrier()
     start = time.perf_counter()
     loss = fn(batch) if variant != "eager" or dist.get_rank() == 0 else None
+    _synchronize()
     return loss, time.perf_counter() - start
 
 
 def bench_model(name, kwargs, global_batch, warmup, steps):
     world = dist.get_world_size()
-    batches = make_batches(name, kwargs, global_batch, warmup + steps)
+    batches = [{k: v.to(DEVICE) for k, v in b.items()} if isinstance(b, dict)
+               else tuple(t.to(DEVICE) for t in b)
+               for b in make_batches(name, kwargs, global_batch, warmup + steps)]
     fns, infos = {}, {}
     for variant in VARIANTS:
         if variant in UNAVAILABLE:
             infos[variant] = dict(note=UNAVAILABLE[variant])
             continue
-        fns[variant], infos[variant] = BUILDERS[variant](name, kwargs, batches[0])
+        try:
+            fns[variant], infos[variant] = BUILDERS[variant](name, kwargs, batches[0])
+        except Exception as e:  # noqa: BLE001 - reported in the table, and the run fails
+            first = str(e).splitlines()[0] if str(e) else ""
+            infos[variant] = dict(note=f"FAILED to build: {type(e).__name__}: {first[:300]}", failed=True)
     order = list(fns)
     times = {v: [] for v in order}
     losses = {v: [] for v in order}
@@ -290,10 +315,11 @@ def bench_model(name, kwargs, global_batch, warmup, steps):
             losses[v].append(loss)
             if i >= warmup:
                 times[v].append(seconds)
-    for v in MICRO_BATCHED:   # the global loss is the mean of the equal micro-batches' losses
+    for v in [v for v in MICRO_BATCHED if v in order]:   # the global loss: the mean of the
+        # equal micro-batches' losses
         local = torch.stack(losses[v]).to(torch.float64)
         dist.all_reduce(local)
-        losses[v] = (local / world).tolist()
+        losses[v] = (local / world).tolist()   # NCCL reduces on the GPU: .tolist() after
     for v in order:
         if v not in MICRO_BATCHED:
             losses[v] = [float(x) for x in losses[v]] if losses[v][0] is not None else None
@@ -303,7 +329,10 @@ def bench_model(name, kwargs, global_batch, warmup, steps):
 
 
 def worker(rank, configs, warmup, steps, unavailable):
-    torch.set_num_threads(1)
+    if DEVICE.type == "cpu":
+        torch.set_num_threads(1)   # the local ranks share the cores
+    else:
+        torch.cuda.set_device(DEVICE)
     UNAVAILABLE.update(unavailable)   # a spawned worker starts from the module's defaults
     results = {name: bench_model(name, kwargs, gb, warmup, steps)
                for name, (kwargs, gb) in configs.items()}
@@ -336,6 +365,7 @@ def report(name, kwargs, global_batch, world, r):
         info = infos[v]
         if v not in order:
             print(f"  {v:14s} {'NOT AVAILABLE':>10s}  {info['note']}")
+            ok &= not info.get("failed", False)
             continue
         q1, _, q3 = statistics.quantiles(steps[v], n=4, method="inclusive") \
             if len(steps[v]) > 1 else [med[v]] * 3
@@ -358,6 +388,8 @@ def main(argv=None) -> int:
                     "(e.g. one written by `python -m ddlc calibrate --out FILE`)")
     ap.add_argument("--no-inductor", action="store_true", help="skip the Inductor variant "
                     "(its compile takes a minute or more per model here)")
+    ap.add_argument("--skip", default="", help="comma-separated variants not to run "
+                    f"(of {','.join(VARIANTS[2:])}; eager and DDP are the references)")
     ap.add_argument("--models", default="gpt,mlp,hf-gpt2", help="comma-separated subset of "
                     "gpt,mlp,hf-gpt2")
     args = ap.parse_args(argv)
@@ -366,26 +398,38 @@ def main(argv=None) -> int:
         os.environ["DDLC_PROFILE"] = PROFILE = args.profile
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     steps = args.steps if args.steps is not None else (5 if args.quick else 15)
-    table = QUICK if args.quick else FULL
+    table = QUICK if args.quick else GPU if ON_GPUS else FULL
     configs = {m: table[m] for m in args.models.split(",")}
+    for variant in filter(None, args.skip.split(",")):
+        if variant not in VARIANTS[2:]:
+            ap.error(f"--skip {variant}: not one of {', '.join(VARIANTS[2:])}")
+        UNAVAILABLE[variant] = "skipped (--skip)"
     if args.no_inductor:
         UNAVAILABLE["ddlc-inductor"] = "skipped (--no-inductor)"
     elif not has_compiler():
         UNAVAILABLE["ddlc-inductor"] = "no C++ compiler on PATH (Inductor's CPU kernels need one)"
-    world = args.world_size
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.world_size
     for name, (_, gb) in configs.items():
         if gb % world:
             ap.error(f"global batch {gb} of {name} does not divide by world size {world}")
-    print(f"ddlc runtime benchmark{' (--quick)' if args.quick else ''}: torch {torch.__version__}, "
-          f"gloo (CPU), {world} local processes (1 intra-op thread each) on {os.cpu_count()} CPU "
-          f"cores; profile {PROFILE}; {warmup} warm-up + {steps} timed steps per variant, "
-          f"interleaved; step time = slowest rank's, median over steps")
-    print(f"load average at start: {os.getloadavg()[0]:.2f}")
-    print("CAVEAT: gloo implements reduce-scatter as all-reduce + chunk, and the ranks are CPU "
-          "processes sharing cores: these timings say nothing about GPU/NCCL behaviour.")
+    rank = int(os.environ.get("RANK", 0))
+    where = (f"NCCL, {world} rank(s) on {torch.cuda.get_device_name(DEVICE)}" if ON_GPUS else
+             f"gloo (CPU), {world} local processes (1 intra-op thread each) on {os.cpu_count()} CPU cores")
+    if rank == 0:
+        print(f"ddlc runtime benchmark{' (--quick)' if args.quick else ''}: torch {torch.__version__}, "
+              f"{where}; profile {PROFILE}; {warmup} warm-up + {steps} timed steps per variant, "
+              f"interleaved; step time = slowest rank's, median over steps")
+        print(f"load average at start: {os.getloadavg()[0]:.2f}")
+        if not ON_GPUS:
+            print("CAVEAT: gloo implements reduce-scatter as all-reduce + chunk, and the ranks are "
+                  "CPU processes sharing cores: these timings say nothing about GPU/NCCL behaviour.")
     start = time.perf_counter()
-    results = ddlc.spawn(worker, world, configs, warmup, steps, dict(UNAVAILABLE), timeout=900,
-                         deadline=3000)[0]
+    # under torchrun this process is one rank of the launcher's job (ddlc.launch.run joins
+    # its process group); otherwise ddlc.spawn starts the local gloo workers
+    results = ddlc.launch.run(worker, world, configs, warmup, steps, dict(UNAVAILABLE), timeout=900,
+                              deadline=3000)
+    if rank != 0:
+        return 0
     ok = True
     for name, (kwargs, gb) in configs.items():
         ok &= report(name, kwargs, gb, world, results[name])
