@@ -58,8 +58,9 @@ def _free_port() -> int:
 
 #: What every worker imports: the fork server imports it once, before forking any.
 #: "__main__": the caller's script, where it was run as a file (as every spawned worker
-#: imports it anyway), with what it imports (say, transformers).
-PRELOAD = ["__main__", "torch", "torch.distributed", "ddlc"]
+#: imports it anyway), with what it imports (say, transformers). ``torch._dynamo``: every
+#: rank's compile imports it (tracing, and the first ``FakeTensorMode``), 0.4-1.1 s each.
+PRELOAD = ["__main__", "torch", "torch.distributed", "torch._dynamo", "ddlc"]
 
 
 def _start_method() -> str:
