@@ -735,11 +735,11 @@ class CompiledStep:
                 f"flag, or parameters moved between groups): {'; '.join(changed)}; compile again")
         values = hyperparameter_values(self._optimizer, self._groups)
         if values != self._hyperparameter_values:  # the first step, or a schedule's new values
-            self._hyperparameter_inputs = self._on_device(values)
+            self._hyperparameter_inputs = self._hyperparameter_tensors(values)
             self._hyperparameter_values = values
         return self._hyperparameter_inputs
 
-    def _on_device(self, values: dict[str, float]) -> dict[str, torch.Tensor]:
+    def _hyperparameter_tensors(self, values: dict[str, float]) -> dict[str, torch.Tensor]:
         """``values`` as scalar tensors: in host memory on the CPU or where the program
         keeps scalars there (:meth:`_device_for`), else on the GPU, each copied from pinned
         memory without waiting for it (``torch.tensor(v, device="cuda")`` synchronizes the
@@ -836,8 +836,8 @@ class CompiledStep:
 
     def _steps_kept_on_cpu(self) -> set[str]:
         """The ``"<param>:step"`` states torch.optim keeps on the CPU: those of param groups
-        neither ``capturable`` nor ``fused``. (The program keeps every count beside its
-        parameter, where the update reads it without a host sync.)"""
+        neither ``capturable`` nor ``fused`` (the program's own copy is in host memory too,
+        except in an Inductor program on a GPU: :meth:`_device_for`)."""
         if self._optimizer is None:
             return set()
         names = {id(p): n for n, p in self._model.named_parameters()}
