@@ -104,13 +104,14 @@ def _given(model: nn.Module, example_inputs, loss_fn, optimizer, mesh: Mesh,
 
     if not isinstance(model, nn.Module):  # rank 0's trace says what is wrong
         return [f"model {type(model).__name__}"]
-    lines = [f"parameter {k}: {tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen")
+    lines = [f"parameter {k}: {tuple(p.shape)} {p.dtype} {p.device.type}" + ("" if p.requires_grad else " frozen")
              for k, p in model.named_parameters()]
-    lines += [f"buffer {k}: {tuple(b.shape)} {b.dtype}" for k, b in model.named_buffers()]
+    lines += [f"buffer {k}: {tuple(b.shape)} {b.dtype} {b.device.type}" for k, b in model.named_buffers()]
     leaves, spec = pytree.tree_flatten(example_inputs)
     lines.append(f"example inputs structured as {spec}")
-    lines += [f"example input {i}: " + (f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor)
-                                        else plain(x)) for i, x in enumerate(leaves)]
+    lines += [f"example input {i}: " + (f"{tuple(x.shape)} {x.dtype} {x.device.type}"
+                                        if isinstance(x, torch.Tensor) else plain(x))
+              for i, x in enumerate(leaves)]
     lines.append(f"loss_fn {getattr(loss_fn, '__qualname__', plain(loss_fn))}")
     if optimizer is not None:
         try:
@@ -120,6 +121,28 @@ def _given(model: nn.Module, example_inputs, loss_fn, optimizer, mesh: Mesh,
     lines.append(f"mesh {mesh.shape} {mesh.axis_names} profile {mesh.profile.name}")
     lines.append(f"options {options}")
     return lines
+
+
+def _check_devices(model: nn.Module, example_inputs, device_type: str) -> None:
+    """Refuse a model or example input off this rank's device type (the process group's:
+    CUDA for NCCL, else the CPU): the trace would record the other device in the
+    program (a position index made on the inputs' device, say), which then fails or
+    copies at every step. Every rank has the same device types (:func:`_given`)."""
+    if not isinstance(model, nn.Module):  # rank 0's trace says what is wrong
+        return
+    tensors = [(f"parameter {k}", t) for k, t in model.named_parameters()]
+    tensors += [(f"buffer {k}", t) for k, t in model.named_buffers()]
+    tensors += [(f"example input {i}", x) for i, x in enumerate(pytree.tree_leaves(example_inputs))
+                if isinstance(x, torch.Tensor)]
+    elsewhere = [(what, t.device) for what, t in tensors if t.device.type != device_type]
+    if elsewhere:
+        what, device = elsewhere[0]
+        there = "this rank's GPU (model.cuda())" if device_type == "cuda" else "the CPU"
+        raise UnsupportedInputError(
+            f"{what} is on {device}, but this rank's program runs on {device_type} (the "
+            f"{dist.get_backend()} process group's device); {len(elsewhere)} of the model's "
+            f"tensors and example inputs are elsewhere: move the model and the example inputs "
+            f"to {there} before ddlc.compile")
 
 
 def _check_given(given: list[str]) -> None:
@@ -392,6 +415,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     held = trained_by.steps_done if trained_by is not None else 0
     _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options)
                  + [f"steps trained by an earlier compiled step of this model: {held}"])
+    _check_devices(model, example_inputs, device_type)
     if trained_by is not None:
         log.info("the model's earlier compiled step trained it %d step(s): its weights, buffers and "
                  "optimizer state are written back first", held)

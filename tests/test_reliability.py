@@ -579,3 +579,28 @@ def test_a_loaded_checkpoint_supersedes_weights_written_into_the_model_only():
         model[3].bias.zero_()
     watch.accept_writes()
     assert watch.change() == "2.p changed (0.1 -> 0.3)"
+
+
+def _compile_off_device(rank, where):
+    model, inputs = MLP(), (torch.randn(8, 32), torch.randn(8, 16))
+    if where == "model":
+        model = model.to("meta")
+    else:
+        inputs = (inputs[0].to("meta"), inputs[1])
+    try:
+        ddlc.compile(model, (2,), inputs, F.mse_loss)
+    except ddlc.errors.DDLCError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where,first", [("model", "parameter layers.0.weight"), ("inputs", "example input 0")])
+def test_a_model_or_input_off_the_process_groups_device_is_refused(where, first):
+    # a model left on the CPU under NCCL (or on another device) would trace that device
+    # into the program; every rank refuses it before tracing, naming the first such tensor
+    messages = spawn(_compile_off_device, 2, where, timeout=300, deadline=100)
+    assert len(set(messages)) == 1, messages
+    assert f"{first} is on meta, but this rank's program runs on cpu (the gloo" in messages[0], messages
+    assert "move the model and the example inputs to the CPU before ddlc.compile" in messages[0]
