@@ -67,6 +67,7 @@ DRAWS: dict[torch._ops.OpOverload, tuple[tuple[str, ...], Callable]] = {
     aten.randint.low: (("low", "high"), _randint),
     aten.randint.default: (("low", "high"), _randint),  # low defaults to 0 below
     aten.normal.float_float: (("mean", "std"), _normal),
+    aten.normal_functional.default: (("mean", "std"), _normal),  # t.normal_(mean, std)
 }
 
 

@@ -27,11 +27,12 @@ import torch.fx.proxy as fx_proxy
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.func import functional_call, functionalize, grad_and_value
+from torch.func import functionalize, grad_and_value
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules import module as module_mod
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -116,14 +117,16 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
                   [next(it) for _ in range(len(batch))]]
         return tables
 
-    def run_forward(weights, buffer_values, xs):
-        """The model on ``xs`` with its buffers as fresh tensors it may update in place
-        (created inside the transforms, so the update is functionalized into outputs)."""
+    def run_forward(weights, buffer_values, xs, then: Callable = lambda out: out):
+        """``then`` of the model's output on ``xs`` (:meth:`_Batch.call`), with its buffers as
+        fresh tensors it may update in place (created inside the transforms, so the update
+        is functionalized into outputs)."""
         updated = {k: v.clone() for k, v in buffer_values.items()}
         annotator.phase("forward")
         with _ForwardRewrites():
-            out = _checked_output(batch.call(model, {**weights, **updated}, xs[:n_model_inputs]))
-        return out, updated
+            result = batch.call(model, {**weights, **updated}, xs[:n_model_inputs],
+                                lambda out: then(_checked_output(out)))
+        return result, updated
 
     def forward_only(*flat):
         nonlocal outputs_tree
@@ -137,8 +140,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         frozen = {k: v for k, v in p.items() if k not in trainable}
 
         def compute_loss(train_params, buffer_values):
-            out, updated = run_forward({**train_params, **frozen}, buffer_values, xs)
-            loss = _loss_of(out, loss_fn, xs[n_model_inputs:])
+            loss, updated = run_forward({**train_params, **frozen}, buffer_values, xs,
+                                        lambda out: _loss_of(out, loss_fn, xs[n_model_inputs:]))
             annotator.phase("backward")
             return loss, updated
 
@@ -361,14 +364,18 @@ class _Batch:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def call(self, model: nn.Module, state: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor]):
-        """``model`` with ``state`` on the first ``len(xs)`` inputs; a buffer the forward
-        assigns a new tensor is refused (:func:`_refuse_reassigned_buffers`)."""
+    def call(self, model: nn.Module, state: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor],
+             then: Callable = lambda out: out):
+        """``then(model(...))``: the model on the first ``len(xs)`` inputs, and ``then`` (the
+        loss) on its output, both with ``state`` as the model's parameters and buffers (as
+        ``torch.func.functional_call`` puts them, tied weights tied): a loss that reads the
+        model's parameters (an L2 penalty over ``model.parameters()``) reads the step's, as
+        eager does, not constants of their values at compile. A buffer the forward assigns
+        a new tensor is refused (:func:`_refuse_reassigned_buffers`)."""
         check = model.register_forward_hook(functools.partial(_refuse_reassigned_buffers, state=state))
         try:
-            if self.keyword:
-                return functional_call(model, state, (), dict(zip(self.keys, xs)))
-            return functional_call(model, state, tuple(xs))
+            with _reparametrize_module(model, state, tie_weights=True):
+                return then(model(**dict(zip(self.keys, xs))) if self.keyword else model(*xs))
         finally:
             check.remove()
 

@@ -409,3 +409,52 @@ def test_a_parameter_the_loss_does_not_read_is_left_alone(make):
     assert torch.equal(params["unused.weight"], model.unused.weight)
     assert "unused.weight" not in decouple(gm, ddlc.Mesh((4,)), always=True)
     assert STEP(gm).untrained == ("unused.weight", "unused.bias")
+
+
+def _with_l2_penalty(model, strength=0.05):
+    """Cross-entropy plus an L2 penalty over ``model.parameters()``, as users write it."""
+    return lambda out, y: F.cross_entropy(out, y) + strength * sum((p ** 2).sum() for p in model.parameters())
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_a_loss_that_reads_the_models_parameters_trains_them(mesh_shape):
+    """The loss runs with the step's parameters in the model, as the forward does: its
+    penalty is a function of them (before: of constants, their values at compile, so the
+    penalty never changed and gave no gradient, silently)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 5))
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(3)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    losses, params, _, _ = simulated(model, _with_l2_penalty(model), sgd, data, mesh_shape)
+    want, _ = eager(reference, _with_l2_penalty(reference), sgd, data)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+
+
+class _NoisyMLP(nn.Module):
+    """Gaussian noise on the hidden layer the way much code writes it: a fresh tensor
+    filled in place (``empty_like(h).normal_(0, 0.1)``), traced as ``normal_functional``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x))
+        return self.fc2(h + torch.empty_like(h).normal_(0.0, 0.1))
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_noise_filled_in_place_equals_single_device_with_the_same_seed(mesh_shape):
+    torch.manual_seed(0)
+    model = _NoisyMLP()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)  # noqa: E731
+    losses, params, _, _ = simulated(model, F.mse_loss, sgd, data, mesh_shape)
+    want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)  # the simulated program's seed
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
