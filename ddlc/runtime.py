@@ -145,6 +145,25 @@ def _check_devices(model: nn.Module, example_inputs, device_type: str) -> None:
             f"to {there} before ddlc.compile")
 
 
+def _check_one_example(example_inputs) -> None:
+    """With ``batch="local"`` the example inputs are still the whole global batch, the same
+    on every rank (their shapes set the plan; ``step`` then takes each rank's part). Refuse,
+    on every rank at once, examples that differ between ranks: each rank's own part given as
+    the example would be planned as a global batch of that size."""
+    leaves = [x for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor)]
+    mine = torch.stack([_fingerprint(x.cpu()) for x in leaves]) if leaves else torch.zeros(0, 2)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        for i, (a, b) in enumerate(zip(everyone[0], theirs)):
+            if not torch.allclose(a, b, rtol=0, atol=0, equal_nan=True):
+                raise UnsupportedInputError(
+                    f"with batch='local', ddlc.compile takes the whole global batch as its example, "
+                    f"the same on every rank (its shapes set the plan), but rank {rank}'s example "
+                    f"input {i} differs from rank 0's: pass the whole batch to compile, and each "
+                    "rank's own part to step() (its shapes: step.local_input_shapes)")
+
+
 def _check_given(given: list[str]) -> None:
     """Raise on every rank, naming the first difference, unless every rank's
     :func:`_given` equals rank 0's."""
@@ -341,6 +360,14 @@ def _lower_after_rank0(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], g
     return gm
 
 
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Two float64 numbers that tell tensors of one shape apart: the sum of the values and
+    their sum weighted by position (so a reordering shows too)."""
+    x = t.detach().reshape(-1).to(torch.float64)
+    weights = torch.arange(x.numel(), dtype=torch.float64, device=x.device) % 997 + 1
+    return torch.stack([x.sum(), (x * weights).sum()])
+
+
 def _from_rank0(value):
     """Rank 0's ``value``, on every rank."""
     message = [value]
@@ -352,15 +379,12 @@ def _share_generator(gm: fx.GraphModule, device: torch.device, cpu_state: torch.
     """Give the program's generator (``gm.rng``, present when the step draws random
     numbers) rank 0's default generator state as ``compile`` found it: on the CPU its
     full state (``cpu_state``), so a single-device run seeded alike draws the same
-    numbers; on a GPU, its seed."""
+    numbers; on a GPU, that of its default CUDA generator.
+    :meth:`CompiledStep.write_back` hands the state back."""
     if not hasattr(gm, "rng"):
         return
-    if device.type == "cpu":
-        gm.rng = torch.Generator()
-        gm.rng.set_state(_from_rank0(cpu_state))
-    else:
-        gm.rng = torch.Generator(device=device)
-        gm.rng.manual_seed(_from_rank0(torch.cuda.initial_seed()))
+    gm.rng = torch.Generator(device=device)
+    gm.rng.set_state(_from_rank0(cpu_state if device.type == "cpu" else torch.cuda.get_rng_state(device)))
 
 
 def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh, str]:
@@ -416,10 +440,13 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options)
                  + [f"steps trained by an earlier compiled step of this model: {held}"])
     _check_devices(model, example_inputs, device_type)
+    if options.batch == "local":
+        _check_one_example(example_inputs)
     if trained_by is not None:
         log.info("the model's earlier compiled step trained it %d step(s): its weights, buffers and "
                  "optimizer state are written back first", held)
         trained_by.write_back()
+        rng_state = torch.get_rng_state()  # where the earlier step's random draws left it
     _take_rank0_state(model)
     # the garbage collector is not deferred here as ``ddlc plan`` defers it: with it
     # deferred, a later step of a gloo worker once aborted on a corrupted heap (as with
@@ -643,7 +670,38 @@ class CompiledStep:
                     f"{key} has shape {tuple(t.shape)} but the program was compiled for "
                     f"{self.batch_mode} shape {want} (placement {self._sbp(key)} on mesh {self.mesh})")
             out[key] = self._shard(key, t) if self.batch_mode == "global" else t.to(self.device)
+        if self.batch_mode == "local":
+            self._check_copies_agree(out)
         return out
+
+    def _check_copies_agree(self, parts: Mapping[str, torch.Tensor]) -> None:
+        """With ``batch="local"``, the ranks that hold the same piece of an input (those
+        apart only along mesh axes its placement does not split) must pass equal tensors:
+        a data loader of each rank's own would give each its own data, and each would train
+        on it, silently. Each such input's fingerprint (:func:`_fingerprint`) is gathered
+        from every rank and compared, so every rank refuses at once; an input every mesh
+        axis splits needs nothing (on a GPU, the comparison waits for the device)."""
+        keys = [k for k in parts if not all(x.is_split for x in self._sbp(k))]
+        if not keys:
+            return
+        mine = torch.stack([_fingerprint(parts[k]) for k in keys])
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        everyone = [t.cpu() for t in everyone]
+        for j, key in enumerate(keys):
+            split_axes = [i for i, x in enumerate(self._sbp(key)) if x.is_split]
+            first: dict[tuple, int] = {}  # the first rank of each group that holds one piece
+            for rank, prints in enumerate(everyone):
+                coord = self.mesh.coordinate(rank)
+                peer = first.setdefault(tuple(coord[i] for i in split_axes), rank)
+                if not torch.allclose(prints[j], everyone[peer][j], rtol=0, atol=0, equal_nan=True):
+                    raise UnsupportedInputError(
+                        f"with batch='local', ranks {peer} and {rank} must pass the same {key} (its "
+                        f"placement {self._sbp(key)} on mesh {self.mesh} does not split it along "
+                        f"mesh axes {[i for i in range(self.mesh.ndim) if i not in split_axes]}), "
+                        "but passed different values (a data loader of each rank's own?): pass "
+                        f"them the same {key}, pin it split along every mesh axis "
+                        f"(placements={{{key!r}: ...}}), or use batch='global'")
 
     # -- running -----------------------------------------------------------------------
     def _run(self, args, kwargs, hyperparameters: dict | None = None):
@@ -683,9 +741,11 @@ class CompiledStep:
         """Put this step's training state into the model and optimizer it was compiled from
         (collective): the full parameters and persistent buffers into the model's own
         tensors, except those written in the model since compile (eager would train on
-        those values: they stay), and the optimizer state into ``optimizer.state`` as
-        torch.optim keeps it, so that an eager step, ``torch.save`` of the model or a
-        ``ddlc.compile`` of it again continues from them. This step keeps running as it was."""
+        those values: they stay), the optimizer state into ``optimizer.state`` as
+        torch.optim keeps it, and the program generator's state into the default generator
+        (CPU or CUDA, as the program's), so that an eager step, ``torch.save`` of the model or
+        a ``ddlc.compile`` of it again continues from them (dropout goes on to new masks
+        instead of replaying the compiled steps'). This step keeps running as it was."""
         written = self._watch.written()
         full = self.state_dict()
         with torch.no_grad():
@@ -698,6 +758,11 @@ class CompiledStep:
                 name, state_name = key.rsplit(":", 1)
                 shape = () if state_name == "step" else params[name].shape
                 self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
+        if self.generator is not None:
+            if self.generator.device.type == "cpu":
+                torch.set_rng_state(self.generator.get_state())
+            else:
+                torch.cuda.set_rng_state(self.generator.get_state(), self.generator.device)
         self._watch.accept_writes()
         if _trained_by(self._model) is self:
             del _TRAINED_BY[self._model]

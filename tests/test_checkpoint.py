@@ -126,3 +126,48 @@ def test_compiling_again_continues_the_training(load_other_weights):
         for state_name, v in opt.state[p].items():
             got = opt_state[f"{name}:{state_name}"]
             _close(got.reshape(v.shape), v.to(got.dtype), f"{name}:{state_name}", **EAGER)
+
+
+def _dropout_setup():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g))
+    return model, opt, batch
+
+
+def _eager_steps(model, opt, batch, n: int) -> list[float]:
+    losses = []
+    for _ in range(n):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _dropout_continued(rank, how):
+    """Two compiled steps of a model with dropout, then two more by a new compile of the
+    model or by eager steps after write_back: the four losses."""
+    model, opt, batch = _dropout_setup()
+    step = ddlc.compile(model, (4,), batch, torch.nn.functional.cross_entropy, opt)
+    losses = [float(step.step(*batch)) for _ in range(2)]
+    if how == "compiled again":
+        step = ddlc.compile(model, (4,), batch, torch.nn.functional.cross_entropy, opt)
+        losses += [float(step.step(*batch)) for _ in range(2)]
+    else:
+        step.write_back()
+        losses += _eager_steps(model, opt, batch, 2)
+    return losses
+
+
+@pytest.mark.parametrize("how", ["compiled again", "eager after write_back"])
+def test_dropout_goes_on_to_new_masks_after_the_compiled_steps(how):
+    """The program draws its masks from its own generator; ``write_back`` (which compiling
+    the trained model again calls) hands its state to the default generator, so the steps
+    after continue eager's random stream. Before, they replayed the first steps' masks."""
+    losses = spawn(_dropout_continued, 4, how, timeout=120, deadline=300)[0]
+    want = _eager_steps(*_dropout_setup(), 4)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
