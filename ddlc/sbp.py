@@ -237,6 +237,22 @@ def plannable(shape: Sequence[int], sbp: NdSBP, mesh_shape: Sequence[int]) -> bo
     return True
 
 
+def why_not_plannable(shape: Sequence[int], sbp: NdSBP, mesh_shape: Sequence[int]) -> str:
+    """Why :func:`plannable` refuses ``sbp`` for ``shape``, in words ("" where it does not)."""
+    for d in sorted(cuts_unevenly(shape, sbp, mesh_shape)):
+        axes = [axis for axis, x in enumerate(sbp) if x.is_split and x.dim == d]
+        if len(axes) > 1:
+            return (f"dim {d} ({shape[d]}) does not divide, and a dim that does not divide may be "
+                    f"split by one mesh axis only, not by axes {axes}")
+        parts = mesh_shape[axes[0]]
+        if not fills_every_piece(shape[d], parts):
+            size = -(-shape[d] // parts)
+            pieces = [max(0, min(size, shape[d] - i * size)) for i in range(parts)]
+            return (f"torch.chunk cuts dim {d} ({shape[d]}) into pieces of {pieces} over the "
+                    f"{parts} devices of mesh axis {axes[0]}: a device would get none")
+    return ""
+
+
 def padded_shape(shape: Sequence[int], sbp: NdSBP, axis: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
     """``shape`` with the dim ``d`` that ``sbp`` splits on mesh ``axis`` zero-padded so that
     ``axis`` cuts it evenly (DTensor's padding for a collective on an uneven shard): each of

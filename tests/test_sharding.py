@@ -238,7 +238,8 @@ def test_fixed_pins_inputs_and_rejects_bad_requests():
         shard(gm, mesh, fixed={"nonexistent": NdSBP((B,))})
     shard(gm, ddlc.Mesh((3,)), fixed={"input0": NdSBP((S(0),))})  # 8 = 3 + 3 + 2: uneven, allowed
     assert _sbp(gm, "input0") == NdSBP((S(0),))
-    with pytest.raises(ShardingError, match=r"batch input 'input0' cannot cut its shape \(8, 1024\).*non-empty pieces"):
+    with pytest.raises(ShardingError, match=r"batch input 'input0' cannot cut its shape \(8, 1024\) on mesh .*: torch.chunk cuts "
+                       r"dim 0 \(8\) into pieces of \[2, 2, 2, 2, 0, 0\] over the 6 devices of mesh axis 0"):
         shard(gm, ddlc.Mesh((6,)), fixed={"input0": NdSBP((S(0),))})  # 2, 2, 2, 2 and two empty
     with pytest.raises(ShardingError, match=r"of parameter '0.weight' cannot cut its shape \(4096, 1024\)"):
         shard(gm, ddlc.Mesh((8192,)), fixed={"p_0_weight": NdSBP((S(0),))})

@@ -127,3 +127,12 @@ def test_uneven_plans_train_like_single_device_on_gloo(shape):
     if shape == (4,):  # the vocabulary is cut unevenly: the last rank's piece of the head is short
         assert per_rank[0]["uneven"] == ["head.weight"]
         assert [got["local"]["head.weight"][0] for got in per_rank] == [17, 17, 17, 16]
+
+
+def test_why_a_placement_that_cuts_unevenly_is_refused():
+    from ddlc.sbp import parse_sbp, why_not_plannable
+    assert why_not_plannable((6, 12), parse_sbp("(S0)"), (4,)) == (
+        "torch.chunk cuts dim 0 (6) into pieces of [2, 2, 2, 0] over the 4 devices of mesh axis 0: "
+        "a device would get none")
+    assert "split by one mesh axis only, not by axes [0, 1]" in why_not_plannable((6, 12), parse_sbp("(S0, S0)"), (2, 2))
+    assert why_not_plannable((10, 12), parse_sbp("(S0)"), (4,)) == ""  # 3, 3, 3, 1: planned

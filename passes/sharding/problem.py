@@ -47,7 +47,7 @@ from cost_models.compute import op_time
 from ddlc.errors import ShardingError
 from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, is_scalar_valued, leaves, map_leaves, output_scalars, where
 from ddlc.mesh import Mesh
-from ddlc.sbp import B, NdSBP, S, local_shape, plannable
+from ddlc.sbp import B, NdSBP, S, local_shape, plannable, why_not_plannable
 from passes.rules import NdSignature, call_key, selected_leaf, signatures_nd, tensor_inputs
 
 __all__ = ["Edge", "ShardingProblem", "build_problem", "lone_scalar_axes", "gradient_only_rides", "compute_seconds", "fold_block", "reduce_problem",
@@ -164,10 +164,9 @@ def _placeholder_signatures(node: fx.Node, mesh: Mesh,
             gm = node.graph.owning_module
             step = STEP.get(gm) if gm is not None else None
             what = step.describe_input(node.name) if step is not None else f"input {node.name!r}"
+            why = why_not_plannable(tuple(val.shape), sbps[0], mesh.shape)
             raise ShardingError(f"the requested placement {sbps[0]} of {what} "
-                                f"cannot cut its shape {tuple(val.shape)} on mesh {mesh} (a dim "
-                                "that does not divide may be split by one mesh axis only, "
-                                "into non-empty pieces)")
+                                f"cannot cut its shape {tuple(val.shape)} on mesh {mesh}: {why}")
     elif node.op == "get_attr":
         sbps = [NdSBP.broadcast(mesh.ndim)]
     else:
