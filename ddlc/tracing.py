@@ -755,6 +755,9 @@ class _ModuleAnnotator:
             self._publish()
 
 
+#: torch's error for a custom autograd Function (or a custom op's autograd formula) under torch.func
+_CUSTOM_FUNCTION = re.compile(r"autograd\.Function .*setup_context|custom_function_call", re.I)
+
 #: What torch's errors while tracing mean, first match wins: (pattern, error type, cause).
 #: "The example inputs may not match the model" is said only for shape errors.
 _CAUSES = (
@@ -766,11 +769,16 @@ _CAUSES = (
                 r"item\(\)|tolist\(\)|unallocated storage|aten\._local_scalar_dense", re.I), TraceError,
      "the model has data-dependent Python control flow or reads a tensor's value (e.g. "
      "`if x.sum() > 0`, `.item()`, `.tolist()`), which one static graph cannot express"),
-    (re.compile(r"autograd\.Function .*setup_context|custom_function_call", re.I), UnsupportedInputError,
+    (_CUSTOM_FUNCTION, UnsupportedInputError,
      "the model calls a custom torch.autograd.Function, which ddlc cannot trace in either "
      "style (an old-style forward(ctx, ...) cannot run under torch.func; with setup_context, "
      "torch's functionalization has no rule for it): write that function with plain tensor "
      "operations (a straight-through estimator: x + (torch.round(x) - x).detach())"),
+    (re.compile(r"mutating directly with `\.data`", re.I), UnsupportedInputError,
+     "the forward sets a tensor's .data (nn.Module.to(), .float() or .half() called inside "
+     "forward do, even when nothing changes: SwitchTransformers' router converts its "
+     "classifier so), which the torch.func transforms ddlc traces with refuse: convert the "
+     "module once before ddlc.compile and leave the call out of forward"),
     (re.compile(r"saved tensor hooks", re.I), UnsupportedInputError,
      "the model uses a saved-tensor hook (torch.autograd.graph.saved_tensors_hooks, "
      "save_on_cpu: activation offloading), which the torch.func transforms ddlc traces with "
@@ -818,6 +826,15 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
     except Exception as e:  # torch raises many types; name the cause and the user's line
         line = _user_frame(e)
         text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        custom = _custom_operator(e)
+        if custom is not None and _CUSTOM_FUNCTION.search(f"{type(e).__name__} {e}"):
+            raise UnsupportedInputError(
+                f"the model calls the custom operator {custom} (a torch.library op with its own "
+                "autograd formula), which the torch.func transforms ddlc traces with cannot "
+                "differentiate: write it with plain tensor operations, or, where a library picks "
+                "it, configure another implementation (transformers' mixture-of-experts layers "
+                "pick transformers::grouped_mm_fallback while compiling: "
+                f"experts_implementation='batched_mm' traces) ({text})", where=line) from e
         for pattern, error, cause in _CAUSES:
             if pattern.search(f"{type(e).__name__} {e}"):
                 raise error(f"{cause}; the example inputs are {_describe(batch)} ({text})",
@@ -969,6 +986,21 @@ def _cite(frames: Sequence[tuple[str, int | str, str, str]]) -> str | None:
         short = os.path.abspath(file).split("site-packages" + os.sep, 1)[-1]
         parts.append(f"[in {short}:{line} in {func}: {code.strip()}]")
     return " ".join(parts) or None
+
+
+def _custom_operator(exc: BaseException) -> str | None:
+    """The innermost operator outside torch's own namespaces that was running when
+    ``exc`` was raised (a ``torch.library`` custom op), by name; None if there is none."""
+    found = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        op = frame.f_locals.get("self") if frame.f_code.co_name == "__call__" else None
+        if isinstance(op, torch._ops.OpOverload) and op.namespace not in _TORCH_NAMESPACES:
+            found = op.name()
+    return found
+
+
+#: operator namespaces of torch itself
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d", "higher_order", "profiler"})
 
 
 def _user_frame(exc: BaseException) -> str | None:

@@ -225,6 +225,36 @@ class _WritesInput(torch.nn.Module):
         return self.fc(x)
 
 
+class _ConvertsInForward(torch.nn.Module):
+    """SwitchTransformers' router: ``self.classifier = self.classifier.to(self.dtype)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.fc = self.fc.to(torch.float32)  # the same dtype: nothing changes in eager
+        return self.fc(x)
+
+
+@torch.library.custom_op("ddlc_tests::doubled", mutates_args=())
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+_doubled.register_fake(lambda x: torch.empty_like(x))
+_doubled.register_autograd(lambda ctx, g: g * 2, setup_context=lambda ctx, inputs, output: None)
+
+
+class _CallsACustomOp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _doubled(self.fc(x))
+
+
 _X = torch.randn(8, 4)
 
 #: (what a user tried, the call, the ddlc.errors type, words the message must contain)
@@ -256,6 +286,10 @@ CATALOGUE = [
      UnsupportedInputError, "exponential"),
     ("an EMA teacher in frozen parameters", lambda: ddlc.trace(_FrozenTeacher(), (_X, _X), F.mse_loss),
      UnsupportedInputError, r"a frozen parameter .* keep such state in buffers \(register_buffer\)"),
+    ("Module.to() inside forward", lambda: ddlc.trace(_ConvertsInForward(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, r"the forward sets a tensor's .data \(nn.Module.to\(\)"),
+    ("a custom operator with its own autograd", lambda: ddlc.trace(_CallsACustomOp(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, "the model calls the custom operator ddlc_tests::doubled"),
     ("a non-ASCII mesh", lambda: ddlc.Mesh("²"), MeshError, "cannot parse mesh shape"),
     ("an unknown compile option", lambda: CompileOptions.from_kwargs(solvr="cd"),
      ddlc.errors.OptionError, "solvr"),
