@@ -192,6 +192,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     outputs += [OutputSpec("buffer", k) for k in buffers]
     outputs = _drop_unchanged_buffers(gm, inputs, outputs)
     _check_no_input_mutation(gm, inputs)
+    _check_no_captured_parameters(gm, model)
     _annotate_origins(gm, inputs, annotator)
     _check_random_ops(gm)
     _check_checkpointed_draws(gm, annotator.fresh_draws)
@@ -1021,6 +1022,26 @@ def _rename_placeholder(node: fx.Node, spec: InputSpec) -> str:
     return node.name
 
 
+def _check_no_captured_parameters(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Refuse a trainable parameter the step read as a constant: a reference the forward or
+    the loss took before ``compile`` (``params = list(model.parameters())`` or
+    ``w = model.fc.weight`` in a closure, an optimizer's ``param_groups``) holds the real
+    tensor, not the step's, so a penalty on it would keep its value at compile and give
+    it no gradient. (Through the model, ``model.parameters()`` inside the loss, it is the
+    step's.)"""
+    names = {id(p): k for k, p in model.named_parameters() if p.requires_grad}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        name = names.get(id(getattr(gm, node.target, None)))
+        if name is not None:
+            raise UnsupportedInputError(
+                f"the step reads parameter {name!r} through a reference taken outside the model "
+                "(a list of model.parameters() or a tensor kept before compile, or an optimizer's "
+                "param_groups), which would be a constant of its value at compile with no "
+                "gradient: read it through the model when the loss or forward runs "
+                "(model.parameters(), model.fc.weight)",
+                where=_source_from_stack(node.meta.get("stack_trace")) or None)
+
+
 def _check_no_input_mutation(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> None:
     """Refuse a step that writes one of its inputs in place, other than a buffer."""
     by_name = {i.name: i for i in inputs}
@@ -1113,6 +1134,14 @@ def _check_random_ops(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if rng.draws_random_numbers(node) and not rng.supported(node):
             origin = ORIGIN.get(node)
+            where = origin.where(node.name) if origin else node.name
+            if rng.bound_arguments(node).get("generator") is not None:
+                raise UnsupportedInputError(
+                    f"the step draws random numbers with {node.target} from a generator of its "
+                    "own (generator=...); ddlc draws every random number of the step from the "
+                    "program's generator, the same on every rank (step.generator, seeded from "
+                    "the default one at compile; step.manual_seed(s)): leave generator= out",
+                    where=where)
             raise UnsupportedInputError(
                 f"the step draws random numbers with {node.target}, which ddlc does not reproduce "
                 "across ranks: it keeps ranks' random numbers consistent for dropout, rand, randn, "
@@ -1120,7 +1149,7 @@ def _check_random_ops(gm: fx.GraphModule) -> None:
                 "whose numbers depend on an input's values (bernoulli of a probability tensor, "
                 "multinomial) cannot be, others (exponential: F.gumbel_softmax; cauchy, geometric) "
                 "are not yet",
-                where=origin.where(node.name) if origin else node.name)
+                where=where)
 
 
 def _check_checkpointed_draws(gm: fx.GraphModule, fresh: set[int]) -> None:

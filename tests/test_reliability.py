@@ -246,6 +246,16 @@ _doubled.register_fake(lambda x: torch.empty_like(x))
 _doubled.register_autograd(lambda ctx, g: g * 2, setup_context=lambda ctx, inputs, output: None)
 
 
+class _OwnGenerator(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.g = torch.nn.Linear(4, 4), torch.Generator().manual_seed(3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + torch.empty_like(h).normal_(0.0, 0.1, generator=self.g)
+
+
 class _CallsACustomOp(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -253,6 +263,12 @@ class _CallsACustomOp(torch.nn.Module):
 
     def forward(self, x):
         return _doubled(self.fc(x))
+
+
+def _penalty_on_params_kept_before_compile():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    params = list(model.parameters())  # real tensors, not the step's
+    return ddlc.trace(model, (_X, _X), lambda out, y: F.mse_loss(out, y) + sum((p ** 2).sum() for p in params))
 
 
 _X = torch.randn(8, 4)
@@ -290,6 +306,10 @@ CATALOGUE = [
      UnsupportedInputError, r"the forward sets a tensor's .data \(nn.Module.to\(\)"),
     ("a custom operator with its own autograd", lambda: ddlc.trace(_CallsACustomOp(), (_X, _X), F.mse_loss),
      UnsupportedInputError, "the model calls the custom operator ddlc_tests::doubled"),
+    ("a loss penalty on parameters listed before compile", _penalty_on_params_kept_before_compile,
+     UnsupportedInputError, r"reads parameter '0.weight' through a reference taken outside the model"),
+    ("noise from a generator of the model's own", lambda: ddlc.trace(_OwnGenerator(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, r"from a generator of its own \(generator=...\)"),
     ("a non-ASCII mesh", lambda: ddlc.Mesh("²"), MeshError, "cannot parse mesh shape"),
     ("an unknown compile option", lambda: CompileOptions.from_kwargs(solvr="cd"),
      ddlc.errors.OptionError, "solvr"),
