@@ -82,7 +82,9 @@ def draws_random_numbers(node: fx.Node) -> bool:
 
 
 def supported(node: fx.Node) -> bool:
-    return node.target in DRAWS
+    """Whether :data:`DRAWS` draws ``node``'s numbers: its operator is there, and it draws
+    from the default generator (a ``generator=`` of the user's is another stream)."""
+    return node.target in DRAWS and bound_arguments(node).get("generator") is None
 
 
 def bound_arguments(node: fx.Node) -> dict:

@@ -156,7 +156,7 @@ def _check_one_example(example_inputs) -> None:
     dist.all_gather_object(everyone, mine)
     for rank, theirs in enumerate(everyone):
         for i, (a, b) in enumerate(zip(everyone[0], theirs)):
-            if not torch.allclose(a, b, rtol=0, atol=0, equal_nan=True):
+            if not torch.equal(a, b):
                 raise UnsupportedInputError(
                     f"with batch='local', ddlc.compile takes the whole global batch as its example, "
                     f"the same on every rank (its shapes set the plan), but rank {rank}'s example "
@@ -361,11 +361,14 @@ def _lower_after_rank0(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], g
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Two float64 numbers that tell tensors of one shape apart: the sum of the values and
-    their sum weighted by position (so a reordering shows too)."""
+    """Float64 numbers that tell tensors of one shape apart: the sum of the finite values
+    and their sum weighted by position (so a reordering shows too), and the position-weighted
+    sums of where the NaNs and the infinities are (a NaN would make every sum NaN alike)."""
     x = t.detach().reshape(-1).to(torch.float64)
     weights = torch.arange(x.numel(), dtype=torch.float64, device=x.device) % 997 + 1
-    return torch.stack([x.sum(), (x * weights).sum()])
+    finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.stack([finite.sum(), (finite * weights).sum(), (x.isnan() * weights).sum(),
+                        (x.isinf() * x.sign() * weights).sum()])
 
 
 def _from_rank0(value):
@@ -410,6 +413,21 @@ def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh, st
 _TRAINED_BY: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
+#: per model, the generator of the compiled program (training or inference) that drew random
+#: numbers last, kept when the step itself is gone: compiling the model again continues
+#: from it (:func:`compile`)
+_DREW_LAST: "weakref.WeakKeyDictionary[nn.Module, torch.Generator]" = weakref.WeakKeyDictionary()
+
+
+def _hand_back(generator: torch.Generator) -> None:
+    """A program generator's state into the default generator (CPU or CUDA, as the
+    program's), where the steps after it, eager or compiled, continue the stream."""
+    if generator.device.type == "cpu":
+        torch.set_rng_state(generator.get_state())
+    else:
+        torch.cuda.set_rng_state(generator.get_state(), generator.device)
+
+
 def _trained_by(model: nn.Module) -> "CompiledStep | None":
     """The live compiled step whose training of ``model`` is not written back, if any."""
     ref = _TRAINED_BY.get(model)
@@ -446,7 +464,10 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
         log.info("the model's earlier compiled step trained it %d step(s): its weights, buffers and "
                  "optimizer state are written back first", held)
         trained_by.write_back()
-        rng_state = torch.get_rng_state()  # where the earlier step's random draws left it
+    drew = _DREW_LAST.pop(model, None)
+    if drew is not None:  # an inference program's draws too: the new program goes on after them
+        _hand_back(drew)
+        rng_state = torch.get_rng_state()
     _take_rank0_state(model)
     # the garbage collector is not deferred here as ``ddlc plan`` defers it: with it
     # deferred, a later step of a gloo worker once aborted on a corrupted heap (as with
@@ -559,6 +580,8 @@ class CompiledStep:
         self._structure = optimizer_structure(optimizer) if optimizer is not None else None
         self._members = _group_members(optimizer) if optimizer is not None else None
         self._groups = dict(self.signature.param_groups)
+        #: ``steps_done`` at the last :meth:`write_back` (None: not since compile or a load)
+        self._written_back_at: int | None = None
         #: the hyper-parameter values of the last step and their tensors on the device
         self._hyperparameter_values: dict[str, float] | None = None
         self._hyperparameter_inputs: dict[str, torch.Tensor] = {}
@@ -694,7 +717,7 @@ class CompiledStep:
             for rank, prints in enumerate(everyone):
                 coord = self.mesh.coordinate(rank)
                 peer = first.setdefault(tuple(coord[i] for i in split_axes), rank)
-                if not torch.allclose(prints[j], everyone[peer][j], rtol=0, atol=0, equal_nan=True):
+                if not torch.equal(prints[j], everyone[peer][j]):
                     raise UnsupportedInputError(
                         f"with batch='local', ranks {peer} and {rank} must pass the same {key} (its "
                         f"placement {self._sbp(key)} on mesh {self.mesh} does not split it along "
@@ -723,6 +746,12 @@ class CompiledStep:
             raise UnsupportedInputError("this program has no loss: it was compiled without "
                                         "loss_fn or optimizer; call it for inference instead")
         self._check_model()
+        newer = _trained_by(self._model)
+        if newer is not None and newer is not self:
+            raise UnsupportedInputError(
+                "another compiled step of this model has trained it since this one last ran (its "
+                "weights and optimizer state are that step's now): keep training with that step, "
+                "or write it back (step.write_back()) and compile again")
         out = self._run(batch, keyword_batch, self._hyperparameters())
         self.params.update(out.get("param", {}))
         self.opt_state.update(out.get("opt_state", {}))
@@ -735,6 +764,8 @@ class CompiledStep:
             self.last_grad_norm = out["grad_norm"]["grad_norm"].detach()
         self.steps_done += 1
         _TRAINED_BY[self._model] = self._ref
+        if self.generator is not None:
+            _DREW_LAST[self._model] = self.generator
         return out["loss"]["loss"].detach()
 
     def write_back(self) -> None:
@@ -745,7 +776,12 @@ class CompiledStep:
         torch.optim keeps it, and the program generator's state into the default generator
         (CPU or CUDA, as the program's), so that an eager step, ``torch.save`` of the model or
         a ``ddlc.compile`` of it again continues from them (dropout goes on to new masks
-        instead of replaying the compiled steps'). This step keeps running as it was."""
+        instead of replaying the compiled steps'). This step keeps running as it was. Again
+        with no step in between, it does nothing: the model and optimizer are the user's,
+        and may have been trained eagerly since."""
+        if self._written_back_at == self.steps_done:  # nothing trained since: the model and the
+            return                                    # optimizer may have moved on eagerly
+        self._written_back_at = self.steps_done
         written = self._watch.written()
         full = self.state_dict()
         with torch.no_grad():
@@ -759,10 +795,7 @@ class CompiledStep:
                 shape = () if state_name == "step" else params[name].shape
                 self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
         if self.generator is not None:
-            if self.generator.device.type == "cpu":
-                torch.set_rng_state(self.generator.get_state())
-            else:
-                torch.cuda.set_rng_state(self.generator.get_state(), self.generator.device)
+            _hand_back(self.generator)
         self._watch.accept_writes()
         if _trained_by(self._model) is self:
             del _TRAINED_BY[self._model]
@@ -846,6 +879,8 @@ class CompiledStep:
         self._check_model()
         out = self._run(inputs, keyword_inputs)
         self.buffers.update(out.get("buffer", {}))
+        if self.generator is not None:
+            _DREW_LAST[self._model] = self.generator
         return self.signature.output_tree.rebuild(list(out["output"].values()))
 
     # -- random numbers ----------------------------------------------------------------
@@ -914,6 +949,7 @@ class CompiledStep:
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
                 value.to_local().contiguous().to(self._device_for(name))
         self._watch.accept_writes()  # the model's weights written since compile are superseded
+        self._written_back_at = None
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """Full optimizer state keyed ``"<param>:<state>"`` (collective), as torch.optim

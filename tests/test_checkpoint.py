@@ -171,3 +171,78 @@ def test_dropout_goes_on_to_new_masks_after_the_compiled_steps(how):
     losses = spawn(_dropout_continued, 4, how, timeout=120, deadline=300)[0]
     want = _eager_steps(*_dropout_setup(), 4)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
+class _Noisy(torch.nn.Module):
+    """Noise drawn in train and eval mode (a VAE's reparametrization, a noise layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(12, 32), torch.nn.Linear(32, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return self.fc2(h + 0.5 * torch.randn_like(h))
+
+
+def _noisy_setup():
+    torch.manual_seed(0)
+    model = _Noisy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g))
+    return model, opt, batch
+
+
+def _validated_between(rank):
+    """A compiled step, an inference program of the model in eval mode called once, then
+    training compiled again: the losses, the validation output and the last momentum."""
+    model, opt, batch = _noisy_setup()
+    ce = torch.nn.functional.cross_entropy
+    first = ddlc.compile(model, (4,), batch, ce, opt)
+    losses = [float(first.step(*batch))]
+    model.eval()
+    validation = ddlc.compile(model, (4,), batch[:1])(batch[0])
+    model.train()
+    step = ddlc.compile(model, (4,), batch, ce, opt)
+    losses += [float(step.step(*batch))]
+    # the old training step gave its state up when the model was compiled again
+    step.write_back()
+    step.write_back()  # a second time, with no step between: nothing to hand back
+    losses += _eager_steps(model, opt, batch, 1)
+    step.write_back()  # after an eager step: the model and optimizer are eager's now
+    losses += _eager_steps(model, opt, batch, 1)
+    return losses, validation, {k: v.clone() for k, v in opt.state[model.fc1.weight].items()}
+
+
+def test_draws_of_an_inference_program_and_repeated_write_backs_keep_eagers_stream():
+    losses, validation, momentum = spawn(_validated_between, 4, timeout=120, deadline=300)[0]
+    model, opt, batch = _noisy_setup()
+    want = _eager_steps(model, opt, batch, 1)
+    model.eval()
+    with torch.no_grad():
+        want_validation = model(batch[0])
+    model.train()
+    want += _eager_steps(model, opt, batch, 3)
+    torch.testing.assert_close(validation, want_validation, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(momentum["momentum_buffer"], opt.state[model.fc1.weight]["momentum_buffer"],
+                               rtol=1e-4, atol=1e-6)
+
+
+def _old_step_after_a_newer_one(rank):
+    model, opt, batch = _dropout_setup()
+    ce = torch.nn.functional.cross_entropy
+    old = ddlc.compile(model, (4,), batch, ce, opt)
+    old.step(*batch)
+    new = ddlc.compile(model, (4,), batch, ce, opt)
+    new.step(*batch)
+    try:
+        old.step(*batch)
+    except ddlc.errors.UnsupportedInputError as e:
+        return str(e)
+
+
+def test_an_older_compiled_step_is_refused_once_a_newer_one_has_trained_the_model():
+    messages = spawn(_old_step_after_a_newer_one, 4, timeout=120, deadline=300)
+    assert len(set(messages)) == 1 and "another compiled step of this model has trained it" in messages[0]

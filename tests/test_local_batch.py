@@ -45,13 +45,16 @@ def _eager():
     return [float(x) for x in losses], model.state_dict()
 
 
-def _different_data(rank):
+def _different_data(rank, differ=True, nan=False):
     model, opt, data = _setup()
     step = ddlc.compile(model, (4,), data[0], F.cross_entropy, opt, batch="local",
                         placements={"input0": "(B)", "input1": "(B)"})
     x, y = data[1]
+    if nan:
+        x = x.clone()
+        x[0, 0] = float("nan")
     try:
-        step.step(x + rank, y)  # each rank its own batch of the whole batch's shape
+        step.step(x + rank if differ else x, y)  # each rank its own batch of the whole batch's shape
     except ddlc.errors.DDLCError as e:
         return str(e)
 
@@ -90,6 +93,10 @@ def test_different_data_on_ranks_that_hold_the_same_piece_is_refused():
     assert len(set(messages)) == 1, messages
     assert "with batch='local', ranks 0 and 1 must pass the same input0" in messages[0], messages[0]
     assert "does not split it along mesh axes [0]" in messages[0]
+    # a NaN in the batch: equal batches still pass, different ones are still told apart
+    assert spawn(_different_data, 4, False, True, timeout=300, deadline=100) == [None] * 4
+    messages = spawn(_different_data, 4, True, True, timeout=300, deadline=100)
+    assert len(set(messages)) == 1 and "must pass the same input0" in messages[0], messages
 
 
 @pytest.mark.multiprocess
