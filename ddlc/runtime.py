@@ -150,8 +150,7 @@ def _check_one_example(example_inputs) -> None:
     on every rank (their shapes set the plan; ``step`` then takes each rank's part). Refuse,
     on every rank at once, examples that differ between ranks: each rank's own part given as
     the example would be planned as a global batch of that size."""
-    leaves = [x for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor)]
-    mine = torch.stack([_fingerprint(x.cpu()) for x in leaves]) if leaves else torch.zeros(0, 2)
+    mine = [_fingerprint(x.cpu()) for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor)]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for rank, theirs in enumerate(everyone):
@@ -380,10 +379,10 @@ def _from_rank0(value):
 
 def _share_generator(gm: fx.GraphModule, device: torch.device, cpu_state: torch.Tensor) -> None:
     """Give the program's generator (``gm.rng``, present when the step draws random
-    numbers) rank 0's default generator state as ``compile`` found it: on the CPU its
+    numbers) rank 0's default generator state as ``compile`` found it (after handing it
+    the state of the model's program that drew last, :data:`_DREW_LAST`): on the CPU its
     full state (``cpu_state``), so a single-device run seeded alike draws the same
-    numbers; on a GPU, that of its default CUDA generator.
-    :meth:`CompiledStep.write_back` hands the state back."""
+    numbers; on a GPU, that of its default CUDA generator."""
     if not hasattr(gm, "rng"):
         return
     gm.rng = torch.Generator(device=device)
