@@ -225,8 +225,12 @@ def optimizer_spec(optimizer: torch.optim.Optimizer,
         spec = _spec_for_group(optimizer, group)
         for p in group["params"]:
             if id(p) not in by_id:
-                raise UnsupportedInputError("the optimizer holds a tensor that is not a "
-                                            "parameter of the model")
+                raise UnsupportedInputError(
+                    f"param group {index} of the optimizer holds a tensor of shape {tuple(p.shape)} "
+                    "that is not a parameter of the model (a loss function's own parameter, say): "
+                    "ddlc compiles the model's step and trains the model's parameters only; make it "
+                    "a parameter of the model (a submodule that holds it), or leave it out of the "
+                    "optimizer")
             specs[by_id[id(p)]] = (index, spec)
     return specs
 

@@ -454,11 +454,11 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     mesh, device_mesh, device_type = _mesh_for_world(mesh, options)
     trained_by = _trained_by(model)
     held = trained_by.steps_done if trained_by is not None else 0
+    if options.batch == "local":  # before the shapes are compared: each rank's own part?
+        _check_one_example(example_inputs)
     _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options)
                  + [f"steps trained by an earlier compiled step of this model: {held}"])
     _check_devices(model, example_inputs, device_type)
-    if options.batch == "local":
-        _check_one_example(example_inputs)
     if trained_by is not None:
         log.info("the model's earlier compiled step trained it %d step(s): its weights, buffers and "
                  "optimizer state are written back first", held)

@@ -59,9 +59,10 @@ def _different_data(rank, differ=True, nan=False):
         return str(e)
 
 
-def _own_example(rank):
-    model, opt, data = _setup()
-    x, y = data[0]
+def _own_example(rank, rows):
+    model, opt, _ = _setup()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(rows, 12, generator=g), torch.randint(0, 5, (rows,), generator=g)
     try:
         ddlc.compile(model, (4,), (x.chunk(4)[rank], y.chunk(4)[rank]), F.cross_entropy, opt,
                      batch="local")
@@ -101,8 +102,10 @@ def test_different_data_on_ranks_that_hold_the_same_piece_is_refused():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_each_ranks_own_part_given_to_compile_is_refused():
-    messages = spawn(_own_example, 4, timeout=300, deadline=100)
+@pytest.mark.parametrize("rows", [8, 10], ids=["even", "uneven"])
+def test_each_ranks_own_part_given_to_compile_is_refused(rows):
+    # 10 rows: parts of 3, 3, 2, 2 (other shapes on other ranks), still this message
+    messages = spawn(_own_example, 4, rows, timeout=300, deadline=100)
     assert len(set(messages)) == 1, messages
     assert "ddlc.compile takes the whole global batch as its example" in messages[0], messages[0]
     assert "rank 1's example input 0 differs from rank 0's" in messages[0]

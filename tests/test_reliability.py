@@ -271,6 +271,12 @@ def _penalty_on_params_kept_before_compile():
     return ddlc.trace(model, (_X, _X), lambda out, y: F.mse_loss(out, y) + sum((p ** 2).sum() for p in params))
 
 
+def _loss_with_its_own_parameter():
+    model, log_var = torch.nn.Linear(4, 4), torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.SGD([*model.parameters(), log_var], lr=0.1)
+    return ddlc.trace(model, (_X, _X), lambda out, y: F.mse_loss(out, y) * log_var.exp() + log_var, opt)
+
+
 _X = torch.randn(8, 4)
 
 #: (what a user tried, the call, the ddlc.errors type, words the message must contain)
@@ -310,6 +316,9 @@ CATALOGUE = [
      UnsupportedInputError, r"reads parameter '0.weight' through a reference taken outside the model"),
     ("noise from a generator of the model's own", lambda: ddlc.trace(_OwnGenerator(), (_X, _X), F.mse_loss),
      UnsupportedInputError, r"from a generator of its own \(generator=...\)"),
+    ("an optimizer holding a loss function's own parameter", _loss_with_its_own_parameter,
+     UnsupportedInputError, r"param group 0 of the optimizer holds a tensor of shape \(\) that is not a "
+                            r"parameter of the model .* make it a parameter of the model"),
     ("a non-ASCII mesh", lambda: ddlc.Mesh("²"), MeshError, "cannot parse mesh shape"),
     ("an unknown compile option", lambda: CompileOptions.from_kwargs(solvr="cd"),
      ddlc.errors.OptionError, "solvr"),
