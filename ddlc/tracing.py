@@ -1068,13 +1068,11 @@ def _check_static_shapes(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         vals = [v for v in tree_flatten(node.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
         if any(isinstance(d, torch.SymInt) for v in vals for d in v.shape):
-            origin = ORIGIN.get(node)
             raise TraceError(
                 f"the step computes a tensor whose size depends on tensor values ({node.target}), "
                 "e.g. a boolean-mask index `x[mask]` or assignment `h[mask] = v`, which one static "
                 "graph cannot plan; write it with a fixed size, e.g. "
-                "`h = torch.where(mask[..., None], v, h)`",
-                where=origin.where(node.name) if origin else node.name)
+                "`h = torch.where(mask[..., None], v, h)`", where=where(node))
 
 
 _aten = torch.ops.aten
@@ -1133,15 +1131,13 @@ def _check_random_ops(gm: fx.GraphModule) -> None:
     allow), or a distribution it has no draw for (``exponential``, ...)."""
     for node in gm.graph.nodes:
         if rng.draws_random_numbers(node) and not rng.supported(node):
-            origin = ORIGIN.get(node)
-            where = origin.where(node.name) if origin else node.name
             if rng.bound_arguments(node).get("generator") is not None:
                 raise UnsupportedInputError(
                     f"the step draws random numbers with {node.target} from a generator of its "
                     "own (generator=...); ddlc draws every random number of the step from the "
                     "program's generator, the same on every rank (step.generator, seeded from "
                     "the default one at compile; step.manual_seed(s)): leave generator= out",
-                    where=where)
+                    where=where(node))
             raise UnsupportedInputError(
                 f"the step draws random numbers with {node.target}, which ddlc does not reproduce "
                 "across ranks: it keeps ranks' random numbers consistent for dropout, rand, randn, "
@@ -1149,7 +1145,7 @@ def _check_random_ops(gm: fx.GraphModule) -> None:
                 "whose numbers depend on an input's values (bernoulli of a probability tensor, "
                 "multinomial) cannot be, others (exponential: F.gumbel_softmax; cauchy, geometric) "
                 "are not yet",
-                where=where)
+                where=where(node))
 
 
 def _check_checkpointed_draws(gm: fx.GraphModule, fresh: set[int]) -> None:
@@ -1175,12 +1171,11 @@ def _check_hidden_mutations(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.target is torch.ops.aten.native_batch_norm.default and node.args[5] \
                 and (node.args[3] is not None or node.args[4] is not None):
-            origin = ORIGIN.get(node)
             raise UnsupportedInputError(
                 "the step calls a batch norm kernel in training mode with running statistics "
                 "other than through F.batch_norm or F.instance_norm (torch.batch_norm, "
                 "torch.native_batch_norm, ...): its in-place update of the running statistics "
-                "cannot be traced; call F.batch_norm", where=origin.where(node.name) if origin else node.name)
+                "cannot be traced; call F.batch_norm", where=where(node))
 
 
 def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],
