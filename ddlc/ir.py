@@ -26,6 +26,7 @@ key               holds                  written by               read by
 ``BUCKET_CAP``    ``float`` (bytes)      fuse (on the graph)      pipeline (leader choices)
 ``PIECE_BYTES``   ``float`` (bytes)      partition (on the graph) pipeline (leader choices)
 ``UPDATES``       ``str`` (schedule's)   schedule (on the graph) tests, bench
+``RANK_ARG``      :class:`RankArg`       collectives, random      retarget
 ================  =====================  =======================  =============================
 """
 from __future__ import annotations
@@ -48,7 +49,7 @@ if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run 
 __all__ = ["MetaKey", "Origin", "InputSpec", "OutputSpec", "StepSignature", "Signature",
            "NdSignature", "CollectiveInfo", "Piece", "ROLES", "ORIGIN", "ROLE", "SHARDING",
            "COLLECTIVE", "PIECE", "FUSED", "GLOBAL_VAL", "STEP", "BUCKET_CAP", "PIECE_BYTES",
-           "RECOMPUTE", "RECOMPUTED", "UPDATES", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait", "is_mutating", "in_update",
+           "RECOMPUTE", "RECOMPUTED", "UPDATES", "RankArg", "RANK_ARG", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait", "is_mutating", "in_update",
            "collective_kind", "collective_sequence", "is_scalar_valued", "output_scalars"]
 
 T = TypeVar("T")
@@ -415,6 +416,22 @@ class CollectiveInfo:
                 f"{self.nbytes} B {self.seconds * 1e6:.1f} us: {self.before} -> {self.after}")
 
 
+@dataclass(frozen=True)
+class RankArg:
+    """The argument at ``position`` of a lowered node whose value depends on the rank's
+    mesh coordinate, and how: ``index``, the coordinate on mesh ``axis`` (the piece a
+    local slice keeps); ``first``, whether that coordinate is 0 (the rank that keeps a
+    value becoming a partial sum); ``piece``, the slices of a tensor of global ``shape``
+    placed ``sbp`` that the rank holds (a random draw's). ``passes.retarget`` recomputes
+    it for another coordinate."""
+
+    position: int
+    kind: str
+    axis: int = -1
+    shape: tuple[int, ...] = ()
+    sbp: Optional["NdSBP"] = None
+
+
 class Piece(NamedTuple):
     """One piece of a split collective: the split collective's name, this piece's index
     and how many pieces there are."""
@@ -442,6 +459,7 @@ RECOMPUTE: MetaKey[int] = MetaKey("ddlc_recompute", int)
 RECOMPUTED: MetaKey[int] = MetaKey("ddlc_recomputed", int)
 #: where the schedule put the optimizer updates: "end", "early" (inside backward) or "mixed" (per group)
 UPDATES: MetaKey[str] = MetaKey("ddlc_updates", str)
+RANK_ARG: MetaKey[RankArg] = MetaKey("ddlc_rank_arg", RankArg)
 
 
 def in_update(node: fx.Node) -> bool:

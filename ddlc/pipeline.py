@@ -27,6 +27,9 @@
                      the readers that need it)
       inplace        the optimizer update writes into its inputs and temporaries where
                      nothing reads them later (eager backend)
+    retarget  (where the plan splits every tensor evenly, instead of lowering on every rank)
+      one rank's program made another coordinate's: the arguments that depend on the mesh
+      coordinate (ir.RANK_ARG) recomputed (passes/retarget.py; see ddlc.runtime)
 
 Each pass runs through :func:`run_pass`, which times it and logs one line under the
 ``ddlc.pipeline`` logger. This is the only module of ``ddlc`` that imports ``passes``.
@@ -57,6 +60,7 @@ from passes.localize import localize
 from passes.partition import partition, partition_search
 from passes.random import draw_globally
 from passes.recompute import recompute_checkpointed
+from passes.retarget import for_coordinate
 from passes.schedule import check_waits, follow, schedule, searches_updates
 from passes.sharding import mesh_shapes, replicate, shard
 from passes.views import views_as_views
@@ -73,7 +77,7 @@ from .tracing import trace
 __all__ = ["PLANNING", "LOWERING", "run_pass", "collections_deferred", "trace_step",
            "resolve_placements", "plan", "choose_plan", "ChosenPlan", "Candidate", "NoCandidate",
            "data_parallel_reference", "plan_pinned", "named_alike_copy",
-           "data_parallel_placements", "plan_replicated", "unsharded_compute", "lower", "LoweringChoices", "mesh_shapes",
+           "data_parallel_placements", "plan_replicated", "unsharded_compute", "lower", "LoweringChoices", "splits_evenly", "retarget", "mesh_shapes",
            "wait_at_once"]
 
 log = logging.getLogger("ddlc.pipeline")
@@ -316,7 +320,7 @@ def _candidate(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions, groups: 
         return NoCandidate(str(e).splitlines()[0])
     decisions = {n.name: SHARDING(n) for n in planned.graph.nodes if SHARDING.has(n)}
     wanted = tuple(coord) if coord is not None else (0,) * mesh.ndim
-    lowered_for = wanted if _splits_evenly(planned, mesh) else (0,) * mesh.ndim
+    lowered_for = wanted if splits_evenly(planned, mesh) else (0,) * mesh.ndim
     step, choices, program = _lowered_step(planned, mesh, options, groups, lowered_for)
     return Candidate(result, decisions, step, choices, program if lowered_for == wanted else None)
 
@@ -395,9 +399,10 @@ class LoweringChoices:
     order: tuple[str, ...] | None
 
 
-def _splits_evenly(gm: fx.GraphModule, mesh: Mesh) -> bool:
+def splits_evenly(gm: fx.GraphModule, mesh: Mesh) -> bool:
     """Whether every planned tensor splits into equal pieces (then every rank's local
-    shapes, modeled timelines and lowering choices are the same)."""
+    shapes, modeled timelines and lowering choices are the same, and one rank's program
+    serves every rank: :func:`retarget`)."""
     for node in gm.graph.nodes:
         sharding = SHARDING.get(node)
         values = leaves(node.meta.get("val"))
@@ -406,6 +411,13 @@ def _splits_evenly(gm: fx.GraphModule, mesh: Mesh) -> bool:
                                         for v, x in zip(values, sharding.outputs)):
             return False
     return True
+
+
+def retarget(program: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.GraphModule:
+    """A program lowered for some mesh coordinate of a plan that :func:`splits_evenly`,
+    made mesh coordinate ``coord``'s in place (``passes.retarget.for_coordinate``): the
+    program :func:`lower` makes for ``coord`` with the same choices, without lowering."""
+    return run_pass("retarget", for_coordinate, program, mesh, coord)
 
 
 def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],
@@ -422,7 +434,7 @@ def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence
     then skipped. Without them, a rank whose local shapes differ from coordinate 0's finds
     them by lowering a copy of the graph for coordinate 0 first (its pieces are the
     largest, so every rank issues the same collectives)."""
-    uneven = not _splits_evenly(gm, mesh)
+    uneven = not splits_evenly(gm, mesh)
     if choices is None and any(coord) and uneven:
         choices = _lower_passes(copy.deepcopy(gm), mesh, (0,) * mesh.ndim, groups, options, None)
     if uneven:

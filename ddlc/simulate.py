@@ -23,7 +23,7 @@ from .errors import RuntimeMismatchError
 from .ir import SHARDING, STEP, is_collective, is_wait
 from .mesh import Mesh
 from .options import CompileOptions
-from .pipeline import LoweringChoices, lower
+from .pipeline import LoweringChoices, lower, retarget, splits_evenly
 from .sbp import local_slices
 
 __all__ = ["axis_group_names", "lower_rank", "lower_ranks", "run_ranks", "simulate_steps"]
@@ -131,10 +131,13 @@ def lower_rank(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Seq
 def lower_ranks(gm: fx.GraphModule, mesh: Mesh, **options) -> list[fx.GraphModule]:
     """Every rank's program of a planned graph, in mesh-coordinate order (``gm`` is not
     changed); ``options`` as for :func:`lower_rank`. As in ``ddlc.compile``, coordinate 0
-    is lowered first and the others take its choices."""
+    is lowered first; where the plan splits every tensor evenly the others are its
+    program made theirs (:func:`ddlc.pipeline.retarget`), else they take its choices."""
     coords = list(itertools.product(*(range(p) for p in mesh.shape)))
     first = copy.deepcopy(gm)
     choices = lower(first, mesh, coords[0], axis_group_names(mesh), CompileOptions.from_kwargs(**options))
+    if splits_evenly(gm, mesh):
+        return [first] + [retarget(copy.deepcopy(first), mesh, c) for c in coords[1:]]
     return [first] + [lower_rank(copy.deepcopy(gm), mesh, c, choices=choices, **options)
                       for c in coords[1:]]
 

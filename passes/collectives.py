@@ -40,7 +40,8 @@ from cost_models.boxing import BoxingStep, boxing_cost
 from cost_models.collectives import axis_time
 from ddlc import comm
 from ddlc.errors import LoweringError
-from ddlc.ir import COLLECTIVE, ORIGIN, SHARDING, STEP, CollectiveInfo, NdSignature, is_getitem
+from ddlc.ir import (COLLECTIVE, ORIGIN, RANK_ARG, SHARDING, STEP, CollectiveInfo, NdSignature, RankArg,
+                     is_getitem)
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, local_shape, padded_shape
 from passes.rules import selected_leaf
@@ -67,6 +68,11 @@ def _moved(sbp: NdSBP, src: int, dst: int) -> NdSBP:
 
 def _is_tensor_input(a) -> bool:
     return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
+#: the argument of a local boxing step that is the rank's coordinate on its axis
+_BY_COORDINATE = {"slice": lambda axis: RankArg(3, "index", axis),
+                  "zero": lambda axis: RankArg(1, "first", axis)}
 
 
 class _Emitter:
@@ -117,7 +123,10 @@ class _Emitter:
                  "all_to_all": (comm.all_to_all_dims,
                                 (x, step.dst_sbp.dim, step.src_sbp.dim, p, group))}
         if step.kind in local:
-            return self.node(*local[step.kind], val, step.after, origin, info)
+            made = self.node(*local[step.kind], val, step.after, origin, info)
+            if step.kind in _BY_COORDINATE:
+                RANK_ARG.set(made, _BY_COORDINATE[step.kind](axis))
+            return made
         if step.kind == "all_reduce":
             issued = self.node(c10d.all_reduce.default, (x, "sum", group), val, step.after,
                                origin, info)
