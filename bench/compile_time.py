@@ -124,27 +124,35 @@ def _measure(name: str) -> dict[str, float]:
     return times
 
 
-def _compile_rank(rank: int, name: str, mesh: str | None) -> float:
+def _compile_rank(rank: int, name: str, mesh: str | None) -> tuple[float, float]:
     """One rank of a local gloo job: seconds of its ``ddlc.compile`` call (on ``mesh``, or
-    a flat mesh of every rank)."""
+    a flat mesh of every rank), wall and CPU (this process's)."""
     import torch.distributed as dist
     model, batch, loss_fn = build(name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     ddlc.compile(model, mesh or (dist.get_world_size(),), batch, loss_fn, optimizer)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def compile_on_ranks(names, rank_counts, repeat: int, mesh: str | None = None) -> None:
+    """Per model: the slowest rank's wall seconds of ``compile`` for each rank count (best
+    of ``repeat`` runs), the ratio to the first count, and the CPU-seconds of all ranks
+    together in that run."""
     print(f"{'model':14s}" + "".join(f"{f'{n} ranks s':>12s}" for n in rank_counts)
           + "".join(f"{f'{n}/{rank_counts[0]}':>8s}" for n in rank_counts[1:])
+          + "".join(f"{f'{n} ranks CPU-s':>16s}" for n in rank_counts)
           + (f"  (mesh {mesh})" if mesh else ""))
     for name in names:
-        best = [min(max(ddlc.spawn(_compile_rank, n, name, mesh, timeout=600, deadline=1200))
-                    for _ in range(repeat)) for n in rank_counts]
-        print(f"{name:14s}" + "".join(f"{t:12.2f}" for t in best)
-              + "".join(f"{t / best[0]:8.2f}" for t in best[1:]), flush=True)
+        best = []
+        for n in rank_counts:
+            runs = [ddlc.spawn(_compile_rank, n, name, mesh, timeout=600, deadline=1200)
+                    for _ in range(repeat)]
+            best.append(min(((max(w for w, _ in run), sum(c for _, c in run)) for run in runs)))
+        print(f"{name:14s}" + "".join(f"{w:12.2f}" for w, _ in best)
+              + "".join(f"{w / best[0][0]:8.2f}" for w, _ in best[1:])
+              + "".join(f"{c:16.2f}" for _, c in best), flush=True)
 
 
 def main():

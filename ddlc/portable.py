@@ -135,8 +135,8 @@ def to_portable(gm: fx.GraphModule) -> PortableGraph:
 def from_portable(portable: PortableGraph, device: torch.device | None = None) -> fx.GraphModule:
     """The graph module :func:`to_portable` recorded: the same nodes (names, targets,
     arguments, meta) in the same order, its fake values in one new ``FakeTensorMode``;
-    values on a device of ``device``'s type are put on ``device`` (the receiving rank's
-    GPU where the sender's was another)."""
+    values and tensor attributes on a device of ``device``'s type are put on ``device`` (the
+    receiving rank's GPU where the sender's was another)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     graph = fx.Graph()
     graph._codegen = portable.codegen
@@ -160,6 +160,9 @@ def from_portable(portable: PortableGraph, device: torch.device | None = None) -
         new.meta.update(rebuilt(meta))
     graph._graph_namespace._used_names.update(portable.used_names)
     graph._graph_namespace._base_count.update(portable.name_counters)
-    gm = _LazyGraphModule(dict(portable.attributes), graph)  # its code generated when first run
+    attributes = {name: value.to(device) if isinstance(value, torch.Tensor) and device is not None
+                  and value.device.type == device.type else value
+                  for name, value in portable.attributes.items()}
+    gm = _LazyGraphModule(attributes, graph)  # its code generated when first run
     gm.meta.update(rebuilt(portable.meta))
     return gm

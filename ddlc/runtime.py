@@ -6,10 +6,13 @@ shape) and take rank 0's parameter and buffer values. Ranks 0 and 1 trace the st
 rank 0 sends its graph to the others (:mod:`ddlc.portable`: on one host, ranks that all
 traced would share its cores); rank 0 plans it (checking the search's plan against data
 parallelism, whose candidate rank 1 plans and lowers meanwhile from its own graph) and
-broadcasts every node's decision (so even a time-limited solver gives one plan); rank 0
-lowers it (where planning has not already) and broadcasts lowering's choices (bucket
-cap, piece size, node order), with which each other rank lowers it for its own mesh
-coordinate; each rank checks with the others that the collective sequence is identical,
+broadcasts every node's decision (so even a time-limited solver gives one plan). Where
+the plan splits every tensor evenly, the rank that lowered the chosen plan's program
+while planning (or rank 0, now) sends it to the others, and each makes it its own mesh
+coordinate's (``pipeline.retarget``: process groups carry the same names on every rank);
+else rank 0 lowers it (where planning has not already) and broadcasts lowering's choices
+(bucket cap, piece size, node order), with which each other rank lowers it for its own
+mesh coordinate. Each rank checks with the others that the collective sequence is identical,
 and keeps only its own shards of the parameters and optimizer state
 (:class:`CompiledStep`). The passes themselves are listed and run by :mod:`ddlc.pipeline`.
 """
@@ -19,6 +22,7 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
+import itertools
 import logging
 import pickle
 import weakref
@@ -26,6 +30,7 @@ from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.distributed.checkpoint as dcp
 import torch.utils._pytree as pytree
 from torch import fx, nn
@@ -36,7 +41,7 @@ from cost_models.measured import local_gloo_ranks
 from cost_models.program import program_timeline
 
 from . import inductor, pipeline
-from .errors import DDLCError, LoweringError, RuntimeMismatchError, UnsupportedInputError, as_shared
+from .errors import DDLCError, LoweringError, MeshError, RuntimeMismatchError, UnsupportedInputError, as_shared
 from .ir import GLOBAL_VAL, HYPERPARAMETER_DTYPE, SHARDING, STEP, collective_sequence
 from .mesh import Mesh
 from .model_state import ModelWatch, autocast_state, autocast_words
@@ -80,15 +85,20 @@ def _on_rank0(what: str, decide):
     for all, whatever a solver's time limit or a timed search would give elsewhere, and
     the others need not repeat the work. Rank 0's failure is raised on every rank (as
     itself where it is a ``ddlc.errors`` error) instead of leaving the others waiting."""
-    if dist.get_rank() == 0:
+    return _on_rank(0, what, decide)
+
+
+def _on_rank(source: int, what: str, decide):
+    """:func:`_on_rank0` with rank ``source`` deciding."""
+    if dist.get_rank() == source:
         try:
             message = [decide()]
         except Exception as error:
-            dist.broadcast_object_list([as_shared(error, f"rank 0 failed while {what}")], src=0)
+            dist.broadcast_object_list([as_shared(error, f"rank {source} failed while {what}")], src=source)
             raise
     else:
         message = [None]
-    dist.broadcast_object_list(message, src=0)
+    dist.broadcast_object_list(message, src=source)
     if isinstance(message[0], Exception):
         raise message[0]
     return message[0]
@@ -329,8 +339,37 @@ def _plan_with_rank1(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], opt
 
     chosen = _plan_on_rank0(gm, make_plan)
     if dist.get_rank() == 0:
-        return chosen, chosen.program if coord == (0,) * mesh.ndim else None
+        return chosen, chosen.program
     return chosen, mine if chosen.plan.stats.get("chosen_over_search") else None
+
+
+def _program(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], groups: list[str],
+             options: CompileOptions, chosen: pipeline.ChosenPlan, held: fx.GraphModule | None,
+             device: torch.device) -> fx.GraphModule:
+    """This rank's program. ``held``: the program this rank lowered while planning (rank 0
+    the searched or replicated plan's, for mesh coordinate 0; rank 1 data parallelism's, for
+    its own coordinate, where rank 0 adopted it). Where the plan splits every tensor
+    evenly, one program serves every rank (``pipeline.retarget``): the rank that holds it
+    (or rank 0, lowering coordinate 0's now where planning lowered none) sends it to all
+    (:mod:`ddlc.portable`), and each rank makes it its own coordinate's; no other rank
+    lowers. Else each rank lowers its own (:func:`_lower_after_rank0`)."""
+    zero = (0,) * mesh.ndim
+    if not pipeline.splits_evenly(gm, mesh):
+        mine = held if held is not None and (dist.get_rank() == 1 or coord == zero) else None
+        return mine if mine is not None else _lower_after_rank0(gm, mesh, coord, groups, options, chosen)
+    source, program = (1 if chosen.plan.stats.get("chosen_over_search") else 0), held
+
+    def send():
+        nonlocal program
+        if program is None:  # rank 0, whose planning lowered no program
+            program = gm if coord == zero else pipeline.named_alike_copy(gm)
+            pipeline.lower(program, mesh, zero, groups, options, chosen.choices)
+        return pickle.dumps(to_portable(program)) if dist.get_world_size() > 1 else None
+
+    payload = _on_rank(source, "lowering", send)
+    if dist.get_rank() != source:
+        program = pipeline.run_pass("receive program", from_portable, pickle.loads(payload), device)
+    return pipeline.retarget(program, mesh, coord)
 
 
 def _lower_after_rank0(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], groups: list[str],
@@ -357,6 +396,47 @@ def _lower_after_rank0(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], g
     if coord != zero:
         pipeline.lower(gm, mesh, coord, groups, options, choices)
     return gm
+
+
+def _axis_group_names(device_mesh: DeviceMesh) -> list[str]:
+    """For each mesh axis, a name of this rank's process group on that axis that is the
+    same on every rank, so that every rank's program is the same graph but for its
+    coordinate (``pipeline.retarget``). torch names groups by creation order, so ranks in
+    different groups of one axis hold different names: each rank registers its own group
+    under a name made from every rank's group name on that axis (functional collectives
+    find groups by name in torch's registry). A ``MeshError`` on every rank where some rank's
+    place in a group is not its mesh coordinate on that axis (a collective assembles the
+    pieces in the group's order)."""
+    groups = [device_mesh.get_group(axis) for axis in range(device_mesh.ndim)]
+    mine = [group.group_name for group in groups]
+    in_order = [dist.get_rank(g) for g in groups] == list(device_mesh.get_coordinate())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mine, in_order))
+    if not all(ok for _, ok in everyone):
+        raise MeshError(f"the DeviceMesh {device_mesh.mesh.tolist()} lays ranks out along some mesh "
+                        "axis in another order than their process group ranks them (torch orders a "
+                        "group's ranks by number), so collectives would put pieces in other places "
+                        "than the plan; lay every row and column out in increasing rank order "
+                        "(e.g. [[0, 2], [1, 3]])")
+    names = []
+    for axis, own in enumerate(mine):
+        everyone_names = [names_of for names_of, _ in everyone]
+        name = "ddlc-" + hashlib.sha256(repr([n[axis] for n in everyone_names]).encode()).hexdigest()[:16]
+        try:
+            registered = c10d._resolve_process_group(name)
+        except RuntimeError:
+            registered = None
+        if registered is None:
+            c10d._register_process_group(name, c10d._resolve_process_group(own))
+        names.append(name)
+    return names
+
+
+def _coordinates(device_mesh: DeviceMesh) -> list[tuple[int, ...]]:
+    """Each global rank's coordinate in ``device_mesh`` (its place in the layout)."""
+    layout = device_mesh.mesh
+    places = {int(layout[index]): index for index in itertools.product(*map(range, layout.shape))}
+    return [places[rank] for rank in range(layout.numel())]
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
@@ -475,15 +555,15 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     gm = _trace_on_ranks01(model, example_inputs, loss_fn, optimizer, options)
     fixed = pipeline.resolve_placements(gm, options.placements, mesh.ndim)
     coord = tuple(device_mesh.get_coordinate())
-    groups = [device_mesh.get_group(i).group_name for i in range(mesh.ndim)]
-    chosen, lowered = _plan_with_rank1(gm, mesh, coord, options, fixed, groups)
-    gm = lowered if lowered is not None else _lower_after_rank0(gm, mesh, coord, groups, options, chosen)
+    groups = _axis_group_names(device_mesh)
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
+        else torch.device("cpu")
+    chosen, held = _plan_with_rank1(gm, mesh, coord, options, fixed, groups)
+    gm = _program(gm, mesh, coord, groups, options, chosen, held, device)
     plan = chosen.plan
     if dist.get_backend() == "gloo":  # one collective in flight at a time: see passes/waits.py
         pipeline.run_pass("waits", pipeline.wait_at_once, gm)
     fingerprint = _check_fingerprint(gm)
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
-        else torch.device("cpu")
     _share_generator(gm, device, rng_state)
     step = CompiledStep(model, gm, plan, mesh, coord, options.batch, fingerprint, device, optimizer,
                         device_mesh, host_scalars=options.backend == "eager")
@@ -561,6 +641,9 @@ class CompiledStep:
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
         self.device_mesh = device_mesh
+        #: each global rank's mesh coordinate (the DeviceMesh's layout; row-major without one)
+        self._coordinates = _coordinates(device_mesh) if device_mesh is not None else \
+            [mesh.coordinate(r) for r in range(mesh.size)]
         self.steps_done = 0
         #: on a GPU, the scalars the update reads that stay in host memory, as torch.optim keeps
         #: them (:meth:`_device_for`); each hyper-parameter is one too
@@ -636,7 +719,7 @@ class CompiledStep:
         dist.all_gather(pieces, padded)
         full = torch.empty(shape, dtype=local.dtype, device=local.device)
         for rank, piece in enumerate(pieces):
-            where = local_slices(shape, sbp, self.mesh.shape, self.mesh.coordinate(rank))
+            where = local_slices(shape, sbp, self.mesh.shape, self._coordinates[rank])
             full[where] = piece[tuple(slice(0, s.stop - s.start) for s in where)]
         return full.to(home)
 
@@ -714,7 +797,7 @@ class CompiledStep:
             split_axes = [i for i, x in enumerate(self._sbp(key)) if x.is_split]
             first: dict[tuple, int] = {}  # the first rank of each group that holds one piece
             for rank, prints in enumerate(everyone):
-                coord = self.mesh.coordinate(rank)
+                coord = self._coordinates[rank]
                 peer = first.setdefault(tuple(coord[i] for i in split_axes), rank)
                 if not torch.equal(prints[j], everyone[peer][j]):
                     raise UnsupportedInputError(

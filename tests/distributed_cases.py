@@ -72,3 +72,23 @@ def compiled_run_recording_the_kept_plan(rank: int, mesh, cases):
     if rank == 0:
         results[0]["kept"] = kept[0]
     return results
+
+
+def compiled_on_a_device_mesh(rank: int, layout, cases):
+    """:func:`compiled_run` on a ``DeviceMesh`` of ``layout`` (nested lists of ranks); each
+    rank's first result also holds how often this rank called ``pipeline.lower``
+    (``lowered``)."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from ddlc import pipeline
+    calls = []
+    lower = pipeline.lower
+
+    def counted(*args, **kwargs):
+        calls.append(args[2])
+        return lower(*args, **kwargs)
+
+    pipeline.lower = counted
+    results = compiled_run(rank, DeviceMesh("cpu", torch.tensor(layout)), cases)
+    results[0]["lowered"] = len(calls)
+    return results

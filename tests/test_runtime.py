@@ -169,3 +169,31 @@ def test_optimizer_state_holds_what_torch_optim_holds():
     want = sorted(f"{names[p]}:{s}" for p, state in opt.state.items() for s in state)
     assert want and all(k.startswith("used.") for k in want)
     assert spawn(_optimizer_state_keys, 2) == [want, want]
+
+
+def test_one_program_lowered_serves_every_rank():
+    """Where the plan splits every tensor evenly, one rank lowers the program and the others
+    make it theirs (passes/retarget.py): on a DeviceMesh laid out column by column (rank 1
+    at mesh coordinate (1, 0)), with tensor-parallel pins (local slices, partial sums) and
+    with a searched plan, the numbers, the gathered parameters and optimizer state among
+    them, are the single device's, and ranks 2 and 3 lower nothing."""
+    from distributed_cases import compiled_on_a_device_mesh
+    cases = [("gpt", "sgd", "train", MIXED_GPT), ("gpt", "adamw", "train", None, GPU)]
+    per_rank = spawn(compiled_on_a_device_mesh, 4, [[0, 2], [1, 3]], cases, timeout=120, deadline=360)
+    lowered = [results[0].pop("lowered") for results in per_rank]
+    assert lowered[0] > 0 and lowered[2:] == [0, 0], lowered
+    for (model, opt, mode, placements, *_), got in zip(cases, per_rank[0]):
+        for key in ("collectives", "most_in_flight"):
+            got.pop(key)
+        assert_matches_reference(got, reference(model, opt, mode), f"{model}/{opt}/{placements}",
+                                 **GLOO_TOLERANCES)
+
+
+def test_a_device_mesh_whose_groups_rank_otherwise_is_refused():
+    """torch ranks a process group's members by number; a DeviceMesh that lays ranks out in
+    decreasing order along an axis would have collectives assemble pieces in the reverse
+    of the plan's order (it trained silently wrong): every rank refuses it."""
+    from distributed_cases import compiled_on_a_device_mesh
+    with pytest.raises(WorkerError, match="MeshError.*increasing rank order"):
+        spawn(compiled_on_a_device_mesh, 4, [[3, 2], [1, 0]], [("mlp", "sgd", "train", None)],
+              timeout=120, deadline=240)
