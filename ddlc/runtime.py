@@ -539,6 +539,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options)
                  + [f"steps trained by an earlier compiled step of this model: {held}"])
     _check_devices(model, example_inputs, device_type)
+    groups = _axis_group_names(device_mesh)  # a collective: before anything one rank may raise alone
     if trained_by is not None:
         log.info("the model's earlier compiled step trained it %d step(s): its weights, buffers and "
                  "optimizer state are written back first", held)
@@ -555,7 +556,6 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     gm = _trace_on_ranks01(model, example_inputs, loss_fn, optimizer, options)
     fixed = pipeline.resolve_placements(gm, options.placements, mesh.ndim)
     coord = tuple(device_mesh.get_coordinate())
-    groups = _axis_group_names(device_mesh)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
     chosen, held = _plan_with_rank1(gm, mesh, coord, options, fixed, groups)
@@ -852,8 +852,8 @@ class CompiledStep:
 
     def write_back(self) -> None:
         """Put this step's training state into the model and optimizer it was compiled from
-        (collective): the full parameters and persistent buffers into the model's own
-        tensors, except those written in the model since compile (eager would train on
+        (collective): the full parameters and buffers (non-persistent ones too) into the
+        model's own tensors, except those written in the model since compile (eager would train on
         those values: they stay), the optimizer state into ``optimizer.state`` as
         torch.optim keeps it, and the program generator's state into the default generator
         (CPU or CUDA, as the program's), so that an eager step, ``torch.save`` of the model or
@@ -865,11 +865,12 @@ class CompiledStep:
             return                                    # optimizer may have moved on eagerly
         self._written_back_at = self.steps_done
         written = self._watch.written()
-        full = self.state_dict()
+        full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()}
+        own = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
         with torch.no_grad():
-            for key, tensor in self._model.state_dict(keep_vars=True).items():
-                if key in full and self._state_dict_names.get(key) not in written:
-                    tensor.copy_(full[key])
+            for name, value in full.items():
+                if name not in written:
+                    own[name].copy_(value)
         if self._optimizer is not None:
             params = dict(self._model.named_parameters())
             for key, value in self.optimizer_state().items():
@@ -955,15 +956,41 @@ class CompiledStep:
 
     def __call__(self, *inputs, **keyword_inputs):
         """Inference (compiled without loss_fn and optimizer): the model's output, in the
-        model's own structure (a tensor, tuple, dict or ``ModelOutput``), full on every rank."""
+        model's own structure (a tensor, tuple, dict or ``ModelOutput``), full on every rank.
+        It runs on the model's weights and buffers as they are now (:meth:`_take_current_state`:
+        those another compiled step has trained since, or written into the model since);
+        buffers it updates (BatchNorm statistics in training mode) are its own until written
+        back, as a training step's are (compiling the model again writes them back first)."""
         if self.signature.has_loss:
             raise UnsupportedInputError("this program is a training step; call .step(*batch)")
+        self._take_current_state()
         self._check_model()
         out = self._run(inputs, keyword_inputs)
-        self.buffers.update(out.get("buffer", {}))
+        if out.get("buffer"):
+            self.buffers.update(out["buffer"])
+            self.steps_done += 1  # calls that changed the model's state, for write_back
+            _TRAINED_BY[self._model] = self._ref
         if self.generator is not None:
             _DREW_LAST[self._model] = self.generator
         return self.signature.output_tree.rebuild(list(out["output"].values()))
+
+    def _take_current_state(self) -> None:
+        """Before an inference call: where another compiled step has trained the model since,
+        write that step back (collective; every rank runs the same calls); then reshard the
+        parameters and buffers written into the model since this program took them (an
+        inference program holds no state of its own to keep: eager inference would read
+        the model's)."""
+        trainer = _trained_by(self._model)
+        if trainer is not None and trainer is not self:
+            trainer.write_back()
+        if not self._watch.written():
+            return
+        params, buffers = dict(self._model.named_parameters()), dict(self._model.named_buffers())
+        self.params = {k: self._shard(k, params[k]) for k in self.params}
+        self.buffers = {k: self._shard(k, buffers[k]) for k in self.buffers}
+        self._watch.accept_writes()
+        if _trained_by(self._model) is self:  # the model's values are newer than this program's
+            del _TRAINED_BY[self._model]
 
     # -- random numbers ----------------------------------------------------------------
     @property

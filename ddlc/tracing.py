@@ -766,6 +766,11 @@ _CAUSES = (
      "the step calls an operator whose output size torch cannot tell without running it "
      "(it has no shape rule for tracing, e.g. aten._ctc_loss of F.ctc_loss), so ddlc cannot "
      "trace it into one static graph"),
+    (re.compile(r"SymIntArrayRef expected to contain only concrete integers", re.I), TraceError,
+     "the step computes a tensor whose size depends on tensor values (a boolean-mask index "
+     "`x[mask]`), and an operator, or its gradient, needs that size as a number (a mean over "
+     "it), which one static graph cannot plan; write it with a fixed size, e.g. "
+     "`torch.where(mask, loss, 0).sum() / mask.sum()` for `loss[mask].mean()`"),
     (re.compile(r"data.dependent|GuardOnDataDependent|DataDependentOutput|Could not guard on|"
                 r"item\(\)|tolist\(\)|unallocated storage|aten\._local_scalar_dense", re.I), TraceError,
      "the model has data-dependent Python control flow or reads a tensor's value (e.g. "
@@ -840,7 +845,7 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
             if pattern.search(f"{type(e).__name__} {e}"):
                 raise error(f"{cause}; the example inputs are {_describe(batch)} ({text})",
                             where=line) from e
-        raise TraceError(f"tracing the training step failed ({text})", where=line) from e
+        raise TraceError(f"tracing the step failed ({text})", where=line) from e
     finally:
         for h in hooks:
             h.remove()

@@ -246,3 +246,94 @@ def _old_step_after_a_newer_one(rank):
 def test_an_older_compiled_step_is_refused_once_a_newer_one_has_trained_the_model():
     messages = spawn(_old_step_after_a_newer_one, 4, timeout=120, deadline=300)
     assert len(set(messages)) == 1 and "another compiled step of this model has trained it" in messages[0]
+
+
+class _Tracked(torch.nn.Module):
+    """BatchNorm statistics and a non-persistent buffer (a running mean of the features,
+    kept out of ``state_dict``) that the forward updates in training mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = torch.nn.Linear(12, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 5)
+        self.register_buffer("ema", torch.zeros(16), persistent=False)
+
+    def forward(self, x):
+        h = self.bn(self.fc1(x))
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+        return self.fc2(torch.relu(h) + self.ema)
+
+
+def _tracked_setup():
+    torch.manual_seed(0)
+    model = _Tracked()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g))
+    return model, opt, batch
+
+
+def _trained_and_evaluated(rank, eager: bool = False):
+    """An inference program compiled in eval mode, a training step, then three rounds of a
+    step and an evaluation, then eager steps after write_back; the same eagerly with
+    ``eager``. Returns the losses, the evaluations and the buffers at the end."""
+    model, opt, batch = _tracked_setup()
+    ce = torch.nn.functional.cross_entropy
+    if not eager:
+        model.eval()
+        evaluate = ddlc.compile(model, (4,), batch[:1])
+        model.train()
+        step = ddlc.compile(model, (4,), batch, ce, opt)
+    losses, outputs = [], []
+    for _ in range(3):
+        model.train()
+        losses += _eager_steps(model, opt, batch, 1) if eager else [float(step.step(*batch))]
+        model.eval()
+        with torch.no_grad():
+            outputs.append(model(batch[0]) if eager else evaluate(batch[0]))
+    model.train()
+    if not eager:
+        step.write_back()
+    losses += _eager_steps(model, opt, batch, 2)
+    return losses, outputs, {k: v.clone() for k, v in model.named_buffers()}
+
+
+def test_an_inference_program_evaluates_the_weights_trained_since():
+    """Training and evaluation alternated, as a training loop validates: each evaluation
+    runs on the weights and statistics the compiled step has trained so far (it ran on the
+    weights of its compile, silently), and ``write_back`` puts back every buffer, a
+    non-persistent one too (it was left out: eager steps after it diverged)."""
+    losses, outputs, buffers = spawn(_trained_and_evaluated, 4, timeout=120, deadline=300)[0]
+    want_losses, want_outputs, want_buffers = _trained_and_evaluated(0, eager=True)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **EAGER)
+    for got, want in zip(outputs, want_outputs):
+        torch.testing.assert_close(got, want, **EAGER)
+    for name, want in want_buffers.items():
+        _close(buffers[name], want, name, **EAGER)
+
+
+def _statistics_of_a_forward_program(rank, eager: bool = False):
+    """A forward-only program in training mode called twice (it updates BatchNorm's
+    statistics and the running mean), then the model in eval mode compiled again (the exact
+    solver: nothing is left to choose in this program) and evaluated."""
+    model, _, batch = _tracked_setup()
+    with torch.no_grad():
+        if eager:
+            model(batch[0]), model(batch[0])
+        else:
+            forward = ddlc.compile(model, (4,), batch[:1])
+            forward(batch[0]), forward(batch[0])
+        model.eval()
+        out = model(batch[0]) if eager else ddlc.compile(model, (4,), batch[:1], solver="exact")(batch[0])
+    return out, {k: v.clone() for k, v in model.named_buffers()}
+
+
+def test_compiling_again_keeps_the_statistics_a_forward_program_updated():
+    """Compiling the model again writes back what a forward-only program updated, as it
+    does for a training step (it started from the statistics of before)."""
+    out, buffers = spawn(_statistics_of_a_forward_program, 4, timeout=120, deadline=300)[0]
+    want, want_buffers = _statistics_of_a_forward_program(0, eager=True)
+    torch.testing.assert_close(out, want, **EAGER)
+    for name, value in want_buffers.items():
+        _close(buffers[name], value, name, **EAGER)

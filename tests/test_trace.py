@@ -298,6 +298,18 @@ def test_tensors_sized_by_tensor_values_are_refused():
     assert "test_trace.py" in str(info.value)
 
 
+def test_a_mean_over_a_boolean_mask_is_refused_naming_the_mask():
+    """``loss[mask].mean()``: the mean's gradient needs the masked size as a number, and
+    torch fails inside autograd ("SymIntArrayRef expected to contain only concrete
+    integers"); the refusal names the boolean mask and the fixed-size rewrite."""
+    mask = torch.tensor([1, 0, 0, 1], dtype=torch.bool)
+
+    def masked_loss(out, y):
+        return F.cross_entropy(out, y, reduction="none")[mask].mean()
+    with pytest.raises(TraceError, match=r"boolean-mask index .*torch\.where\(mask, loss, 0\)"):
+        ddlc.trace(torch.nn.Linear(6, 3), (torch.randn(4, 6), torch.randint(0, 3, (4,))), masked_loss)
+
+
 @pytest.mark.parametrize("style", ["ctx", "setup_context"])
 def test_a_custom_autograd_function_is_refused_with_its_cause(style):
     """A custom autograd.Function, old style (forward takes ``ctx``, Bloom's GeLU: it cannot

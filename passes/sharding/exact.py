@@ -71,6 +71,9 @@ def solve_milp(unary: Sequence[np.ndarray], memory: Sequence[np.ndarray], edges:
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
     start = time.perf_counter()
+    if not unary:  # nothing left to choose (the reduction decided every variable)
+        return [], {"status": "no variables", "optimal": True, "mip_gap": 0.0, "columns": 0, "rows": 0,
+                    "seconds": 0.0}
     offsets = np.cumsum([0] + [len(u) for u in unary])
     n_x = int(offsets[-1])
     cost = [np.concatenate(unary)]
