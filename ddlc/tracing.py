@@ -515,6 +515,21 @@ def _without_generation_cache(model: nn.Module):
             c.use_cache = saved[k]
 
 
+@contextlib.contextmanager
+def _sync_batch_norm_as_batch_norm():
+    """``nn.SyncBatchNorm`` runs as the batch norm it is while tracing. Under DDP it
+    reduces the statistics of every rank's part of the batch; ddlc traces the step on the
+    global batch, and a plan that splits it sums the statistics across ranks itself, so
+    its BatchNorm already normalizes as SyncBatchNorm does (SyncBatchNorm's own forward
+    refuses a CPU tensor and calls collectives of its own)."""
+    sync = nn.SyncBatchNorm.forward
+    nn.SyncBatchNorm.forward = nn.modules.batchnorm._BatchNorm.forward
+    try:
+        yield
+    finally:
+        nn.SyncBatchNorm.forward = sync
+
+
 def _loss_of(out, loss_fn: Callable | None, targets: Sequence[torch.Tensor]) -> torch.Tensor:
     """The step's loss: ``loss_fn(out, *targets)``, or the model's own (``out`` itself, its
     ``.loss`` or ``["loss"]``, or a scalar first element of a tuple)."""
@@ -822,7 +837,7 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
         # GPT-2-small step)
         with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model), \
                 _forward_frames_only(), _loss_frames_kept(loss_fn), _use_lazy_graph_module(True), \
-                _checkpoints_as_regions(annotator):
+                _checkpoints_as_regions(annotator), _sync_batch_norm_as_batch_norm():
             # a tensor the forward or loss captures from outside the model (class weights
             # in a global) becomes a constant of the graph
             return make_fx(functionalize(fn, remove=remove), tracing_mode="fake",

@@ -92,3 +92,20 @@ def compiled_on_a_device_mesh(rank: int, layout, cases):
     results = compiled_run(rank, DeviceMesh("cpu", torch.tensor(layout)), cases)
     results[0]["lowered"] = len(calls)
     return results
+
+
+def sync_batchnorm_steps(rank, steps: int):
+    """A tiny ResNet converted to ``nn.SyncBatchNorm`` (as for DDP), compiled on (4,)
+    with the batch split, SGD steps: the losses, and the parameters and buffers."""
+    import torch
+    import torch.nn.functional as F
+    import ddlc
+    from ddlc import zoo
+    torch.manual_seed(0)
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(zoo.resnet18(num_classes=10, width=4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+    step = ddlc.compile(model, (4,), batch, F.cross_entropy, opt, placements={"input0": "(S0)"})
+    losses = [step.step(*batch) for _ in range(steps)]
+    return losses, step.state_dict()

@@ -197,3 +197,29 @@ def test_a_device_mesh_whose_groups_rank_otherwise_is_refused():
     with pytest.raises(WorkerError, match="MeshError.*increasing rank order"):
         spawn(compiled_on_a_device_mesh, 4, [[3, 2], [1, 0]], [("mlp", "sgd", "train", None)],
               timeout=120, deadline=240)
+
+
+def test_sync_batchnorm_trains_as_the_batchnorm_it_converts():
+    """A model converted with ``nn.SyncBatchNorm.convert_sync_batchnorm`` (as for DDP),
+    compiled in a process group (where SyncBatchNorm's own forward would refuse CPU
+    tensors and call collectives of its own), trains as the BatchNorm model it came from
+    on one device: ddlc's BatchNorm already normalizes over the global batch."""
+    import torch.nn.functional as F
+    from distributed_cases import sync_batchnorm_steps
+    from ddlc import zoo
+    losses, state = spawn(sync_batchnorm_steps, 4, 2, timeout=120, deadline=300)[0]
+    torch.manual_seed(0)
+    model = zoo.resnet18(num_classes=10, width=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+    want = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        opt.step()
+        want.append(loss.detach())
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-4, atol=1e-5)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
