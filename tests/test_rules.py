@@ -97,6 +97,13 @@ def _r(*shape, seed=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed + sum(shape)))
 
 
+def _with_indices(backward, forward, shape, *args, backward_takes_args=True):
+    """A max-pooling backward call with the indices its forward (of ``args``) gives."""
+    x = _r(*shape)
+    out, indices = forward(x, *args)
+    return backward, (_r(*out.shape, seed=1), x, *(args if backward_takes_args else ()), indices), {}
+
+
 def _attention(is_causal):
     q, k, v = _r(2, 4, 8, 8), _r(2, 4, 16, 8, seed=1), _r(2, 4, 16, 8, seed=2)
     return aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v, 0.0, is_causal), {}
@@ -190,6 +197,49 @@ SYNTHETIC = {
         (_r(2, 6, 5, 5), _r(2, 4, 5, 5), _r(6, 4, 3, 3), [6], [1, 1], [1, 1], [1, 1], False,
          [0, 0], 1, [False, True, True]), {}),
     "max_pool_3d_input": lambda: (aten.max_pool2d_with_indices.default, (_r(4, 6, 6), [2, 2]), {}),
+    # per-plane spatial operators: pooling, padding, upsampling, pixel shuffle (U-Nets,
+    # GANs, super-resolution, video models)
+    "avg_pool2d": lambda: (aten.avg_pool2d.default, (_r(4, 4, 6, 6), [3, 3], [2, 2], [1, 1], True), {}),
+    "avg_pool2d_backward": lambda: (aten.avg_pool2d_backward.default,
+                                    (_r(4, 4, 3, 3, seed=1), _r(4, 4, 6, 6), [2, 2], [2, 2], [0, 0],
+                                     False, True, None), {}),
+    "avg_pool3d": lambda: (aten.avg_pool3d.default, (_r(4, 4, 4, 4, 4), [2, 2, 2]), {}),
+    "max_pool3d": lambda: (aten.max_pool3d_with_indices.default, (_r(4, 4, 4, 4, 4), [2, 2, 2]), {}),
+    "max_pool3d_backward": lambda: _with_indices(aten.max_pool3d_with_indices_backward.default,
+                                                 aten.max_pool3d_with_indices.default, (4, 4, 4, 4, 4),
+                                                 [2, 2, 2], [2, 2, 2], [0, 0, 0], [1, 1, 1], False),
+    "adaptive_max_pool2d": lambda: (aten.adaptive_max_pool2d.default, (_r(4, 4, 6, 6), [3, 3]), {}),
+    "adaptive_max_pool2d_backward": lambda: _with_indices(aten.adaptive_max_pool2d_backward.default,
+                                                          aten.adaptive_max_pool2d.default, (4, 4, 6, 6), [3, 3],
+                                                          backward_takes_args=False),
+    "adaptive_avg_pool3d_backward": lambda: (aten._adaptive_avg_pool3d_backward.default,
+                                             (_r(4, 4, 2, 2, 2, seed=1), _r(4, 4, 4, 4, 4)), {}),
+    "reflection_pad2d": lambda: (aten.reflection_pad2d.default, (_r(4, 4, 6, 6), [1, 2, 2, 1]), {}),
+    "reflection_pad2d_backward": lambda: (aten.reflection_pad2d_backward.default,
+                                          (_r(4, 4, 9, 9, seed=1), _r(4, 4, 6, 6), [1, 2, 2, 1]), {}),
+    "reflection_pad1d_unbatched": lambda: (aten.reflection_pad1d.default, (_r(4, 6), [2, 2]), {}),
+    "replication_pad3d": lambda: (aten.replication_pad3d.default, (_r(4, 4, 3, 3, 3), [1, 1, 1, 1, 1, 1]), {}),
+    "replication_pad1d_backward": lambda: (aten.replication_pad1d_backward.default,
+                                           (_r(4, 4, 9, seed=1), _r(4, 4, 6), [2, 1]), {}),
+    "upsample_nearest2d": lambda: (aten.upsample_nearest2d.default, (_r(4, 4, 3, 3), [6, 6]), {}),
+    "upsample_nearest2d_backward": lambda: (aten.upsample_nearest2d_backward.default,
+                                            (_r(4, 4, 6, 6), [6, 6], [4, 4, 3, 3]), {}),
+    "upsample_bilinear2d": lambda: (aten.upsample_bilinear2d.default, (_r(4, 4, 3, 3), [5, 7], True), {}),
+    "upsample_bilinear2d_backward": lambda: (aten.upsample_bilinear2d_backward.default,
+                                             (_r(4, 4, 5, 7), [5, 7], [4, 4, 3, 3], False), {}),
+    "upsample_bicubic2d": lambda: (aten.upsample_bicubic2d.default, (_r(4, 4, 3, 3), [6, 6], False), {}),
+    "upsample_linear1d": lambda: (aten.upsample_linear1d.default, (_r(4, 4, 5), [10], True), {}),
+    "upsample_trilinear3d_backward": lambda: (aten.upsample_trilinear3d_backward.default,
+                                              (_r(4, 4, 4, 4, 4), [4, 4, 4], [4, 4, 2, 2, 2], False), {}),
+    "pixel_shuffle": lambda: (aten.pixel_shuffle.default, (_r(4, 8, 3, 3), 2), {}),
+    "pixel_unshuffle": lambda: (aten.pixel_unshuffle.default, (_r(4, 2, 6, 6), 2), {}),
+    "group_norm": lambda: (aten.native_group_norm.default,
+                           (_r(4, 6, 3, 3), _r(6, seed=1), _r(6, seed=2), 4, 6, 9, 2, 1e-5), {}),
+    "group_norm_backward": lambda: (
+        aten.native_group_norm_backward.default,
+        (_r(4, 6, 3, 3, seed=3), _r(4, 6, 3, 3),
+         *aten.native_group_norm.default(_r(4, 6, 3, 3), _r(6, seed=1), None, 4, 6, 9, 2, 1e-5)[1:],
+         _r(6, seed=1), 4, 6, 9, 2, [True, True, True]), {}),
     "zeros_like": lambda: (aten.zeros_like.default, (_r(4, 6),), {}),
     "ones_like": lambda: (aten.ones_like.default, (_r(4, 6),), {}),
     "full_like": lambda: (aten.full_like.default, (_r(4, 6), 3.0), {}),

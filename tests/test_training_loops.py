@@ -57,6 +57,44 @@ def test_batchnorm_training_uses_the_whole_batch_statistics(mesh_shape):
     assert int(buffers["bn1.num_batches_tracked"]) == len(data)
 
 
+class _UNetish(nn.Module):
+    """GroupNorm, reflection padding, average pooling, nearest and bilinear upsampling and
+    a pixel shuffle: operators that work on each (sample, channel) plane alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.inc = nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect")
+        self.gn = nn.GroupNorm(2, 8)
+        self.down = nn.Conv2d(8, 16, 3, padding=1)
+        self.up = nn.Conv2d(16, 8, 1)
+        self.sub = nn.Conv2d(8, 12, 3, padding=1)
+        self.head = nn.Linear(3 * 32 * 32, 10)
+
+    def forward(self, x):
+        h = F.silu(self.gn(self.inc(x)))
+        d = F.avg_pool2d(F.relu(self.down(h)), 2)
+        u = self.up(F.interpolate(d, scale_factor=2, mode="nearest")) + \
+            F.interpolate(h, size=(32, 32), mode="bilinear", align_corners=False)
+        y = F.pixel_shuffle(self.sub(F.adaptive_max_pool2d(u, 16)), 2)
+        return self.head(y.flatten(1))
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_per_plane_operators_train_data_parallel(mesh_shape):
+    """Those operators split by batch (and channels): the model trains as pure data
+    parallelism (``move_activations=False``, refused before: no rule let them split) and
+    matches eager training, statistics of GroupNorm included."""
+    torch.manual_seed(0)
+    model = _UNetish()
+    reference = copy.deepcopy(model)
+    data = _images(n_steps=2)
+    adam = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)  # noqa: E731
+    losses, params, _, _ = simulated(model, F.cross_entropy, adam, data, mesh_shape, move_activations=False)
+    want, _ = eager(reference, F.cross_entropy, adam, data)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+
+
 CNN_ZOO = {"resnet18": lambda: zoo.resnet18(width=4), "resnet50": lambda: zoo.resnet50(width=4),
            "vgg16_bn": lambda: zoo.vgg16_bn(width=4), "mobilenet_v2": lambda: zoo.mobilenet_v2(width_mult=0.25)}
 

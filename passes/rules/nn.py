@@ -26,6 +26,12 @@
 - ``embedding_dense_backward`` with a ``padding_idx``: the padding row's gradient is
   zero in every piece, so the index contraction holds as without one.
 - pooling: batch and channel dims split; the backward is linear in the gradient.
+- per-plane spatial operators (average, 3-D and adaptive max pooling, reflection and
+  replication padding, upsampling of every mode): every dim before the ``k`` spatial
+  ones they work on (batch, channels) splits everything, the spatial dims never split;
+  average pooling, padding and upsampling are linear in their input, every backward in
+  its gradient. An upsampling backward's ``input_size`` is localized to the gradient's
+  local shape. Pixel (un)shuffle folds channels into space: only the batch splits.
 """
 from __future__ import annotations
 
@@ -128,6 +134,13 @@ def convolution_backward(call: Call) -> Labels:
                         2: {"grad_output"}})
 
 
+#: upsampling operators (their backward is ``<name>_backward``) -> spatial dims
+UPSAMPLE = {"upsample_nearest1d": 1, "upsample_nearest2d": 2, "upsample_nearest3d": 3,
+            "_upsample_nearest_exact1d": 1, "_upsample_nearest_exact2d": 2, "_upsample_nearest_exact3d": 3,
+            "upsample_linear1d": 1, "upsample_bilinear2d": 2, "upsample_bicubic2d": 2,
+            "_upsample_bilinear2d_aa": 2, "_upsample_bicubic2d_aa": 2, "upsample_trilinear3d": 3}
+
+
 def _pool_labels(meta) -> str:
     return letters(meta.ndim - 2) + UNSPLIT * 2
 
@@ -153,7 +166,51 @@ def adaptive_avg_pool_backward(call: Call) -> Labels:
     return Labels({"grad_output": labels, "self": labels}, [labels], linear=[{"grad_output"}])
 
 
+def _per_plane(spatial: int, tensors: tuple[str, ...], outputs: int, linear: str | None):
+    """The rule of an operator that works on each (batch, channel) plane alone, on its
+    last ``spatial`` dims: its ``tensors`` arguments and its ``outputs`` share the leading
+    labels; ``linear``: the argument it is linear in (None: not linear)."""
+    def rule(call: Call) -> Labels:
+        first = next(call[name] for name in tensors if isinstance(call.get(name), TensorMeta))
+        labels = letters(first.ndim - spatial) + UNSPLIT * spatial
+        inputs = {name: labels for name in tensors if isinstance(call.get(name), TensorMeta)}
+        return Labels(inputs, [labels] * outputs, linear=[{linear}] if linear else [])
+    return rule
+
+
+#: per-plane operators: op -> (spatial dims, tensor arguments, outputs, linear in)
+PER_PLANE = {
+    aten.avg_pool2d.default: (2, ("self",), 1, "self"),
+    aten.avg_pool2d_backward.default: (2, ("grad_output", "self"), 1, "grad_output"),
+    aten.avg_pool3d.default: (3, ("self",), 1, "self"),
+    aten.avg_pool3d_backward.default: (3, ("grad_output", "self"), 1, "grad_output"),
+    aten.max_pool3d_with_indices.default: (3, ("self",), 2, None),
+    aten.max_pool3d_with_indices_backward.default: (3, ("grad_output", "self", "indices"), 1, "grad_output"),
+    aten.adaptive_max_pool2d.default: (2, ("self",), 2, None),
+    aten.adaptive_max_pool2d_backward.default: (2, ("grad_output", "self", "indices"), 1, "grad_output"),
+    aten.adaptive_max_pool3d.default: (3, ("self",), 2, None),
+    aten.adaptive_max_pool3d_backward.default: (3, ("grad_output", "self", "indices"), 1, "grad_output"),
+    aten._adaptive_avg_pool3d.default: (3, ("self",), 1, "self"),
+    aten._adaptive_avg_pool3d_backward.default: (3, ("grad_output", "self"), 1, "grad_output"),
+    **{getattr(aten, f"{kind}_pad{k}d").default: (k, ("self",), 1, "self")
+       for kind in ("reflection", "replication") for k in (1, 2, 3)},
+    **{getattr(aten, f"{kind}_pad{k}d_backward").default: (k, ("grad_output", "self"), 1, "grad_output")
+       for kind in ("reflection", "replication") for k in (1, 2, 3)},
+    **{getattr(aten, name).default: (k, ("self",), 1, "self") for name, k in UPSAMPLE.items()},
+    **{getattr(aten, f"{name}_backward").default: (k, ("grad_output",), 1, "grad_output")
+       for name, k in UPSAMPLE.items()},
+    aten.pixel_shuffle.default: (3, ("self",), 1, "self"),
+    aten.pixel_unshuffle.default: (3, ("self",), 1, "self"),
+}
+
+
+def upsample_backward_size(call: Call, in_shapes, out_shapes) -> dict:
+    """An upsampling backward's ``input_size`` is its (local) output's shape."""
+    return {"input_size": list(out_shapes[0])}
+
+
 RULES = {
+    **{op: _per_plane(*entry) for op, entry in PER_PLANE.items()},
     aten.embedding.default: embedding,
     aten.embedding_dense_backward.default: embedding_backward,
     **dict.fromkeys(ATTENTION, attention),
@@ -193,4 +250,5 @@ def conv_backward_args(call: Call, in_shapes, out_shapes) -> dict:
 
 
 LOCALIZERS = {aten.convolution.default: conv_groups,
-              aten.convolution_backward.default: conv_backward_args}
+              aten.convolution_backward.default: conv_backward_args,
+              **{getattr(aten, f"{name}_backward").default: upsample_backward_size for name in UPSAMPLE}}

@@ -19,6 +19,10 @@
   batch statistics span N and the spatial dims, which never split. The backward is
   linear in the incoming gradient; in inference its batch/spatial splits contract into
   the weight and bias gradients (``P``), in training only the channel splits.
+- group norm (input ``[N, C, *]``, statistics ``[N, groups]``): the batch splits
+  everything but the weight and bias (``N`` localized), whose gradients are contracted
+  over it (``P``); channels and space never split (groups span them). The backward is
+  linear in the incoming gradient.
 - nll / mse loss: with ``reduction=sum`` a batch split gives a ``P`` loss (and a
   ``P`` total_weight); with ``mean`` the batch dim is never split (a local mean is
   not a partial sum), except in ``nll_loss_backward``, whose gradient rows only
@@ -180,6 +184,30 @@ def batch_norm_backward(call: Call) -> Labels:
     return Labels(inputs, [x, CHANNEL, CHANNEL], linear=linear, deps=deps)
 
 
+def _group_norm_input(call: Call, name: str) -> str:
+    return "n" + UNSPLIT * (call[name].ndim - 1)
+
+
+def group_norm(call: Call) -> Labels:
+    """native_group_norm: (output, mean, rstd), the statistics ``[N, groups]``."""
+    x = _group_norm_input(call, "input")
+    return Labels({"input": x, "weight": UNSPLIT, "bias": UNSPLIT}, [x, "n" + UNSPLIT, "n" + UNSPLIT])
+
+
+def group_norm_backward(call: Call) -> Labels:
+    """(grad_input, grad_weight, grad_bias): the parameter gradients sum over the batch."""
+    x = _group_norm_input(call, "grad_out")
+    inputs = {"grad_out": x, "input": x, "mean": "n" + UNSPLIT, "rstd": "n" + UNSPLIT, "weight": UNSPLIT}
+    return Labels(inputs, [x, UNSPLIT, UNSPLIT], linear=[{"grad_out"}],
+                  deps={0: {"grad_out", "input", "mean", "rstd", "weight"},
+                        1: {"grad_out", "input", "mean", "rstd"}, 2: {"grad_out"}})
+
+
+def group_norm_batch(call: Call, in_shapes, out_shapes) -> dict:
+    """``N`` is the local batch (the first tensor's dim 0)."""
+    return {"N": in_shapes[0][0]}
+
+
 def _loss_batch(call: Call, ndim: int, splittable: bool) -> str:
     """Labels of a loss input: the batch dim (dim 0 of a 2-d input) and class dim."""
     batch = "n" if splittable else UNSPLIT
@@ -247,4 +275,9 @@ RULES = {
                      aten._native_batch_norm_legit.no_stats,
                      aten._native_batch_norm_legit_functional.default], batch_norm),
     aten.native_batch_norm_backward.default: batch_norm_backward,
+    aten.native_group_norm.default: group_norm,
+    aten.native_group_norm_backward.default: group_norm_backward,
 }
+
+LOCALIZERS = {aten.native_group_norm.default: group_norm_batch,
+              aten.native_group_norm_backward.default: group_norm_batch}

@@ -23,6 +23,7 @@ from ddlc.mesh import Mesh
 from ddlc.plan import NodePlan, Plan
 from ddlc.printing import format_bytes, op_name
 from ddlc.sbp import NdSBP
+from passes.rules import has_rule
 
 from .descent import SEEDS, coordinate_descent
 from .exact import smallest_footprint, solve_exact
@@ -108,10 +109,14 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         # after it): name every move of the plan found, not a cause
         more = f"; and {len(others)} more: " + ", ".join(e.what for e in others[:MORE_EDGES]) + \
             (", ..." if len(others) > MORE_EDGES else "") if others else ""
+        unruled = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"
+                          and n.all_input_nodes and not has_rule(n)})
+        unruled = f"; operators without a sharding rule in ddlc yet, which every rank computes on " \
+            f"whole tensors (their inputs gathered): {', '.join(unruled)}" if unruled else ""
         raise ShardingError("no plan runs this step without redistributing activations "
                             f"(move_activations=False) on mesh {mesh} with these placements: "
                             f"the least costly plan found moves {edge.what} (read by "
-                            f"{op_name(reader)}){more}",
+                            f"{op_name(reader)}){more}{unruled}",
                             where=where(reader))
     if problem.objective(choice) >= FORBIDDEN:
         raise ShardingError("every sharding found needs a forbidden redistribution (S->P); "
