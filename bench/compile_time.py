@@ -6,9 +6,10 @@ batch split. All in one process; a real ``compile`` adds the rank-0 broadcast an
 fingerprint check. Each figure is the best of ``--repeat`` rounds.
 
 ``--ranks 1 4``: ``ddlc.compile`` itself on that many local gloo processes (all ranks
-trace; rank 0 plans and lowers, the others lower with its choices), for the zoo GPT the
-issue measured (3 layers, d 192) and the models given; the figure is the slowest rank's
-wall time of the ``compile`` call, and the ratio to the first rank count is printed.
+trace; rank 0 plans and lowers, and sends the program to the others where the plan splits
+evenly), for the zoo GPT the issue measured (3 layers, d 192) and the models given; the
+figure is the slowest rank's wall time of the ``compile`` call, and the ratio to the first
+rank count and the CPU-seconds of all ranks together are printed.
 ``--mesh 2x4`` compiles for that mesh shape instead of a flat one of each rank count
 (``gpt2_small``: the GPT-2-small-shaped model of ``ddlc plan``'s benchmark, 12 layers,
 hidden 768, vocabulary 50304, sequence 1024, batch 8, AdamW; its weights are initialised

@@ -420,13 +420,14 @@ def _axis_group_names(device_mesh: DeviceMesh) -> list[str]:
                         "(e.g. [[0, 2], [1, 3]])")
     names = []
     for axis, own in enumerate(mine):
-        everyone_names = [names_of for names_of, _ in everyone]
-        name = "ddlc-" + hashlib.sha256(repr([n[axis] for n in everyone_names]).encode()).hexdigest()[:16]
+        name = "ddlc-" + hashlib.sha256(repr([names_of[axis] for names_of, _ in everyone]).encode()).hexdigest()[:16]
         try:
-            registered = c10d._resolve_process_group(name)
+            registered = c10d._resolve_process_group(name).group_name
         except RuntimeError:
             registered = None
-        if registered is None:
+        if registered != own:  # new, or left by a group destroyed since
+            if registered is not None:
+                c10d._unregister_process_group(name)
             c10d._register_process_group(name, c10d._resolve_process_group(own))
         names.append(name)
     return names
