@@ -58,13 +58,15 @@ def test_batchnorm_training_uses_the_whole_batch_statistics(mesh_shape):
 
 
 class _UNetish(nn.Module):
-    """GroupNorm, reflection padding, average pooling, nearest and bilinear upsampling and
-    a pixel shuffle: operators that work on each (sample, channel) plane alone."""
+    """GroupNorm, reflection padding, average pooling, nearest and bilinear upsampling, a
+    spatial transformer (affine grid and grid sampling) and a pixel shuffle: operators
+    that work on each (sample, channel) plane alone."""
 
     def __init__(self):
         super().__init__()
         self.inc = nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect")
         self.gn = nn.GroupNorm(2, 8)
+        self.loc = nn.Linear(8, 6)
         self.down = nn.Conv2d(8, 16, 3, padding=1)
         self.up = nn.Conv2d(16, 8, 1)
         self.sub = nn.Conv2d(8, 12, 3, padding=1)
@@ -75,6 +77,8 @@ class _UNetish(nn.Module):
         d = F.avg_pool2d(F.relu(self.down(h)), 2)
         u = self.up(F.interpolate(d, scale_factor=2, mode="nearest")) + \
             F.interpolate(h, size=(32, 32), mode="bilinear", align_corners=False)
+        theta = 0.1 * self.loc(h.mean((2, 3))).view(-1, 2, 3) + torch.eye(2, 3)
+        u = F.grid_sample(u, F.affine_grid(theta, list(u.shape), align_corners=False), align_corners=False)
         y = F.pixel_shuffle(self.sub(F.adaptive_max_pool2d(u, 16)), 2)
         return self.head(y.flatten(1))
 

@@ -32,6 +32,11 @@
   average pooling, padding and upsampling are linear in their input, every backward in
   its gradient. An upsampling backward's ``input_size`` is localized to the gradient's
   local shape. Pixel (un)shuffle folds channels into space: only the batch splits.
+- grid sampling (``input [N, C, *in]``, ``grid [N, *out, k]``): batch splits everything,
+  channels the input and output; linear in the input. Its backward is linear in the
+  gradient; the grid's gradient sums over channels (``P`` under a channel split). An
+  affine grid (``theta [N, k, k+1]`` -> ``[N, *out, k]``) splits by batch, its ``size``
+  localized; linear in ``theta`` (its backward in the gradient).
 """
 from __future__ import annotations
 
@@ -204,6 +209,33 @@ PER_PLANE = {
 }
 
 
+def _grid_labels(call: Call) -> tuple[str, str]:
+    """(input and output, grid) labels: n batch, c channels; space never splits."""
+    return "nc" + UNSPLIT * (call["input"].ndim - 2), "n" + UNSPLIT * (call["grid"].ndim - 1)
+
+
+def grid_sampler(call: Call) -> Labels:
+    x, grid = _grid_labels(call)
+    return Labels({"input": x, "grid": grid}, [x], linear=[{"input"}])
+
+
+def grid_sampler_backward(call: Call) -> Labels:
+    x, grid = _grid_labels(call)
+    return Labels({"grad_output": x, "input": x, "grid": grid}, [x, grid], linear=[{"grad_output"}],
+                  deps={0: {"grad_output", "grid"}, 1: {"grad_output", "input", "grid"}})
+
+
+def affine_grid(call: Call) -> Labels:
+    name = "theta" if call.target is aten.affine_grid_generator.default else "grad"
+    out = "n" + UNSPLIT * (call.outputs[0].ndim - 1)
+    return Labels({name: "n" + UNSPLIT * (call[name].ndim - 1)}, [out], linear=[{name}])
+
+
+def affine_grid_size(call: Call, in_shapes, out_shapes) -> dict:
+    """``size`` (the grid's ``[N, C, *out]``) takes the local batch."""
+    return {"size": [in_shapes[0][0], *call["size"][1:]]}
+
+
 def upsample_backward_size(call: Call, in_shapes, out_shapes) -> dict:
     """An upsampling backward's ``input_size`` is its (local) output's shape."""
     return {"input_size": list(out_shapes[0])}
@@ -211,6 +243,11 @@ def upsample_backward_size(call: Call, in_shapes, out_shapes) -> dict:
 
 RULES = {
     **{op: _per_plane(*entry) for op, entry in PER_PLANE.items()},
+    aten.grid_sampler_2d.default: grid_sampler, aten.grid_sampler_3d.default: grid_sampler,
+    aten.grid_sampler_2d_backward.default: grid_sampler_backward,
+    aten.grid_sampler_3d_backward.default: grid_sampler_backward,
+    aten.affine_grid_generator.default: affine_grid,
+    aten.affine_grid_generator_backward.default: affine_grid,
     aten.embedding.default: embedding,
     aten.embedding_dense_backward.default: embedding_backward,
     **dict.fromkeys(ATTENTION, attention),
@@ -251,4 +288,6 @@ def conv_backward_args(call: Call, in_shapes, out_shapes) -> dict:
 
 LOCALIZERS = {aten.convolution.default: conv_groups,
               aten.convolution_backward.default: conv_backward_args,
-              **{getattr(aten, f"{name}_backward").default: upsample_backward_size for name in UPSAMPLE}}
+              **{getattr(aten, f"{name}_backward").default: upsample_backward_size for name in UPSAMPLE},
+              aten.affine_grid_generator.default: affine_grid_size,
+              aten.affine_grid_generator_backward.default: affine_grid_size}
