@@ -233,6 +233,12 @@ SYNTHETIC = {
                                               (_r(4, 4, 4, 4, 4), [4, 4, 4], [4, 4, 2, 2, 2], False), {}),
     "pixel_shuffle": lambda: (aten.pixel_shuffle.default, (_r(4, 8, 3, 3), 2), {}),
     "pixel_unshuffle": lambda: (aten.pixel_unshuffle.default, (_r(4, 2, 6, 6), 2), {}),
+    "im2col": lambda: (aten.im2col.default, (_r(4, 4, 6, 6), [2, 2], [1, 1], [0, 0], [2, 2]), {}),
+    "im2col_unbatched": lambda: (aten.im2col.default, (_r(4, 6, 6), [3, 3], [1, 1], [1, 1], [1, 1]), {}),
+    "col2im": lambda: (aten.col2im.default, (_r(4, 16, 9), [6, 6], [2, 2], [1, 1], [0, 0], [2, 2]), {}),
+    "roll": lambda: (aten.roll.default, (_r(4, 4, 6, 6), [2, -1], [2, 3]), {}),
+    "roll_flattened": lambda: (aten.roll.default, (_r(4, 6), [3]), {}),
+    "flip": lambda: (aten.flip.default, (_r(4, 4, 6), [-1, 1]), {}),
     "grid_sampler_2d": lambda: (aten.grid_sampler_2d.default,
                                 (_r(4, 4, 5, 5), _r(4, 3, 6, 2, seed=1).tanh(), 0, 0, False), {}),
     "grid_sampler_2d_backward": lambda: (aten.grid_sampler_2d_backward.default,
@@ -769,13 +775,13 @@ def test_unknown_op_falls_back_to_all_b_and_logs_once():
     logger.addHandler(handler)
     try:
         for n in (5, 7):
-            node, _ = make_node(aten.flip.default, _r(n, 3), [0])
+            node, _ = make_node(aten.rot90.default, _r(n, 3), 1, [0, 1])
             assert signatures_1d(node) == [Signature((B,), (B,))]
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == [
-        "no SBP rule for aten.flip.default: it falls back to all-B"]
-    assert fallback_ops(torch.fx.GraphModule({}, node.graph)) == ["aten.flip.default"]
+        "no SBP rule for aten.rot90.default: it falls back to all-B"]
+    assert fallback_ops(torch.fx.GraphModule({}, node.graph)) == ["aten.rot90.default"]
 
 
 def test_enumeration_is_repeatable_on_a_6_layer_gpt():

@@ -461,19 +461,13 @@ def test_a_step_that_must_move_activations_is_refused_when_told_not_to():
 
 
 def test_a_data_parallel_refusal_names_the_operators_without_a_rule():
-    """With ``move_activations=False``, an operator ddlc has no sharding rule for (here
-    ``F.unfold``'s ``im2col``) runs on whole tensors and forces a gather; the refusal
-    names it (it named only a move)."""
-    class Patches(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(16, 2)
-
-        def forward(self, x):
-            return self.fc(F.unfold(self.conv(x), 2, stride=2).mean(2))
-
-    gm = canonicalize(ddlc.trace(Patches(), (torch.randn(4, 3, 8, 8), torch.randint(0, 2, (4,))),
+    """With ``move_activations=False``, an operator ddlc has no sharding rule for (here the
+    per-pixel cross-entropy's ``nll_loss2d``) runs on whole tensors and forces a gather;
+    the refusal names it (it named only a move)."""
+    gm = canonicalize(ddlc.trace(nn.Conv2d(3, 4, 3, padding=1),
+                                 (torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4, 8, 8))),
                                  F.cross_entropy, None))
     names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
-    with pytest.raises(ShardingError, match="without a sharding rule.*im2col"):
-        shard(gm, ddlc.Mesh((4,)), fixed={names["input0"]: NdSBP((S(0),))}, move_activations=False)
+    with pytest.raises(ShardingError, match="without a sharding rule.*nll_loss2d"):
+        shard(gm, ddlc.Mesh((4,)), fixed={names["input0"]: NdSBP((S(0),)), names["input1"]: NdSBP((S(0),))},
+              move_activations=False)

@@ -32,6 +32,8 @@
   average pooling, padding and upsampling are linear in their input, every backward in
   its gradient. An upsampling backward's ``input_size`` is localized to the gradient's
   local shape. Pixel (un)shuffle folds channels into space: only the batch splits.
+- ``im2col`` / ``col2im`` (``F.unfold`` / ``F.fold``: channels and kernel positions share
+  a dim): only the batch splits (none for an unbatched input); linear.
 - grid sampling (``input [N, C, *in]``, ``grid [N, *out, k]``): batch splits everything,
   channels the input and output; linear in the input. Its backward is linear in the
   gradient; the grid's gradient sums over channels (``P`` under a channel split). An
@@ -236,6 +238,14 @@ def affine_grid_size(call: Call, in_shapes, out_shapes) -> dict:
     return {"size": [in_shapes[0][0], *call["size"][1:]]}
 
 
+def columns(call: Call) -> Labels:
+    """im2col ``[N, C, H, W] -> [N, C*k*k, L]``, col2im back: the batch alone splits."""
+    batched = call["self"].ndim == (4 if call.target is aten.im2col.default else 3)
+    first = "n" if batched else UNSPLIT
+    x = first + UNSPLIT * (call["self"].ndim - 1)
+    return Labels({"self": x}, [first + UNSPLIT * (call.outputs[0].ndim - 1)], linear=[{"self"}])
+
+
 def upsample_backward_size(call: Call, in_shapes, out_shapes) -> dict:
     """An upsampling backward's ``input_size`` is its (local) output's shape."""
     return {"input_size": list(out_shapes[0])}
@@ -243,6 +253,7 @@ def upsample_backward_size(call: Call, in_shapes, out_shapes) -> dict:
 
 RULES = {
     **{op: _per_plane(*entry) for op, entry in PER_PLANE.items()},
+    aten.im2col.default: columns, aten.col2im.default: columns,
     aten.grid_sampler_2d.default: grid_sampler, aten.grid_sampler_3d.default: grid_sampler,
     aten.grid_sampler_2d_backward.default: grid_sampler_backward,
     aten.grid_sampler_3d_backward.default: grid_sampler_backward,

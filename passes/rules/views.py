@@ -11,7 +11,9 @@ backward and scatter forms (``slice_backward``, ``select_backward``, ``slice_sca
 may ``repeat`` on a new leading dim or a size-1 dim (``repeats`` localized); a dim
 repeated more than once never splits (the copies interleave the pieces). Padding
 (``constant_pad_nd``) never splits a padded dim; ``triu``/``tril`` only split the batch
-dims (the mask depends on the row and column of the last two).
+dims (the mask depends on the row and column of the last two); ``roll`` and ``flip``
+never split the dims they move (a roll without dims rolls the flattened tensor: nothing
+splits).
 """
 from __future__ import annotations
 
@@ -219,7 +221,16 @@ def triangle(call: Call) -> Labels:
     return Labels({"self": labels}, [labels], linear=SELF)
 
 
+def moved_in_place(call: Call) -> Labels:
+    """roll / flip: the dims they roll or reverse never split, the others split through."""
+    ndim = call["self"].ndim
+    dims = {d % ndim for d in call["dims"]} if call["dims"] else set(range(ndim))
+    labels = "".join(UNSPLIT if d in dims else c for d, c in enumerate(letters(ndim)))
+    return Labels({"self": labels}, [labels], linear=SELF)
+
+
 RULES = {
+    **dict.fromkeys([aten.roll.default, aten.flip.default], moved_in_place),
     **dict.fromkeys([aten.view.default, aten.view_copy.default, aten._unsafe_view.default,
                      aten.reshape.default, aten._reshape_copy.default], reshape),
     **dict.fromkeys([aten.t.default, aten.t_copy.default, aten.transpose.int,
