@@ -2,8 +2,8 @@
 
 A mean over a split dim is not a partial sum (each rank divides by its local
 count), so a data-parallel loss would force the logits to be gathered. Here
-``nll_loss_forward(..., reduction=mean)`` becomes the sum-reduction loss divided
-by its ``total_weight`` output; ``mse_loss`` (and its backward) and ``mean.dim``
+``nll_loss_forward(..., reduction=mean)`` (and the per-pixel ``nll_loss2d_forward``)
+becomes the sum-reduction loss divided by its ``total_weight`` output; ``mse_loss`` (and its backward) and ``mean.dim``
 become their sum forms divided by the static element count. All are exact.
 ``ones_like`` / ``zeros_like`` of a scalar read its metadata from the earliest input
 that has the same (:func:`_rewrite_like_of_scalar`), so the loss's last arithmetic
@@ -54,7 +54,7 @@ def _rewrite_nll_mean(graph: fx.Graph, node: fx.Node) -> None:
     if reduction != MEAN:
         return
     node.args = (x, target, weight, SUM, ignore_index)
-    _with_val(node, aten.nll_loss_forward.default, *node.args)
+    _with_val(node, node.target, *node.args)
     loss_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
     weight_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
     with graph.inserting_after(node):
@@ -199,6 +199,7 @@ def _position(graph: fx.Graph, node: fx.Node) -> int:
 
 REWRITES = {
     aten.nll_loss_forward.default: _rewrite_nll_mean,
+    aten.nll_loss2d_forward.default: _rewrite_nll_mean,
     aten.mean.dim: _rewrite_mean_dim,
     aten.mse_loss.default: _rewrite_mse_mean,
     aten.mse_loss_backward.default: _rewrite_mse_backward_mean,

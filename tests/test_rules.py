@@ -122,6 +122,13 @@ def _targets(n, classes):
     return t
 
 
+def _pixel_targets():
+    """Per-pixel classes of a [4, 4, 4] segmentation target, a few of them ignored."""
+    t = torch.randint(0, 6, (4, 4, 4), generator=torch.Generator().manual_seed(3))
+    t[0, 1, 2] = t[3, 0, 0] = -100
+    return t
+
+
 def _indices(*shape, vocab=10):
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(sum(shape)))
 
@@ -177,6 +184,18 @@ SYNTHETIC = {
     "nll_backward_sum": lambda: (aten.nll_loss_backward.default,
                                  (_r(), _r(8, 6), _targets(8, 6), None, 2, -100,
                                   torch.tensor(7.0)), {}),
+    "nll2d_sum": lambda: (aten.nll_loss2d_forward.default,
+                          (_r(4, 6, 4, 4).log_softmax(1), _pixel_targets(), None, 2, -100), {}),
+    "nll2d_none": lambda: (aten.nll_loss2d_forward.default,
+                           (_r(4, 6, 4, 4).log_softmax(1), _pixel_targets(), None, 0, -100), {}),
+    "nll2d_mean_weighted": lambda: (aten.nll_loss2d_forward.default,
+                                    (_r(4, 6, 4, 4).log_softmax(1), _pixel_targets(), _r(6).exp(), 1, -100), {}),
+    "nll2d_backward_sum": lambda: (aten.nll_loss2d_backward.default,
+                                   (_r(), _r(4, 6, 4, 4), _pixel_targets(), None, 2, -100,
+                                    torch.tensor(60.0)), {}),
+    "nll2d_backward_mean": lambda: (aten.nll_loss2d_backward.default,
+                                    (_r(), _r(4, 6, 4, 4), _pixel_targets(), None, 1, -100,
+                                     torch.tensor(60.0)), {}),
     "mse_sum": lambda: (aten.mse_loss.default, (_r(4, 6), _r(4, 6, seed=1), 2), {}),
     "mse_backward_sum": lambda: (aten.mse_loss_backward.default,
                                  (_r(), _r(4, 6), _r(4, 6, seed=1), 2), {}),

@@ -461,13 +461,20 @@ def test_a_step_that_must_move_activations_is_refused_when_told_not_to():
 
 
 def test_a_data_parallel_refusal_names_the_operators_without_a_rule():
-    """With ``move_activations=False``, an operator ddlc has no sharding rule for (here the
-    per-pixel cross-entropy's ``nll_loss2d``) runs on whole tensors and forces a gather;
-    the refusal names it (it named only a move)."""
-    gm = canonicalize(ddlc.trace(nn.Conv2d(3, 4, 3, padding=1),
-                                 (torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4, 8, 8))),
+    """With ``move_activations=False``, an operator ddlc has no sharding rule for (here
+    ``torch.logcumsumexp``) runs on whole tensors and forces a gather; the refusal names
+    it (it named only a move)."""
+    class Scanned(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.fc2(torch.logcumsumexp(self.fc1(x), 1))
+
+    gm = canonicalize(ddlc.trace(Scanned(), (torch.randn(4, 6), torch.randint(0, 2, (4,))),
                                  F.cross_entropy, None))
     names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
-    with pytest.raises(ShardingError, match="without a sharding rule.*nll_loss2d"):
+    with pytest.raises(ShardingError, match="without a sharding rule.*logcumsumexp"):
         shard(gm, ddlc.Mesh((4,)), fixed={names["input0"]: NdSBP((S(0),)), names["input1"]: NdSBP((S(0),))},
               move_activations=False)

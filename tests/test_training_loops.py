@@ -99,6 +99,27 @@ def test_per_plane_operators_train_data_parallel(mesh_shape):
                              {"losses": want, "params": dict(reference.named_parameters())})
 
 
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_a_segmentation_loss_trains_data_parallel(mesh_shape):
+    """Per-pixel cross-entropy (``nll_loss2d``) with ignored pixels, the batch split: pure
+    data parallelism, as eager trains (the loss's mean is a sum over every rank's pixels
+    divided by the count of those not ignored)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 5, 1))
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    data = []
+    for _ in range(2):
+        target = torch.randint(0, 5, (8, 16, 16), generator=g)
+        target[:2, :4] = -100
+        data.append((torch.randn(8, 3, 16, 16, generator=g), target))
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    losses, params, _, _ = simulated(model, F.cross_entropy, sgd, data, mesh_shape, move_activations=False)
+    want, _ = eager(reference, F.cross_entropy, sgd, data)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+
+
 CNN_ZOO = {"resnet18": lambda: zoo.resnet18(width=4), "resnet50": lambda: zoo.resnet50(width=4),
            "vgg16_bn": lambda: zoo.vgg16_bn(width=4), "mobilenet_v2": lambda: zoo.mobilenet_v2(width_mult=0.25)}
 

@@ -26,7 +26,8 @@
 - nll / mse loss: with ``reduction=sum`` a batch split gives a ``P`` loss (and a
   ``P`` total_weight); with ``mean`` the batch dim is never split (a local mean is
   not a partial sum), except in ``nll_loss_backward``, whose gradient rows only
-  scale by the (``B``) total weight. Losses are linear in the input / gradient.
+  scale by the (``B``) total weight. Losses are linear in the input / gradient. The
+  per-pixel ``nll_loss2d`` (``[N, C, H, W]``) splits its batch and spatial dims alike.
 """
 from __future__ import annotations
 
@@ -231,6 +232,26 @@ def nll_loss_backward(call: Call) -> Labels:
                   linear=[{"grad_output"}])
 
 
+def _pixels(splittable: bool) -> tuple[str, str]:
+    """Labels of nll_loss2d's input ``[N, C, H, W]`` and target ``[N, H, W]``: every pixel
+    is a term of its own, so batch and space split where the reduction allows."""
+    x = "n" + UNSPLIT + "hw" if splittable else UNSPLIT * 4
+    return x, x[0] + x[2:]
+
+
+def nll_loss2d(call: Call) -> Labels:
+    reduction = call["reduction"]
+    x, target = _pixels(reduction != MEAN)
+    return Labels({"self": x, "target": target}, [target if reduction == 0 else "", ""], linear=[{"self"}],
+                  deps={0: {"self", "target", "weight"}, 1: {"target", "weight"}})
+
+
+def nll_loss2d_backward(call: Call) -> Labels:
+    x, target = _pixels(True)
+    grad = target if call["reduction"] == 0 else ""
+    return Labels({"grad_output": grad, "self": x, "target": target}, [x], linear=[{"grad_output"}])
+
+
 def mse_loss(call: Call) -> Labels:
     ndim = call["self"].ndim
     labels = letters(ndim) if call["reduction"] != MEAN else UNSPLIT * ndim
@@ -267,6 +288,8 @@ RULES = {
     aten.native_layer_norm_backward.default: layer_norm_backward,
     aten.nll_loss_forward.default: nll_loss,
     aten.nll_loss_backward.default: nll_loss_backward,
+    aten.nll_loss2d_forward.default: nll_loss2d,
+    aten.nll_loss2d_backward.default: nll_loss2d_backward,
     aten.mse_loss.default: mse_loss,
     aten.mse_loss_backward.default: mse_loss_backward,
     **dict.fromkeys(REDUCE_UNSPLIT, reduce_unsplit),
