@@ -4,6 +4,9 @@ import copy
 import itertools
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 import ddlc
 from conftest import assert_matches_reference, batches, model_and_loss, optimizer, reference
@@ -95,7 +98,6 @@ def test_a_mesh_axis_of_one_device_issues_no_collective():
 
 def _program(local_clone: bool, then_gather: bool = True):
     """x -> [clone] -> all_reduce on axis0 -> wait -> [all_gather on axis0 -> wait] -> output."""
-    import torch
     from torch import fx
     c10d, graph = torch.ops._c10d_functional, fx.Graph()
     x = graph.placeholder("x")
@@ -150,3 +152,66 @@ def test_plans_made_for_gpus_match_single_device(mesh_shape):
     losses, params, _, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data,
                                           profile="dgx-h100-ib")
     assert_matches_reference({"losses": losses, "params": params}, reference("gpt", "sgd"))
+
+
+class _SplitQKV(nn.Module):
+    """A pre-LN decoder block whose attention splits one qkv projection and masks with
+    ``masked_fill`` (not the zoo GPT's layout)."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads, self.ln1, self.qkv, self.proj = heads, nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(c, dim=-1))
+        att = (q @ k.transpose(-2, -1)) / (c // self.heads) ** 0.5
+        att = att.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class _SplitQKVModel(nn.Module):
+    def __init__(self, vocab=64, d=32, seq=16):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(_SplitQKV(d) for _ in range(2))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 4), (4, 1)], ids=["1x4", "4x1"])
+def test_a_one_device_axis_needs_no_redistribution(mesh_shape):
+    """On a mesh axis of one device every SBP is the whole value: the searched plan of this
+    model on (1, 4) over fast links asks for (S1, S0) -> (P, S0), an S->P on the
+    one-device axis alone, which lowering refused as S->P; it is nothing to do there, and
+    the steps equal eager's."""
+    from ddlc import pipeline
+    from ddlc.options import CompileOptions
+    from ddlc.zoo import lm_loss
+    torch.manual_seed(0)
+    model = _SplitQKVModel()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g))
+            for _ in range(2)]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    gm = canonicalize(ddlc.trace(model, data[0], lm_loss, torch.optim.SGD(model.parameters(), lr=0.1)))
+    mesh = ddlc.Mesh(mesh_shape, links=[ddlc.LinkModel(1e-7, 1e10)] * 2)
+    pipeline.plan(gm, mesh, CompileOptions.from_kwargs(), {})
+    losses, params, _, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for (x, y), got in zip(data, losses):
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
