@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from .sbp import chunk_bounds
 
-__all__ = ["local_chunk", "keep_on_first", "all_to_all_dims", "moved", "padded", "narrowed"]
+__all__ = ["local_chunk", "keep_on_first", "with_layout", "all_to_all_dims", "moved", "padded", "narrowed"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -38,6 +38,11 @@ def narrowed(x: torch.Tensor, rows: int) -> torch.Tensor:
     """The first ``rows`` rows of ``x``: a collective's padded result, unpadded (a
     contiguous view when ``x`` is contiguous)."""
     return x.narrow(0, 0, rows)
+
+
+def with_layout(x: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``x``'s values in a tensor of strides ``stride`` (the layout eager gave it)."""
+    return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
 
 
 def keep_on_first(x: torch.Tensor, is_first: bool) -> torch.Tensor:

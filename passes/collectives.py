@@ -41,7 +41,7 @@ from cost_models.collectives import axis_time
 from ddlc import comm
 from ddlc.errors import LoweringError
 from ddlc.ir import (COLLECTIVE, ORIGIN, RANK_ARG, SHARDING, STEP, CollectiveInfo, NdSignature, RankArg,
-                     is_getitem)
+                     is_getitem, where)
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, local_shape, padded_shape
 from passes.rules import selected_leaf
@@ -69,6 +69,11 @@ def _moved(sbp: NdSBP, src: int, dst: int) -> NdSBP:
 def _is_tensor_input(a) -> bool:
     return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
 
+
+#: operators that read their input's storage through recorded strides (autograd's replays
+#: of views, ddlc.strided_views): their inputs keep eager's layout (:meth:`_Emitter.laid_out_as`)
+STRIDED_READERS = frozenset({aten.as_strided.default, aten.as_strided_copy.default,
+                             aten.as_strided_scatter.default})
 
 #: the argument of a local boxing step that is the rank's coordinate on its axis
 _BY_COORDINATE = {"slice": lambda axis: RankArg(3, "index", axis),
@@ -112,6 +117,22 @@ class _Emitter:
                     cur = self.step(cur, step)
             self.cache[(x, dst)] = cur
         return self.cache[(x, dst)]
+
+    def laid_out_as(self, x: fx.Node, boxed: fx.Node, reader: fx.Node) -> fx.Node:
+        """``boxed`` (``x`` redistributed for ``reader``, which reads its storage through
+        strides recorded from eager's layout: an ``as_strided`` replay) in ``x``'s layout
+        where that is not row-major: a collective's result is row-major, and the replay
+        would read other elements. A ``LoweringError`` where the replay reads a piece (its
+        recorded strides are the whole tensor's)."""
+        val = x.meta["val"]
+        if boxed is x or val.is_contiguous():
+            return boxed
+        if not all(sbp.is_broadcast for sbp in _out_sbp(boxed)):
+            raise LoweringError(f"{reader.name} ({reader.target}) reads {x.name} through the strides of "
+                                f"its layout in eager ({tuple(val.stride())}), but the plan gives it a "
+                                f"piece ({_out_sbp(boxed)}); pin {x.name}'s producer whole or make the "
+                                "tensor contiguous (.contiguous()) in the model", where=where(reader))
+        return self.node(comm.with_layout, (boxed, tuple(val.stride())), val, _out_sbp(boxed), ORIGIN.get(x))
 
     def _whole_on_single_axes(self, sbp: NdSBP) -> NdSBP:
         """``sbp`` with ``B`` on every mesh axis of one device: there a split, a copy and a
@@ -233,6 +254,9 @@ def insert_collectives(gm: fx.GraphModule, mesh: Mesh, groups: Sequence[str],
         with gm.graph.inserting_before(node):
             leaves = [emit.redistribute(a, next(targets)) if _is_tensor_input(a) else a
                       for a in leaves]
+            if node.target in STRIDED_READERS:
+                leaves = [emit.laid_out_as(a, boxed, node) if _is_tensor_input(a) else boxed
+                          for a, boxed in zip(tree_flatten((node.args, node.kwargs))[0], leaves)]
         node.args, node.kwargs = tree_unflatten(leaves, spec)
     gm.graph.lint()
     gm.recompile()

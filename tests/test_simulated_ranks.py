@@ -215,3 +215,60 @@ def test_a_one_device_axis_needs_no_redistribution(mesh_shape):
         torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(params[name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+class _SolvedInPlaces(nn.Module):
+    """Qwen3-Next's gated delta rule in small: a triangular solve (column-major on the
+    CPU), ``zeros_like`` of it (the same layout) written slice by slice in place, so
+    autograd replays views of a column-major tensor (``as_strided``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, 96), nn.Linear(8, 3)
+
+    def forward(self, x):
+        b = x.shape[0]
+        h = self.inp(x)
+        a = h[..., :32].reshape(b, 2, 8, 4, 8).permute(0, 3, 1, 2, 4).tril(-1) * 0.1
+        v = h[..., 32:].reshape(b, 2, 8, 4, 16).permute(0, 3, 1, 2, 4)[..., :8]
+        y = torch.linalg.solve_triangular(a, v, upper=False, unitriangular=True)
+        out = torch.zeros_like(y)
+        for i in range(2):
+            out[:, :, i] = y[:, :, i] * 2
+        return self.head(out).mean((1, 2, 3))
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["4", "2x2"])
+def test_view_replays_read_eagers_layout_after_a_collective(mesh_shape):
+    """A plan of slow compute over fast links gathers the tensors autograd's view replays
+    read through column-major strides; a gathered tensor is row-major, so the replays
+    read other elements (losses 0.9077 for eager's 0.9096) until it is given eager's
+    layout again (``comm.with_layout``). float64: the steps equal eager's."""
+    from ddlc import pipeline
+    from ddlc.mesh import HardwareProfile
+    from ddlc.options import CompileOptions
+    slow_compute = HardwareProfile.from_dict({
+        "name": "slow-compute", "devices_per_node": 8, "flops": {"float32": 1e8, "float64": 1e8},
+        "memory_bandwidth": 1e9, "memory_capacity": 8e10,
+        "links": {"intra_node": {"latency": 1e-7, "bandwidth": 1e12},
+                  "inter_node": {"latency": 1e-7, "bandwidth": 1e12}}})
+    torch.manual_seed(0)
+    model = _SolvedInPlaces().double()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, 16, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g))
+            for _ in range(3)]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    gm = canonicalize(ddlc.trace(model, data[0], F.cross_entropy,
+                                 torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)))
+    mesh = ddlc.Mesh(mesh_shape, profile=slow_compute)
+    pipeline.plan(gm, mesh, CompileOptions.from_kwargs(profile=slow_compute), {})
+    losses, params, _, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for (x, y), got in zip(data, losses):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-10, atol=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-9, atol=1e-12, msg=name)
