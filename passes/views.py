@@ -9,8 +9,12 @@ storage, stays a copy), in one walk in program order that keeps the strides ever
 tensor will have at run time (each operator run on ``meta`` tensors; an operator that
 cannot run there, a collective or a random draw, makes a fresh contiguous tensor):
 
-- a ``view`` (or ``_unsafe_view``) whose input's strides do not allow a view becomes a
-  ``reshape`` (a copy exactly there);
+- a ``view_copy`` becomes a ``reshape``, a view wherever its input's strides at run time
+  allow one and a copy exactly where they do not: the meta kernels that predict strides
+  here sometimes predict other strides than the CPU kernels give (a float64 model whose
+  norm computes in float32: a backward ``_to_copy`` keeps a permuted layout its meta
+  kernel calls contiguous), and a ``view`` would then fail; an ``_unsafe_view`` whose
+  input's predicted strides do not allow a view becomes a ``reshape`` too;
 - a transposed matrix product read by nothing else, ``t(mm(a, b))``, becomes
   ``mm(t(b), t(a))``: the same values, contiguous. Tracing records a Linear weight's
   gradient so (the weight was a contiguous copy when autograd chose its formula; eager
@@ -118,6 +122,8 @@ class _Walk:
             return
         if node.target in VIEW_FORMS and isinstance(self.value(node.args[0]), torch.Tensor):
             node.target = VIEW_FORMS[node.target]
+            if node.target in _STRIDE_BOUND:  # a view where the run-time strides allow one
+                node.target = _aten.reshape.default
         if _transposes_a_product(node):
             self.transpose_operands(node)
             return

@@ -521,3 +521,47 @@ def test_noise_filled_in_place_equals_single_device_with_the_same_seed(mesh_shap
     want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)  # the simulated program's seed
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())})
+
+
+class _FloatNorm(nn.Module):
+    """An RMSNorm computing in float32 inside a float64 model (Qwen3's q_norm / k_norm)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+class _NormedHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.head = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 3)
+        self.q_norm, self.k_norm = _FloatNorm(8), _FloatNorm(8)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_norm(self.q(x).view(b, s, 4, 8)).transpose(1, 2)
+        k = self.k_norm(self.k(x).view(b, s, 4, 8)).transpose(1, 2)
+        a = (q @ k.transpose(-1, -2)).softmax(-1) @ k
+        return self.head(a.transpose(1, 2).reshape(b, s, 32)).mean(1)
+
+
+def test_a_float64_model_with_float32_norms_runs_its_views():
+    """The backward's ``_to_copy`` of the float32 norm keeps a permuted layout on the CPU
+    that its meta kernel calls contiguous; a ``view`` planned from the meta strides failed
+    at ``step()`` ("view size is not compatible"): views are reshapes now, a view where the
+    run-time strides allow one. Three steps as eager takes them."""
+    torch.manual_seed(0)
+    model = _NormedHeads().double()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, 16, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g))
+            for _ in range(3)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    losses, params, _, _ = simulated(model, F.cross_entropy, sgd, data, (4,))
+    want, _ = eager(reference, F.cross_entropy, sgd, data)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
