@@ -146,6 +146,21 @@ def spawn(fn, world_size: int, *args, timeout: float = 60.0, deadline: float = 3
                         break
                     died = f"a worker died: {e}\n{_stacks(outdir, [e.error_index])}"
                     raise WorkerError(_first_error(outdir, world_size) or died) from None
+                except mp.ProcessRaisedException as e:
+                    # a rank raised outside its function, in the barrier before exiting: a
+                    # peer left first (having failed, or having passed the barrier and
+                    # closed its connections while this rank still finished it)
+                    time.sleep(0.2)
+                    if _all_ok(outdir, world_size):
+                        warnings.warn(f"rank {e.error_index} failed in the closing barrier after every "
+                                      f"rank had written its result ({str(e).strip().splitlines()[-1]}); "
+                                      "the results stand", WorkerDiedAfterResults)
+                        break
+                    missing = [r for r in range(world_size) if _load(outdir, r) is None]
+                    raise WorkerError(_first_error(outdir, world_size) or (
+                        f"rank {e.error_index} failed in the closing barrier, and rank(s) {missing} "
+                        f"left without a result (a crash?): {str(e).strip().splitlines()[-1]}\n"
+                        f"{_stacks(outdir, missing)}")) from None
                 error = _first_error(outdir, world_size)
                 if error:
                     raise WorkerError(_blame_silent_ranks(error, ctx, outdir, world_size))

@@ -402,13 +402,20 @@ class LoweringChoices:
 def splits_evenly(gm: fx.GraphModule, mesh: Mesh) -> bool:
     """Whether every planned tensor splits into equal pieces (then every rank's local
     shapes, modeled timelines and lowering choices are the same, and one rank's program
-    serves every rank: :func:`retarget`)."""
+    serves every rank: :func:`retarget`): each node's outputs as it makes them, and its
+    tensor inputs as it reads them (a piece cut for a reader, ``local_chunk``, may be
+    uneven where its producer's placement is not)."""
+    def uneven(values, placements) -> bool:
+        return any(isinstance(v, torch.Tensor) and x is not None and not divides(tuple(v.shape), x, mesh.shape)
+                   for v, x in zip(values, placements))
+
     for node in gm.graph.nodes:
         sharding = SHARDING.get(node)
-        values = leaves(node.meta.get("val"))
-        if sharding is not None and any(isinstance(v, torch.Tensor) and x is not None
-                                        and not divides(tuple(v.shape), x, mesh.shape)
-                                        for v, x in zip(values, sharding.outputs)):
+        if sharding is None:
+            continue
+        inputs = [a.meta["val"] for a in leaves((node.args, node.kwargs))
+                  if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        if uneven(leaves(node.meta.get("val")), sharding.outputs) or uneven(inputs, sharding.inputs):
             return False
     return True
 

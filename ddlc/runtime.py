@@ -369,7 +369,16 @@ def _program(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], groups: lis
     payload = _on_rank(source, "lowering", send)
     if dist.get_rank() != source:
         program = pipeline.run_pass("receive program", from_portable, pickle.loads(payload), device)
-    return pipeline.retarget(program, mesh, coord)
+    try:
+        program, failure = pipeline.retarget(program, mesh, coord), None
+    except LoweringError as error:  # every rank raises it, rather than leave the others waiting
+        program, failure = None, as_shared(error, f"rank {dist.get_rank()} failed to retarget the program")
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    first = next((f for f in failures if f is not None), None)
+    if first is not None:
+        raise first
+    return program
 
 
 def _lower_after_rank0(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], groups: list[str],

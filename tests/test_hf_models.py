@@ -226,3 +226,54 @@ def test_data_parallel_needs_no_activation_moved(name):
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())},
                              label=f"{name} data parallel on (4,)")
+
+
+def test_git_plans_of_uneven_reader_pieces_lower_on_every_rank():
+    """GitForCausalLM planned for slow compute over fast links on (2, 2): every tensor's
+    placement divides it, but a reader asks for an uneven piece of one (``local_chunk``), so
+    ranks' programs differ and each must lower its own (``pipeline.splits_evenly`` reads
+    the inputs' placements too; the program shipped from one rank had made the others fail
+    to retarget it, and the job hang). Two SGD steps on the simulated ranks equal eager's."""
+    import copy
+
+    import torch
+    import transformers as T
+
+    import ddlc
+    from ddlc import pipeline
+    from ddlc.mesh import HardwareProfile
+    from ddlc.options import CompileOptions
+    from ddlc.simulate import simulate_steps
+    from passes.canonicalize import canonicalize
+    slow_compute = HardwareProfile.from_dict({
+        "name": "slow-compute", "devices_per_node": 8, "flops": {"float32": 1e8},
+        "memory_bandwidth": 1e9, "memory_capacity": 8e10,
+        "links": {"intra_node": {"latency": 1e-7, "bandwidth": 1e12},
+                  "inter_node": {"latency": 1e-7, "bandwidth": 1e12}}})
+    torch.manual_seed(0)
+    cfg = T.GitConfig(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, image_size=32, patch_size=8),
+                      vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=128, max_position_embeddings=64, pad_token_id=0,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = T.GitForCausalLM(cfg)
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(2):
+        ids = torch.randint(1, 128, (8, 16), generator=g)
+        data.append({"input_ids": ids, "labels": ids.clone(),
+                     "pixel_values": torch.randn(8, 3, 32, 32, generator=g)})
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gm = canonicalize(ddlc.trace(model, data[0], None, sgd))
+    mesh = ddlc.Mesh((2, 2), profile=slow_compute)
+    pipeline.choose_plan(gm, mesh, CompileOptions.from_kwargs(profile=slow_compute), {})
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    losses, params, _, _ = simulate_steps(gm, mesh, params, dict(model.named_buffers()), data)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for batch, got in zip(data, losses):
+        opt.zero_grad()
+        loss = reference(**batch).loss
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-4, atol=1e-5)
