@@ -197,10 +197,16 @@ def boxing_cost(shape: Sequence[int], itemsize: int, src: NdSBP, dst: NdSBP, mes
 
     ``algorithm`` picks the collective forms: ``"ring"`` (the default, what NCCL and
     gloo run, and the boxing table of METHODS.md), ``"tree"`` or ``"auto"``.
-    Cached on all arguments.
+    Both ends are read with ``B`` on every mesh axis of one device, where a split, a copy
+    and a partial sum of one piece are all the whole value (an S->P there is no S->P;
+    :func:`boxing_table`'s routes treat those axes so). Cached on all arguments.
     """
-    return _plan(tuple(int(s) for s in shape), int(itemsize), src, dst, mesh,
-                 bool(allow_split_to_partial), algorithm)
+    return _plan(tuple(int(s) for s in shape), int(itemsize), _whole_on_single_axes(src, mesh),
+                 _whole_on_single_axes(dst, mesh), mesh, bool(allow_split_to_partial), algorithm)
+
+
+def _whole_on_single_axes(sbp: NdSBP, mesh: Mesh) -> NdSBP:
+    return NdSBP(tuple(B if p == 1 else x for x, p in zip(sbp, mesh.shape)))
 
 
 def boxing_seconds(shape: Sequence[int], itemsize: int, src: NdSBP, dst: NdSBP, mesh: Mesh,

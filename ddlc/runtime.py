@@ -649,7 +649,6 @@ class CompiledStep:
         self._placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
         self._spec = {i.key: i for i in self.signature.inputs}
         params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
         self.device_mesh = device_mesh
         #: each global rank's mesh coordinate (the DeviceMesh's layout; row-major without one)
         self._coordinates = _coordinates(device_mesh) if device_mesh is not None else \
@@ -662,8 +661,7 @@ class CompiledStep:
                          if self._host_scalars and k.endswith(":step") and not self._global_shape(k)}
         self._state_dict_names = _state_dict_names(model)
         self._extra_state = {k: v for k, v in model.state_dict().items() if k not in self._state_dict_names}
-        self.params = {k: self._shard(k, params[k]) for k in self.signature.keys("param")}
-        self.buffers = {k: self._shard(k, buffers[k]) for k in self.signature.keys("buffer")}
+        self._take_model_state(model)
         self.opt_state = {k: self._initial_opt_state(k, params, optimizer)
                           for k in self.signature.keys("opt_state")}
         self.gradients_local: dict[str, torch.Tensor] = {}
@@ -681,6 +679,12 @@ class CompiledStep:
         self._ref = weakref.ref(self)  # what _TRAINED_BY holds once this step trains the model
         self._watch = ModelWatch(model)
         self._autocast = autocast_state()
+
+    def _take_model_state(self, model: nn.Module) -> None:
+        """This rank's pieces of ``model``'s parameters and buffers, as the program holds them."""
+        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+        self.params = {k: self._shard(k, params[k]) for k in self.signature.keys("param")}
+        self.buffers = {k: self._shard(k, buffers[k]) for k in self.signature.keys("buffer")}
 
     # -- placement helpers ---------------------------------------------------------------
     def _sbp(self, key: str) -> NdSBP:
@@ -995,9 +999,7 @@ class CompiledStep:
             trainer.write_back()
         if not self._watch.written():
             return
-        params, buffers = dict(self._model.named_parameters()), dict(self._model.named_buffers())
-        self.params = {k: self._shard(k, params[k]) for k in self.params}
-        self.buffers = {k: self._shard(k, buffers[k]) for k in self.buffers}
+        self._take_model_state(self._model)
         self._watch.accept_writes()
         if _trained_by(self._model) is self:  # the model's values are newer than this program's
             del _TRAINED_BY[self._model]

@@ -102,12 +102,11 @@ class _Emitter:
 
     def redistribute(self, x: fx.Node, dst: NdSBP) -> fx.Node:
         src = _out_sbp(x)
-        if self._whole_on_single_axes(src) == self._whole_on_single_axes(dst):
-            return x  # they differ on one-device axes alone, where every SBP is the whole value
+        if src == dst:
+            return x
         if (x, dst) not in self.cache:
             val = x.meta["val"]
-            plan = boxing_cost(tuple(val.shape), val.element_size(), self._whole_on_single_axes(src),
-                               self._whole_on_single_axes(dst), self.mesh)
+            plan = boxing_cost(tuple(val.shape), val.element_size(), src, dst, self.mesh)
             if not plan.feasible:
                 raise LoweringError(f"no redistribution of {x.name} from {src} to {dst} "
                                     "(S->P is refused)")
@@ -133,11 +132,6 @@ class _Emitter:
                                 f"piece ({_out_sbp(boxed)}); pin {x.name}'s producer whole or make the "
                                 "tensor contiguous (.contiguous()) in the model", where=where(reader))
         return self.node(comm.with_layout, (boxed, tuple(val.stride())), val, _out_sbp(boxed), ORIGIN.get(x))
-
-    def _whole_on_single_axes(self, sbp: NdSBP) -> NdSBP:
-        """``sbp`` with ``B`` on every mesh axis of one device: there a split, a copy and a
-        partial sum of one piece are all the whole value (an S->P there is no S->P)."""
-        return NdSBP(tuple(B if p == 1 else x for x, p in zip(sbp, self.mesh.shape)))
 
     def step(self, x: fx.Node, step: BoxingStep) -> fx.Node:
         axis, p = step.axis, self.mesh.shape[step.axis]

@@ -185,13 +185,18 @@ class _Noisy(torch.nn.Module):
         return self.fc2(h + 0.5 * torch.randn_like(h))
 
 
-def _noisy_setup():
+def _sgd_setup(model_class):
+    """``model_class()`` seeded 0, SGD with momentum over it, and a batch of 8 rows of 12."""
     torch.manual_seed(0)
-    model = _Noisy()
+    model = model_class()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     batch = (torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g))
     return model, opt, batch
+
+
+def _noisy_setup():
+    return _sgd_setup(_Noisy)
 
 
 def _validated_between(rank):
@@ -266,12 +271,7 @@ class _Tracked(torch.nn.Module):
 
 
 def _tracked_setup():
-    torch.manual_seed(0)
-    model = _Tracked()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    batch = (torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g))
-    return model, opt, batch
+    return _sgd_setup(_Tracked)
 
 
 def _trained_and_evaluated(rank, eager: bool = False):
