@@ -2,15 +2,15 @@
 
 Every rank of an initialised process group calls :func:`compile` with the same
 model, inputs and mesh; the ranks first check that they were given the same (in kind and
-shape) and take rank 0's parameter and buffer values. Ranks 0 and 1 trace the step and
-rank 0 sends its graph to the others (:mod:`ddlc.portable`: on one host, ranks that all
-traced would share its cores); rank 0 plans it (checking the search's plan against data
-parallelism, whose candidate rank 1 plans and lowers meanwhile from its own graph) and
-broadcasts every node's decision (so even a time-limited solver gives one plan). Where
-the plan splits every tensor evenly, the rank that lowered the chosen plan's program
-while planning (or rank 0, now) sends it to the others, and each makes it its own mesh
-coordinate's (``pipeline.retarget``: process groups carry the same names on every rank);
-else rank 0 lowers it (where planning has not already) and broadcasts lowering's choices
+shape) and take rank 0's parameter and buffer values. Ranks 0 and 1 trace the step; the
+others wait, leaving the host's cores to them. Rank 0 plans it (checking the search's
+plan against data parallelism, whose candidate rank 1 plans and lowers meanwhile from its
+own graph) and broadcasts every node's decision (so even a time-limited solver gives one
+plan). Where the plan splits every tensor evenly, the rank that lowered the chosen plan's
+program while planning (or rank 0, now) sends it to the others (:mod:`ddlc.portable`),
+and each makes it its own mesh coordinate's (``pipeline.retarget``: process groups carry
+the same names on every rank); else rank 0 sends its planned graph to the ranks that hold
+none, lowers it (where planning has not already) and broadcasts lowering's choices
 (bucket cap, piece size, node order), with which each other rank lowers it for its own
 mesh coordinate. Each rank checks with the others that the collective sequence is identical,
 and keeps only its own shards of the parameters and optimizer state
@@ -204,35 +204,36 @@ def _take_rank0_state(model: nn.Module) -> None:
                 tensor.copy_(dense)
 
 
-def _trace_on_ranks01(model: nn.Module, example_inputs, loss_fn, optimizer,
-                      options: CompileOptions) -> fx.GraphModule:
-    """Ranks 0 and 1 trace the step, each on its own core (rank 1 plans data parallelism
-    from its graph while rank 0 searches: :func:`_plan_with_rank1`); every other rank
-    receives rank 0's graph (:mod:`ddlc.portable`) instead of tracing it again, as ranks
-    that all traced would share the host's cores. Tracing is deterministic (the ranks were
-    given the same, :func:`_check_given`), so the graphs are the same, node names included;
-    rank 1 checks it against rank 0's :func:`_graph_digest` (a step that traces otherwise
-    on another rank, e.g. one whose forward reads the rank, would run another program).
-    Rank 0's tracing error is raised on every rank: rank 1 waits for rank 0's outcome
+def _trace_on_ranks01(model: nn.Module, example_inputs, loss_fn, optimizer, options: CompileOptions,
+                      ndim: int) -> tuple[fx.GraphModule | None, dict[str, NdSBP]]:
+    """Ranks 0 and 1 trace the step and resolve the user's placements on it (each on its
+    own core: rank 1 plans data parallelism from its graph while rank 0 searches,
+    :func:`_plan_with_rank1`); returns the graph and those placements. Every other rank
+    holds no graph (None): it waits for rank 0's outcome, then receives the program
+    (:func:`_program`), or where the plan splits unevenly the planned graph
+    (:func:`_planned_graph`), rather than take the host's cores from the planners while
+    they plan. Tracing is deterministic (the ranks were given the same,
+    :func:`_check_given`), so the two graphs are the same, node names included; rank 1
+    checks it against rank 0's :func:`_graph_digest` (a step that traces otherwise on
+    another rank, e.g. one whose forward reads the rank, would run another program).
+    Rank 0's failure is raised on every rank: ranks 1 and up wait for rank 0's outcome
     before going on. Rank 1's own failure, or a graph of its own, is sent to rank 0 as its
     one message (:func:`_send_to_rank0`) and raised there."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank >= 2:
-        shipped = _receive_from(0)
-        if isinstance(shipped, Exception):
-            raise shipped
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))  # this rank's GPU
-        return pipeline.run_pass("receive trace", from_portable, shipped, device)
+        status = _receive_from(0)
+        if isinstance(status, Exception):
+            raise status
+        return None, {}
     try:
-        traced, failure = pipeline.trace_step(model, example_inputs, loss_fn, optimizer, options), None
+        traced = pipeline.trace_step(model, example_inputs, loss_fn, optimizer, options)
+        fixed, failure = pipeline.resolve_placements(traced, options.placements, ndim), None
     except Exception as error:
-        traced, failure = None, error
+        traced, fixed, failure = None, {}, error
     if rank == 0:
         shared = None if failure is None else as_shared(failure, "rank 0 failed while tracing")
-        if world > 2:
-            payload = pickle.dumps(shared or to_portable(traced))
-            for other in range(2, world):
-                dist.send_object_list([payload], dst=other)
+        for other in range(2, world):
+            dist.send_object_list([shared], dst=other)
         if world > 1:
             dist.send_object_list([shared or _graph_digest(traced)], dst=1)
     else:
@@ -249,7 +250,7 @@ def _trace_on_ranks01(model: nn.Module, example_inputs, loss_fn, optimizer,
             _on_rank0("planning", None)
     if failure is not None:
         raise failure
-    return traced
+    return traced, fixed
 
 
 def _graph_digest(gm: fx.GraphModule) -> str:
@@ -271,30 +272,33 @@ def _send_to_rank0(message) -> None:
     dist.send_object_list([message], dst=0)
 
 
-def _plan_on_rank0(gm: fx.GraphModule, make_plan) -> pipeline.ChosenPlan:
+def _plan_on_rank0(gm: fx.GraphModule | None, mesh: Mesh, make_plan) -> tuple[pipeline.ChosenPlan, bool]:
     """Rank 0 plans (``make_plan() -> ChosenPlan``); every rank adopts its decisions
-    (``ir.SHARDING`` by node name), the plan and, where planning chose them already,
-    lowering's choices, so all ranks lower the same program whatever the solver does.
-    Rank 0 returns ``make_plan``'s result, the others a ``ChosenPlan`` without program."""
+    (``ir.SHARDING`` by node name, where it holds a graph), the plan and, where planning
+    chose them already, lowering's choices, so all ranks lower the same program whatever
+    the solver does. Rank 0 returns ``make_plan``'s result, the others a ``ChosenPlan``
+    without program; with it, whether the plan splits every tensor evenly
+    (:func:`ddlc.pipeline.splits_evenly`, on rank 0's graph)."""
     chosen = None
 
     def decide():
         nonlocal chosen
         chosen = make_plan()
         decisions = {n.name: SHARDING(n) for n in gm.graph.nodes if SHARDING.has(n)}
-        return chosen.plan.without_solver(), decisions, chosen.choices
+        return chosen.plan.without_solver(), decisions, chosen.choices, pipeline.splits_evenly(gm, mesh)
 
-    shared, decisions, choices = _on_rank0("planning", decide)
+    shared, decisions, choices, even = _on_rank0("planning", decide)
     if dist.get_rank() == 0:
-        return chosen
-    for node in gm.graph.nodes:
-        if node.name in decisions:
-            SHARDING.set(node, decisions[node.name])
-    return pipeline.ChosenPlan(shared, choices)
+        return chosen, even
+    if gm is not None:
+        for node in gm.graph.nodes:
+            if node.name in decisions:
+                SHARDING.set(node, decisions[node.name])
+    return pipeline.ChosenPlan(shared, choices), even
 
 
-def _plan_with_rank1(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], options: CompileOptions,
-                     fixed: dict, groups: list[str]) -> tuple[pipeline.ChosenPlan, fx.GraphModule | None]:
+def _plan_with_rank1(gm: fx.GraphModule | None, mesh: Mesh, coord: tuple[int, ...], options: CompileOptions,
+                     fixed: dict, groups: list[str]) -> tuple[pipeline.ChosenPlan, fx.GraphModule | None, bool]:
     """:func:`_plan_on_rank0` with :func:`ddlc.pipeline.choose_plan`, and this rank's
     program where planning lowered it already. Where choose_plan compares the searched plan
     with data parallelism (:func:`ddlc.pipeline.data_parallel_reference`, the same on every
@@ -303,8 +307,9 @@ def _plan_with_rank1(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], opt
     rank 0 (``send_object_list``; rank 1's failure goes in its place and is raised on rank
     0). Rank 0 receives it exactly once, whether or not it needed it and even where its own
     planning failed, so no rank is left waiting. Rank 0 keeps the program choose_plan
-    lowered where its coordinate is 0, rank 1 its candidate's where rank 0 adopts it."""
-    reference = pipeline.data_parallel_reference(gm, mesh, options, fixed)
+    lowered where its coordinate is 0, rank 1 its candidate's where rank 0 adopts it; every
+    rank, whether the plan splits evenly. Ranks 2 and up hold no graph (None)."""
+    reference = pipeline.data_parallel_reference(gm, mesh, options, fixed) if gm is not None else None
     world = dist.get_world_size()
     mine = None  # rank 1: the candidate's program, if it is this rank's
     if dist.get_rank() == 1:
@@ -337,24 +342,26 @@ def _plan_with_rank1(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], opt
             candidate()  # rank 1's failure, even where its candidate was not needed
         return chosen
 
-    chosen = _plan_on_rank0(gm, make_plan)
+    chosen, even = _plan_on_rank0(gm, mesh, make_plan)
     if dist.get_rank() == 0:
-        return chosen, chosen.program
-    return chosen, mine if chosen.plan.stats.get("chosen_over_search") else None
+        return chosen, chosen.program, even
+    return chosen, mine if chosen.plan.stats.get("chosen_over_search") else None, even
 
 
-def _program(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], groups: list[str],
+def _program(gm: fx.GraphModule | None, mesh: Mesh, coord: tuple[int, ...], groups: list[str],
              options: CompileOptions, chosen: pipeline.ChosenPlan, held: fx.GraphModule | None,
-             device: torch.device) -> fx.GraphModule:
+             even: bool, device: torch.device) -> fx.GraphModule:
     """This rank's program. ``held``: the program this rank lowered while planning (rank 0
     the searched or replicated plan's, for mesh coordinate 0; rank 1 data parallelism's, for
     its own coordinate, where rank 0 adopted it). Where the plan splits every tensor
     evenly, one program serves every rank (``pipeline.retarget``): the rank that holds it
     (or rank 0, lowering coordinate 0's now where planning lowered none) sends it to all
     (:mod:`ddlc.portable`), and each rank makes it its own coordinate's; no other rank
-    lowers. Else each rank lowers its own (:func:`_lower_after_rank0`)."""
+    lowers. Else each rank lowers its own (:func:`_lower_after_rank0`) from rank 0's
+    planned graph (:func:`_planned_graph`)."""
     zero = (0,) * mesh.ndim
-    if not pipeline.splits_evenly(gm, mesh):
+    if not even:
+        gm = _planned_graph(gm, device)
         mine = held if held is not None and (dist.get_rank() == 1 or coord == zero) else None
         return mine if mine is not None else _lower_after_rank0(gm, mesh, coord, groups, options, chosen)
     source, program = (1 if chosen.plan.stats.get("chosen_over_search") else 0), held
@@ -379,6 +386,20 @@ def _program(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], groups: lis
     if first is not None:
         raise first
     return program
+
+
+def _planned_graph(gm: fx.GraphModule | None, device: torch.device) -> fx.GraphModule:
+    """The planned graph on every rank: rank 0 sends its own (:mod:`ddlc.portable`, every
+    node's decision with it) to the ranks that hold none (2 and up); rank 1 holds its
+    trace with rank 0's decisions (:func:`_plan_on_rank0`)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and world > 2:
+        payload = pickle.dumps(to_portable(gm))
+        for other in range(2, world):
+            dist.send_object_list([payload], dst=other)
+    if gm is not None:
+        return gm
+    return pipeline.run_pass("receive plan", from_portable, _receive_from(0), device)
 
 
 def _lower_after_rank0(gm: fx.GraphModule, mesh: Mesh, coord: tuple[int, ...], groups: list[str],
@@ -563,13 +584,12 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     # deferred, a later step of a gloo worker once aborted on a corrupted heap (as with
     # ``gc.freeze`` before); most likely gloo's functional collectives overlapping, which
     # gloo programs no longer do (passes/waits.py)
-    gm = _trace_on_ranks01(model, example_inputs, loss_fn, optimizer, options)
-    fixed = pipeline.resolve_placements(gm, options.placements, mesh.ndim)
+    gm, fixed = _trace_on_ranks01(model, example_inputs, loss_fn, optimizer, options, mesh.ndim)
     coord = tuple(device_mesh.get_coordinate())
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
-    chosen, held = _plan_with_rank1(gm, mesh, coord, options, fixed, groups)
-    gm = _program(gm, mesh, coord, groups, options, chosen, held, device)
+    chosen, held, even = _plan_with_rank1(gm, mesh, coord, options, fixed, groups)
+    gm = _program(gm, mesh, coord, groups, options, chosen, held, even, device)
     plan = chosen.plan
     if dist.get_backend() == "gloo":  # one collective in flight at a time: see passes/waits.py
         pipeline.run_pass("waits", pipeline.wait_at_once, gm)

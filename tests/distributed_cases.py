@@ -77,20 +77,25 @@ def compiled_run_recording_the_kept_plan(rank: int, mesh, cases):
 def compiled_on_a_device_mesh(rank: int, layout, cases):
     """:func:`compiled_run` on a ``DeviceMesh`` of ``layout`` (nested lists of ranks); each
     rank's first result also holds how often this rank called ``pipeline.lower``
-    (``lowered``)."""
+    (``lowered``) and the passes it ran (``passes``, by name, as ``pipeline.run_pass``
+    logs them)."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
     from ddlc import pipeline
-    calls = []
-    lower = pipeline.lower
+    calls, passes = [], []
+    lower, run_pass = pipeline.lower, pipeline.run_pass
 
     def counted(*args, **kwargs):
         calls.append(args[2])
         return lower(*args, **kwargs)
 
-    pipeline.lower = counted
+    def recorded(name, *args, **kwargs):
+        passes.append(name)
+        return run_pass(name, *args, **kwargs)
+
+    pipeline.lower, pipeline.run_pass = counted, recorded
     results = compiled_run(rank, DeviceMesh("cpu", torch.tensor(layout)), cases)
-    results[0]["lowered"] = len(calls)
+    results[0]["lowered"], results[0]["passes"] = len(calls), sorted(set(passes))
     return results
 
 

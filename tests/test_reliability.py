@@ -493,11 +493,28 @@ def _compile_rank_dependent(rank, failing, extra):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("failing", [(0,), (1,), (0, 1, 2)])
 def test_a_tracing_error_on_rank_0_or_1_reaches_every_rank(failing):
-    # ranks 0 and 1 trace (the others receive rank 0's graph): whichever fails, every rank
-    # raises the first tracing rank's error instead of waiting out the collective timeout
+    # ranks 0 and 1 trace (the others wait for rank 0's outcome): whichever fails, every
+    # rank raises the first tracing rank's error instead of waiting out the collective timeout
     messages = spawn(_compile_rank_dependent, 3, failing, (), timeout=300, deadline=100)
     first = min(failing)
     assert len(set(messages)) == 1 and f"forward refused on rank {first}" in messages[0], messages
+
+
+def _compile_with_placements(rank, placements):
+    try:
+        ddlc.compile(_net(), (3,), _fixed_batch(), F.mse_loss, placements=placements)
+    except ddlc.errors.DDLCError as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_placements_that_do_not_resolve_are_refused_on_every_rank():
+    # only ranks 0 and 1 hold the traced graph the placements are resolved on
+    messages = spawn(_compile_with_placements, 3, {"nope": "(S0)"}, timeout=300, deadline=100)
+    assert len(set(messages)) == 1 and messages[0].startswith(
+        "UnsupportedInputError: placement given for 'nope'"), messages
 
 
 @pytest.mark.multiprocess

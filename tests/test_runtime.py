@@ -176,12 +176,16 @@ def test_one_program_lowered_serves_every_rank():
     make it theirs (passes/retarget.py): on a DeviceMesh laid out column by column (rank 1
     at mesh coordinate (1, 0)), with tensor-parallel pins (local slices, partial sums) and
     with a searched plan, the numbers, the gathered parameters and optimizer state among
-    them, are the single device's, and ranks 2 and 3 lower nothing."""
+    them, are the single device's, and ranks 2 and 3 lower nothing; nor do they trace or
+    receive a graph to plan: they receive the program alone."""
     from distributed_cases import compiled_on_a_device_mesh
     cases = [("gpt", "sgd", "train", MIXED_GPT), ("gpt", "adamw", "train", None, GPU)]
     per_rank = spawn(compiled_on_a_device_mesh, 4, [[0, 2], [1, 3]], cases, timeout=120, deadline=360)
     lowered = [results[0].pop("lowered") for results in per_rank]
     assert lowered[0] > 0 and lowered[2:] == [0, 0], lowered
+    passes = [results[0].pop("passes") for results in per_rank]
+    assert "trace" in passes[0] and "trace" in passes[1], passes
+    assert passes[2] == passes[3] == ["receive program", "retarget", "waits"], passes
     for (model, opt, mode, placements, *_), got in zip(cases, per_rank[0]):
         for key in ("collectives", "most_in_flight"):
             got.pop(key)
