@@ -14,8 +14,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Union
 
-from .errors import OptionError
+from .errors import OptionError, SBPError
 from .mesh import HardwareProfile
+from .sbp import as_ndsbp
 
 __all__ = ["CompileOptions", "Solver", "BatchMode", "Decouple", "AllGatherPlacement", "Updates",
            "Compute", "Backend"]
@@ -90,6 +91,11 @@ class CompileOptions:
             if not _matches(value, hints[f.name]):
                 raise OptionError(f"option {f.name}={value!r} is not {_describe(hints[f.name])}")
         object.__setattr__(self, "placements", dict(self.placements))
+        for key, value in self.placements.items():
+            try:
+                as_ndsbp(value)
+            except SBPError as e:
+                raise OptionError(f"option placements: the placement of {key!r}: {e}") from None
         for name in ("memory_budget", "max_live_bytes", "max_inflight_bytes"):
             value = getattr(self, name)
             if value is not None and not value > 0:

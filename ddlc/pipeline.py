@@ -71,7 +71,7 @@ from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP, leaves, map_leaves
 from .mesh import Mesh
 from .options import CompileOptions
 from .plan import Plan
-from .sbp import NdSBP, S, divides, parse_sbp
+from .sbp import NdSBP, S, as_ndsbp, divides
 from .tracing import trace
 
 __all__ = ["PLANNING", "LOWERING", "run_pass", "collections_deferred", "trace_step",
@@ -142,7 +142,7 @@ def resolve_placements(gm: fx.GraphModule, placements: Mapping[str, object],
                 f"batch inputs are {', '.join(batch)}; parameters go by the names "
                 "model.named_parameters() gives, so a tied weight, such as an output embedding "
                 "sharing the input embedding's, goes by the first module's name)")
-        sbp = parse_sbp(sbp) if isinstance(sbp, str) else NdSBP(tuple(sbp))
+        sbp = as_ndsbp(sbp)
         if len(sbp) != ndim:
             raise MeshError(f"placement {sbp} of {key!r} has {len(sbp)} axes; the mesh has {ndim}")
         if any(x.is_partial for x in sbp):

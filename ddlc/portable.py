@@ -26,7 +26,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .fake import strided_fake
 
-__all__ = ["FakeSpec", "PortableGraph", "to_portable", "from_portable"]
+__all__ = ["FakeSpec", "PortableGraph", "to_portable", "from_portable", "attributes_read", "set_attribute"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,20 @@ def _spec(t: FakeTensor) -> FakeSpec:
                     t.requires_grad)
 
 
+def attributes_read(gm: fx.GraphModule) -> dict[str, Any]:
+    """What ``gm``'s ``get_attr`` nodes read, by target: the constants the trace captured
+    (tensor attributes of the model that are neither parameters nor buffers, tensors a
+    loss captures from outside the model)."""
+    return {n.target: functools.reduce(getattr, n.target.split("."), gm)
+            for n in gm.graph.find_nodes(op="get_attr")}
+
+
+def set_attribute(gm: fx.GraphModule, target: str, value) -> None:
+    """Set the attribute a ``get_attr`` node of ``target`` (a dotted path) reads."""
+    *path, name = target.split(".")
+    setattr(functools.reduce(getattr, path, gm), name, value)
+
+
 def to_portable(gm: fx.GraphModule) -> PortableGraph:
     """``gm`` as a :class:`PortableGraph` (its values fake; see the module docstring)."""
     memo: dict = {}
@@ -125,9 +139,7 @@ def to_portable(gm: fx.GraphModule) -> PortableGraph:
         return _mapped(x, _spec, node_ref, memo)
     nodes = [(n.op, n.name, portable(n.target), portable(n.args), portable(n.kwargs), portable(dict(n.meta)))
              for n in gm.graph.nodes]
-    attributes = {n.target: functools.reduce(getattr, n.target.split("."), gm)
-                  for n in gm.graph.nodes if n.op == "get_attr"}
-    return PortableGraph(nodes, portable(dict(gm.meta)), attributes,
+    return PortableGraph(nodes, portable(dict(gm.meta)), attributes_read(gm),
                          gm.graph._codegen, set(gm.graph._graph_namespace._used_names),
                          dict(gm.graph._graph_namespace._base_count))
 

@@ -48,7 +48,7 @@ from .model_state import ModelWatch, autocast_state, autocast_words
 from .optim import hyperparameter_values, structure as optimizer_structure
 from .options import CompileOptions
 from .plan import Plan
-from .portable import from_portable, to_portable
+from .portable import attributes_read, from_portable, set_attribute, to_portable
 from .printing import format_graph
 from .sbp import NdSBP, local_shape, local_slices
 
@@ -235,22 +235,40 @@ def _trace_on_ranks01(model: nn.Module, example_inputs, loss_fn, optimizer, opti
         for other in range(2, world):
             dist.send_object_list([shared], dst=other)
         if world > 1:
-            dist.send_object_list([shared or _graph_digest(traced)], dst=1)
+            dist.send_object_list([shared or (_graph_digest(traced), _constants(traced))], dst=1)
     else:
         status = _receive_from(0)
         if isinstance(status, Exception):
             raise status
-        if failure is None and _graph_digest(traced) != status:
+        digest, constants = status
+        if failure is None and _graph_digest(traced) != digest:
             failure = RuntimeMismatchError(
                 "rank 1 traced another training step than rank 0: the model's forward, loss "
                 "and optimizer must trace alike on every rank (does the forward depend on the "
                 "rank, on Python's random numbers or on the environment?)")
+        if failure is None:
+            _take_constants(traced, constants)
         if failure is not None:  # rank 0 raises it while planning, and shares it with all
             _send_to_rank0(as_shared(failure, "rank 1 failed while tracing"))
             _on_rank0("planning", None)
     if failure is not None:
         raise failure
     return traced, fixed
+
+
+def _constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The tensor constants ``gm`` reads (:func:`ddlc.portable.attributes_read`)."""
+    return {k: v for k, v in attributes_read(gm).items() if isinstance(v, torch.Tensor)}
+
+
+def _take_constants(gm: fx.GraphModule, constants: Mapping[str, torch.Tensor]) -> None:
+    """Give rank 1's graph rank 0's tensor ``constants`` (each on the device of rank 1's
+    own), as the ranks take rank 0's parameters and buffers: a tensor attribute of the
+    model that is neither, set up otherwise on rank 1 (no common seed), would otherwise
+    make rank 1's program compute with another value."""
+    own = attributes_read(gm)
+    for target, value in constants.items():
+        set_attribute(gm, target, value.to(own[target].device))
 
 
 def _graph_digest(gm: fx.GraphModule) -> str:

@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 
 from .errors import SBPError
 
-__all__ = ["SBP", "S", "B", "P", "NdSBP", "parse_sbp", "local_shape", "local_slices",
+__all__ = ["SBP", "S", "B", "P", "NdSBP", "parse_sbp", "as_ndsbp", "local_shape", "local_slices",
            "chunk_bounds", "divides", "fills_every_piece", "cuts_unevenly", "plannable", "padded_shape", "from_placements"]
 
 
@@ -158,6 +158,19 @@ def parse_sbp(text: str) -> NdSBP:
     if not parts:
         raise SBPError(f"cannot parse SBP {text!r}: it is empty")
     return NdSBP(tuple(_parse_one(p) for p in parts))
+
+
+def as_ndsbp(value) -> NdSBP:
+    """A user's placement as an :class:`NdSBP`: an NdSBP, a string :func:`parse_sbp` reads,
+    or a sequence of :class:`SBP` (one per mesh axis); anything else is an SBPError."""
+    if isinstance(value, NdSBP):
+        return value
+    if isinstance(value, str):
+        return parse_sbp(value)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(x, SBP) for x in value):
+        return NdSBP(tuple(value))
+    raise SBPError(f"{value!r} is not a placement: give a string such as '(S0, B)' or a sequence "
+                   "of S(d), B and P, one per mesh axis")
 
 
 def chunk_bounds(n: int, parts: int, index: int) -> tuple[int, int]:

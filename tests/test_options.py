@@ -28,6 +28,9 @@ def test_defaults_are_valid_and_frozen():
     ({"partition": -5}, "partition"),
     ({"num_targets": 1.5}, "num_targets"),
     ({"schedule": 1}, "schedule"),                     # an int is not a bool
+    ({"placements": {"fc.weight": 5}}, "placement of 'fc.weight': 5 is not a placement"),
+    ({"placements": {"input0": None}}, "placement of 'input0': None is not a placement"),
+    ({"placements": {"input0": "(S0, X)"}}, "placement of 'input0': cannot parse SBP"),
 ])
 def test_bad_options_name_the_option(kwargs, named):
     with pytest.raises(OptionError, match=named):

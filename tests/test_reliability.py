@@ -525,6 +525,51 @@ def test_a_step_that_traces_otherwise_on_rank_1_is_refused_on_every_rank():
     assert len(set(messages)) == 1 and "rank 1 traced another training step" in messages[0], messages
 
 
+class _WithConstant(torch.nn.Module):
+    """A model with a plain tensor attribute (neither parameter nor buffer): a constant of
+    the traced graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(5, 6), torch.nn.Linear(6, 3)
+        self.mix = torch.randn(6, 6)
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)) @ self.mix)
+
+
+def _constant_batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(7, 5, generator=g), torch.randn(7, 3, generator=g)) for _ in range(2)]
+
+
+def _steps_with_constant(rank):
+    torch.manual_seed(100 + rank)  # no common seed: the constant differs by rank
+    model = _WithConstant()
+    step = ddlc.compile(model, (4,), _constant_batches()[0], F.mse_loss,
+                        torch.optim.SGD(model.parameters(), lr=0.1), placements={"input0": "(S0)"})
+    return [float(step.step(*b)) for b in _constant_batches()]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_rank_0s_tensor_constants_are_every_ranks():
+    # a batch of 7 on 4 ranks: an uneven plan, which rank 1 lowers from its own trace; its
+    # constant was its own (losses 10% off) where the ranks take rank 0's parameters
+    torch.manual_seed(100)
+    model = _WithConstant()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for x, y in _constant_batches():
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for got in spawn(_steps_with_constant, 4, timeout=300, deadline=100):
+        assert got == pytest.approx(want, rel=1e-5), (got, want)
+
+
 def _net(dropout: float = 0.0):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout),
