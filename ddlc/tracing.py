@@ -212,9 +212,10 @@ def _stamp_updates(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: 
     """Turn the traced ``(loss, *norm, *grads, *scalars, *buffers)`` outputs of the step
     into ``(loss, *norm, *new_params, *new_state, *buffers)`` by stamping in every
     parameter's update (:func:`ddlc.updates.stamp_updates`). A parameter the loss does not
-    depend on (its gradient, zeros from torch.func, is not computed from the loss) keeps its
-    value and state, as torch.optim skips a parameter whose ``grad`` is None: no weight
-    decay, no step count. Returns the names of those parameters."""
+    depend on (its gradient, zeros from torch.func, is not computed from the loss other than
+    through the clipping norm, ``norm``) keeps its value and state, as torch.optim skips a
+    parameter whose ``grad`` is None: no weight decay, no step count. Returns the names of
+    those parameters."""
     node_of = {(i.role, i.key): n for i, n in zip(inputs, placeholders)}
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = list(output.args[0])
@@ -222,7 +223,9 @@ def _stamp_updates(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: 
     rest = iter(values[1 + n_norm + len(specs):])
     scalars = {g: tuple(next(rest) for _ in names) for g, names in scalar_names.items()}
     buffers = list(rest)
-    from_loss = _descendants(head[0])
+    # not through the clipping norm: every clipped gradient is computed from it, the zeros
+    # of an unused parameter's too
+    from_loss = _descendants(head[0], stop=set(head[1:]))
     updates = [Update(spec, node_of["param", k], grad,
                       tuple(node_of["opt_state", f"{k}:{s}"] for s in spec.state_names),
                       scalar_names[group_of[k]], scalars[group_of[k]])
@@ -246,12 +249,12 @@ def _erase_if_unused(graph: fx.Graph, node: fx.Node) -> None:
         _erase_if_unused(graph, arg)
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    """``node`` and every node computed from it."""
+def _descendants(node: fx.Node, stop: set[fx.Node] = frozenset()) -> set[fx.Node]:
+    """``node`` and every node computed from it, other than through the nodes ``stop``."""
     found, stack = {node}, [node]
     while stack:
         for user in stack.pop().users:
-            if user not in found:
+            if user not in found and user not in stop:
                 found.add(user)
                 stack.append(user)
     return found

@@ -474,6 +474,24 @@ def test_a_parameter_the_loss_does_not_read_is_left_alone(make):
     assert STEP(gm).untrained == ("unused.weight", "unused.bias")
 
 
+def test_an_unused_parameter_is_left_alone_under_gradient_clipping():
+    """With ``clip_grad_norm`` every clipped gradient is computed from the norm, which is
+    computed from the loss, the zeros of an unused parameter's too: it was weight-decayed
+    and given state (AdamW moved it by 7e-2 in three steps). Clipping as
+    ``clip_grad_norm_``, which leaves a gradient of None alone."""
+    torch.manual_seed(0)
+    model = _WithUnused()
+    reference = copy.deepcopy(model)
+    data = _regression()
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5)  # noqa: E731
+    losses, params, _, gm = simulated(model, F.mse_loss, adamw, data, (4,), clip_grad_norm=0.01)
+    want, _ = eager(reference, F.mse_loss, adamw, data, clip=0.01)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+    assert torch.equal(params["unused.weight"], model.unused.weight)
+    assert STEP(gm).untrained == ("unused.weight", "unused.bias")
+
+
 def _with_l2_penalty(model, strength=0.05):
     """Cross-entropy plus an L2 penalty over ``model.parameters()``, as users write it."""
     return lambda out, y: F.cross_entropy(out, y) + strength * sum((p ** 2).sum() for p in model.parameters())
