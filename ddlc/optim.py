@@ -7,6 +7,7 @@ whose inputs are the parameter, its gradient and its state tensors.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -66,10 +67,12 @@ class OptimizerSpec:
         return {name: getattr(self, name) for name in self.inputs}
 
     def structure(self) -> tuple:
-        """What the traced graph depends on: every other field, and which gates are zero."""
+        """What the traced graph depends on: the update (this spec's kind), every other
+        field, and which gates are zero."""
         fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
                   if f.name not in self.inputs]
-        return tuple(fields) + tuple((name, getattr(self, name) != 0) for name in self.gates)
+        return (("update", type(self).__name__), *fields,
+                *((name, getattr(self, name) != 0) for name in self.gates))
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,12 @@ def _spec_for_group(optimizer: torch.optim.Optimizer, group: dict) -> OptimizerS
     bad = [f for f in _UNSUPPORTED_FLAGS if group.get(f)]
     if bad:
         raise UnsupportedInputError(f"{name} option(s) {', '.join(bad)}=True are not supported")
+    base = next((b for b in (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adam) if isinstance(optimizer, b)), None)
+    if base is not None and inspect.unwrap(type(optimizer).step) is not inspect.unwrap(base.step):
+        raise UnsupportedInputError(
+            f"optimizer {name} subclasses torch.optim.{base.__name__} with a step() of its own, "
+            f"which ddlc does not run: it compiles {base.__name__}'s own update (use "
+            f"torch.optim.{base.__name__} itself)")
     if isinstance(optimizer, torch.optim.SGD):
         if group.get("dampening", 0):
             raise UnsupportedInputError("SGD with dampening != 0 is not supported "

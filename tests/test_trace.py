@@ -122,9 +122,34 @@ def test_unsupported_optimizer_and_options():
     with pytest.raises(UnsupportedInputError, match="dampening"):
         ddlc.trace(model, (x, y), F.mse_loss,
                    torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5))
+    # a subclass with a step() of its own would be compiled as the base class's update
+    class ClampingSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            super().step(closure)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.clamp_(-0.01, 0.01)
+
+    with pytest.raises(UnsupportedInputError, match="ClampingSGD subclasses torch.optim.SGD with a step"):
+        ddlc.trace(model, (x, y), F.mse_loss, ClampingSGD(model.parameters(), lr=0.1))
+
+    class NamedSGD(torch.optim.SGD):  # the base's step: traced as SGD
+        pass
+
+    ddlc.trace(model, (x, y), F.mse_loss, NamedSGD(model.parameters(), lr=0.1))
     # without a loss_fn the model must compute its own loss: an MLP's (8, 16) output is not one
     with pytest.raises(UnsupportedInputError, match=r"compiled without loss_fn.*one-element"):
         ddlc.trace(model, x, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_an_optimizers_structure_names_its_update():
+    """Adam turned into AdamW after compile (``decoupled_weight_decay``) is another update:
+    the compiled step refuses it (it had run Adam's, silently)."""
+    from ddlc.optim import structure
+    opt = torch.optim.Adam(MLP().parameters(), lr=0.1, weight_decay=0.1)
+    before = structure(opt)
+    opt.param_groups[0]["decoupled_weight_decay"] = True
+    assert structure(opt) != before
 
 
 def test_node_stack_traces_match_torchs_own_capture(monkeypatch):
