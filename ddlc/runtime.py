@@ -672,6 +672,32 @@ def _state_dict_names(model: nn.Module) -> dict[str, str]:
     return {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in canonical}
 
 
+def _check_checkpoint(path: str, state: Mapping[str, object]) -> None:
+    """Refuse a checkpoint whose entries are not those of ``state`` (a step's
+    ``_sharded_state``), by key and global shape: one saved by a step of another model or
+    optimizer. Entries of ``state`` that the checkpoint lacks would be left as they are, and
+    optimizer state it holds beyond them dropped; torch raised on the first, its own
+    ``CheckpointException``, which an ``except Exception`` does not catch."""
+    try:
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as error:
+        raise RuntimeMismatchError(f"{path} is not a checkpoint of CompiledStep.save_checkpoint "
+                                   f"({type(error).__name__}: {error})") from error
+    roles = ("param/", "buffer/", "opt_state/")
+    missing = [k for k in state if k not in saved]
+    extra = [k for k in saved if k.startswith(roles) and k not in state]
+    shapes = [f"{k} {tuple(saved[k].size)} (this step's {tuple(v.shape)})" for k, v in state.items()
+              if isinstance(v, DTensor) and k in saved and tuple(saved[k].size) != tuple(v.shape)]
+    problems = [f"{what}: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}" for what, keys in (
+        ("this step's entries it does not hold", missing), ("entries this step does not have", extra),
+        ("entries of other shapes", shapes)) if keys]
+    if problems:
+        raise RuntimeMismatchError(
+            f"the checkpoint at {path} was saved by a step of another model or optimizer; "
+            + "; ".join(problems) + ". To start from its weights alone, load it into a step "
+            "compiled as it was, write_back(), and compile again with this optimizer")
+
+
 class CompiledStep:
     """One rank's compiled program and its shards of the model and optimizer state."""
 
@@ -1096,6 +1122,7 @@ class CompiledStep:
         hyper-parameters stay those of the optimizer object (restore an lr scheduler's own
         state yourself)."""
         state = self._sharded_state()
+        _check_checkpoint(path, state)
         dcp.load(state, checkpoint_id=path)
         for key, value in state.items():
             if key == "steps_done":

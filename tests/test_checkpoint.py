@@ -51,6 +51,17 @@ def _resumed(rank, mesh, path):
     return loss, step.state_dict(), step.optimizer_state(), steps_done
 
 
+def _resumed_with_sgd(rank, mesh, path):
+    """Load the AdamW step's checkpoint into a step of another optimizer: the error."""
+    model, _, batches = _setup()
+    step = _compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), batches[0], mesh)
+    try:
+        step.load_checkpoint(path)
+    except ddlc.errors.RuntimeMismatchError as e:
+        return str(e)
+    return None
+
+
 def _close(a, b, what, rtol=1e-5, atol=1e-6):
     torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
@@ -75,6 +86,11 @@ def test_resume_on_another_mesh_and_world_size(tmp_path):
             _close(got[k], state[k], f"{mesh} {k}")
         for k in opt_state:
             _close(got_opt[k], opt_state[k], f"{mesh} {k}")
+    # into a step of another optimizer: refused by name (torch raised a CheckpointException,
+    # which derives from BaseException, naming one missing key)
+    for message in spawn(_resumed_with_sgd, 2, (2,), path, timeout=120, deadline=300):
+        assert message is not None and "saved by a step of another model or optimizer" in message
+        assert "momentum_buffer" in message and "exp_avg" in message, message
 
 
 def _compiled_again(rank, mesh, load_other_weights: bool):
