@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["PLAIN", "ModelWatch", "autocast_state", "autocast_words", "describe", "same_plain"]
+__all__ = ["PLAIN", "ModelWatch", "OptimizerStateWatch", "autocast_state", "autocast_words", "describe", "same_plain"]
 
 #: torch's hooks on every module (``register_module_forward_hook`` and friends)
 _GLOBAL_HOOKS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_pre_hooks",
@@ -222,3 +222,32 @@ def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
 def autocast_words(state: tuple[tuple[str, torch.dtype], ...]) -> str:
     """``state`` of :func:`autocast_state` in words."""
     return " and ".join(f"on for {device} ({str(dtype).removeprefix('torch.')})" for device, dtype in state) or "off"
+
+
+class OptimizerStateWatch:
+    """What ``optimizer.state`` holds at a snapshot: the state object itself (its
+    ``load_state_dict`` puts a new one in place) and every value it keeps per parameter
+    (a tensor by identity and version counter: an in-place write bumps it; anything else by
+    value); :meth:`changed` says whether it differs now. Parameters without state are left
+    out (``optimizer.state`` is a defaultdict: reading it adds empty entries)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self._optimizer = optimizer
+        self.accept()
+
+    def _take(self) -> tuple:
+        state = self._optimizer.state
+        return state, [(p, k, v, v._version if isinstance(v, torch.Tensor) else None)
+                       for p, values in state.items() for k, v in values.items()]
+
+    def accept(self) -> None:
+        """Take the optimizer's state as it is now."""
+        self._snapshot = self._take()
+
+    def changed(self) -> bool:
+        """Whether the optimizer's state changed since the snapshot."""
+        (state, values), (then_state, then_values) = self._take(), self._snapshot
+        return state is not then_state or len(values) != len(then_values) or any(
+            p is not q or k != l or version != then_version
+            or (v is not w and (isinstance(w, torch.Tensor) or not same_plain(v, w)))
+            for (p, k, v, version), (q, l, w, then_version) in zip(values, then_values))

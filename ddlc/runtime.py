@@ -44,7 +44,7 @@ from . import inductor, pipeline
 from .errors import DDLCError, LoweringError, MeshError, RuntimeMismatchError, UnsupportedInputError, as_shared
 from .ir import GLOBAL_VAL, HYPERPARAMETER_DTYPE, SHARDING, STEP, collective_sequence
 from .mesh import Mesh
-from .model_state import ModelWatch, autocast_state, autocast_words
+from .model_state import ModelWatch, OptimizerStateWatch, autocast_state, autocast_words
 from .optim import hyperparameter_values, structure as optimizer_structure
 from .options import CompileOptions
 from .plan import Plan
@@ -742,6 +742,8 @@ class CompiledStep:
         self._model = model
         self._ref = weakref.ref(self)  # what _TRAINED_BY holds once this step trains the model
         self._watch = ModelWatch(model)
+        #: the optimizer's state as this step took it (it holds its own from then on)
+        self._optimizer_watch = OptimizerStateWatch(optimizer) if optimizer is not None else None
         self._autocast = autocast_state()
 
     def _take_model_state(self, model: nn.Module) -> None:
@@ -933,7 +935,8 @@ class CompiledStep:
         (collective): the full parameters and buffers (non-persistent ones too) into the
         model's own tensors, except those written in the model since compile (eager would train on
         those values: they stay), the optimizer state into ``optimizer.state`` as
-        torch.optim keeps it, and the program generator's state into the default generator
+        torch.optim keeps it (unless that changed since compile: ``optimizer.load_state_dict``
+        of a checkpoint, which then stays), and the program generator's state into the default generator
         (CPU or CUDA, as the program's), so that an eager step, ``torch.save`` of the model or
         a ``ddlc.compile`` of it again continues from them (dropout goes on to new masks
         instead of replaying the compiled steps'). This step keeps running as it was. Again
@@ -951,10 +954,13 @@ class CompiledStep:
                     own[name].copy_(value)
         if self._optimizer is not None:
             params = dict(self._model.named_parameters())
-            for key, value in self.optimizer_state().items():
+            superseded = self._optimizer_watch.changed()  # the user's since compile: it stays
+            for key, value in self.optimizer_state().items():  # a collective: on every rank
                 name, state_name = key.rsplit(":", 1)
                 shape = () if state_name == "step" else params[name].shape
-                self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
+                if not superseded:
+                    self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
+            self._optimizer_watch.accept()
         if self.generator is not None:
             _hand_back(self.generator)
         self._watch.accept_writes()
@@ -979,8 +985,15 @@ class CompiledStep:
     def _check_model(self) -> None:
         """Refuse to run when the model changed since compile in a way the program cannot
         see (:class:`ddlc.model_state.ModelWatch`: it holds its own shards of the weights
-        and buffers and runs the modules as they were traced), or when ``torch.autocast``
-        is not as it was at compile (the traced step has its dtypes)."""
+        and buffers and runs the modules as they were traced), or the optimizer's state did
+        (:class:`ddlc.model_state.OptimizerStateWatch`: it holds its own), or when
+        ``torch.autocast`` is not as it was at compile (the traced step has its dtypes)."""
+        if self._optimizer_watch is not None and self._optimizer_watch.changed():
+            raise UnsupportedInputError(
+                "the optimizer's state changed after compile (optimizer.load_state_dict, an eager "
+                "optimizer step, an edit of optimizer.state): the compiled step holds its own and "
+                "would ignore it; compile again (that takes the optimizer's state as it is then), "
+                "or load a checkpoint of this step with step.load_checkpoint")
         change = self._watch.change()
         if change is not None:
             raise UnsupportedInputError(
@@ -1135,6 +1148,8 @@ class CompiledStep:
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
                 value.to_local().contiguous().to(self._device_for(name))
         self._watch.accept_writes()  # the model's weights written since compile are superseded
+        if self._optimizer_watch is not None:  # and so is the optimizer's state
+            self._optimizer_watch.accept()
         self._written_back_at = None
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:

@@ -93,16 +93,34 @@ def test_resume_on_another_mesh_and_world_size(tmp_path):
         assert "momentum_buffer" in message and "exp_avg" in message, message
 
 
-def _compiled_again(rank, mesh, load_other_weights: bool):
-    """Two steps, a change to the model that the step refuses, ddlc.compile again, a third
-    step: (losses, the refusal, state_dict, optimizer_state) on rank 0."""
+def _other_checkpoint():
+    """The model and optimizer state dicts of another run: seed 7, one eager step."""
+    model, opt, batches = _setup(seed=7)
+    opt.zero_grad()
+    lm_loss(model(batches[1][0]), batches[1][1]).backward()
+    opt.step()
+    return model.state_dict(), opt.state_dict()
+
+
+def _change(model, opt, change: str) -> None:
+    """What the user does between the second and third step."""
+    if change == "weights loaded":
+        model.load_state_dict(_setup(seed=7)[0].state_dict())
+    elif change == "checkpoint loaded":
+        model_state, opt_state = _other_checkpoint()
+        model.load_state_dict(model_state)
+        opt.load_state_dict(opt_state)
+    else:
+        model.note = "a new attribute"  # changes nothing the step computes, but is refused
+
+
+def _compiled_again(rank, mesh, change: str):
+    """Two steps, a change that the step refuses, ddlc.compile again, a third step:
+    (losses, the refusal, state_dict, optimizer_state) on rank 0."""
     model, opt, batches = _setup()
     step = _compile(model, opt, batches[0], mesh)
     losses = [step.step(*b) for b in batches[:2]]
-    if load_other_weights:
-        model.load_state_dict(_setup(seed=7)[0].state_dict())
-    else:
-        model.note = "a new attribute"  # changes nothing the step computes, but is refused
+    _change(model, opt, change)
     try:
         step.step(*batches[2])
         refusal = None
@@ -113,22 +131,25 @@ def _compiled_again(rank, mesh, load_other_weights: bool):
     return losses, refusal, step.state_dict(), step.optimizer_state()
 
 
-@pytest.mark.parametrize("load_other_weights", [False, True], ids=["attribute", "weights loaded"])
-def test_compiling_again_continues_the_training(load_other_weights):
+@pytest.mark.parametrize("change", ["attribute", "weights loaded", "checkpoint loaded"])
+def test_compiling_again_continues_the_training(change):
     """The step the compiler refuses after a change to the model says to compile again;
     that continues the training as eager would: the weights and optimizer state the
     earlier step trained are written back into the model and optimizer first (AdamW's
     moments and step count too), except weights the user wrote into the model since,
-    which eager would train on. Before, the new step started from the model's weights of
-    before the first compile and a fresh optimizer state, silently."""
-    losses, refusal, state, opt_state = spawn(_compiled_again, 4, (2, 2), load_other_weights,
+    and an optimizer state loaded since, which eager would train on. Before, the new step
+    started from the model's weights of before the first compile and a fresh optimizer
+    state, silently; later, from the loaded weights with the earlier step's moments."""
+    losses, refusal, state, opt_state = spawn(_compiled_again, 4, (2, 2), change,
                                               timeout=120, deadline=300)[0]
     assert refusal is not None and "compile again" in refusal
+    if change == "checkpoint loaded":
+        assert refusal.startswith("the optimizer's state changed after compile"), refusal
     model, opt, batches = _setup()
     want = []
     for i, (x, y) in enumerate(batches):
-        if i == 2 and load_other_weights:
-            model.load_state_dict(_setup(seed=7)[0].state_dict())
+        if i == 2:
+            _change(model, opt, change)
         opt.zero_grad()
         loss = lm_loss(model(x), y)
         loss.backward()
