@@ -541,19 +541,40 @@ def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh, st
 _TRAINED_BY: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-#: per model, the generator of the compiled program (training or inference) that drew random
+def _default_rng_state(device: torch.device) -> torch.Tensor:
+    """The state of the default generator of ``device``'s type (CPU or that CUDA device)."""
+    return torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+
+
+class _ProgramDraws:
+    """A program's ``generator`` and the state of the default generator (CPU or CUDA, as the
+    program's) when the two last agreed (``synced``: the step was made, or handed its own
+    state back)."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+        self.synced = _default_rng_state(generator.device)
+
+    def hand_back(self) -> None:
+        """The program generator's state into the default generator, where the steps after
+        it, eager or compiled, continue the stream; unless the default generator moved
+        since the two agreed (the user reseeded it with ``torch.manual_seed`` for a new
+        phase, or eager steps drew from it): that state is the user's, and stays (this time
+        and after)."""
+        device = self.generator.device
+        if not torch.equal(_default_rng_state(device), self.synced):
+            return
+        if device.type == "cpu":
+            torch.set_rng_state(self.generator.get_state())
+        else:
+            torch.cuda.set_rng_state(self.generator.get_state(), device)
+        self.synced = _default_rng_state(device)
+
+
+#: per model, the draws of the compiled program (training or inference) that drew random
 #: numbers last, kept when the step itself is gone: compiling the model again continues
-#: from it (:func:`compile`)
-_DREW_LAST: "weakref.WeakKeyDictionary[nn.Module, torch.Generator]" = weakref.WeakKeyDictionary()
-
-
-def _hand_back(generator: torch.Generator) -> None:
-    """A program generator's state into the default generator (CPU or CUDA, as the
-    program's), where the steps after it, eager or compiled, continue the stream."""
-    if generator.device.type == "cpu":
-        torch.set_rng_state(generator.get_state())
-    else:
-        torch.cuda.set_rng_state(generator.get_state(), generator.device)
+#: from them (:func:`compile`)
+_DREW_LAST: "weakref.WeakKeyDictionary[nn.Module, _ProgramDraws]" = weakref.WeakKeyDictionary()
 
 
 def _trained_by(model: nn.Module) -> "CompiledStep | None":
@@ -595,7 +616,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
         trained_by.write_back()
     drew = _DREW_LAST.pop(model, None)
     if drew is not None:  # an inference program's draws too: the new program goes on after them
-        _hand_back(drew)
+        drew.hand_back()
         rng_state = torch.get_rng_state()
     _take_rank0_state(model)
     # the garbage collector is not deferred here as ``ddlc plan`` defers it: with it
@@ -742,6 +763,8 @@ class CompiledStep:
         self._model = model
         self._ref = weakref.ref(self)  # what _TRAINED_BY holds once this step trains the model
         self._watch = ModelWatch(model)
+        #: the program's generator and where the default generator stood when they last agreed
+        self._draws = _ProgramDraws(gm.rng) if hasattr(gm, "rng") else None
         #: the optimizer's state as this step took it (it holds its own from then on)
         self._optimizer_watch = OptimizerStateWatch(optimizer) if optimizer is not None else None
         self._autocast = autocast_state()
@@ -926,8 +949,8 @@ class CompiledStep:
             self.last_grad_norm = out["grad_norm"]["grad_norm"].detach()
         self.steps_done += 1
         _TRAINED_BY[self._model] = self._ref
-        if self.generator is not None:
-            _DREW_LAST[self._model] = self.generator
+        if self._draws is not None:
+            _DREW_LAST[self._model] = self._draws
         return out["loss"]["loss"].detach()
 
     def write_back(self) -> None:
@@ -961,8 +984,8 @@ class CompiledStep:
                 if not superseded:
                     self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
             self._optimizer_watch.accept()
-        if self.generator is not None:
-            _hand_back(self.generator)
+        if self._draws is not None:
+            self._draws.hand_back()
         self._watch.accept_writes()
         if _trained_by(self._model) is self:
             del _TRAINED_BY[self._model]
@@ -1061,8 +1084,8 @@ class CompiledStep:
             self.buffers.update(out["buffer"])
             self.steps_done += 1  # calls that changed the model's state, for write_back
             _TRAINED_BY[self._model] = self._ref
-        if self.generator is not None:
-            _DREW_LAST[self._model] = self.generator
+        if self._draws is not None:
+            _DREW_LAST[self._model] = self._draws
         return self.signature.output_tree.rebuild(list(out["output"].values()))
 
     def _take_current_state(self) -> None:
