@@ -3,7 +3,9 @@
 A compiled step runs the model as it was traced: every module's attributes (train/eval
 mode, dropout's ``p``, batch norm's ``momentum`` and ``eps``, a Python counter), its hooks
 (module, global and parameter ones), the parameters and buffers it holds (their identity,
-``requires_grad`` and version counter: an in-place write bumps it) and the submodules.
+``requires_grad``, version counter (an in-place write bumps it) and data address (an
+assignment to ``.data`` moves it)), its tensor attributes' versions and addresses (constants
+of the trace) and the submodules.
 A change to any of them after compile is one the program cannot see, so
 :class:`ModelWatch` notices it before every step and names it.
 
@@ -54,6 +56,16 @@ def _hook_dicts(modules, params) -> list[tuple[str, dict | None, str]]:
     return found
 
 
+def _written(t: torch.Tensor) -> tuple[int, int]:
+    """What changes when ``t`` is written: its version counter (an in-place write bumps it)
+    and its data's address (an assignment to ``t.data`` moves it). A write through ``t.data``
+    (``p.data.clamp_()``) changes neither: it goes unseen."""
+    try:
+        return t._version, t.data_ptr()
+    except RuntimeError:  # a tensor without storage (sparse): its version alone
+        return t._version, 0
+
+
 class ModelWatch:
     """A snapshot of what a traced step fixes of ``model`` (see the module docstring);
     :meth:`change` says what differs now, or None."""
@@ -66,6 +78,12 @@ class ModelWatch:
         self._members = [{kind: dict(getattr(m, kind)) for kind in _MEMBERS} for _, m in self._modules]
         self._module_hooks = [h for _, m in self._modules for attr, h in vars(m).items()
                               if attr.endswith("hooks") and isinstance(h, dict)]
+        #: tensor attributes that are neither parameters nor buffers: constants of the trace
+        #: (an attribute holding one of the model's parameters or buffers is that one)
+        held = {id(t) for _, t in [*self._params, *self._buffers]}
+        self._tensor_attributes = [(f"{name}.{attr}" if name else attr, t) for name, m in self._modules
+                                   for attr, t in vars(m).items()
+                                   if isinstance(t, torch.Tensor) and id(t) not in held]
         self._snapshot = self._take()
         self._hook_keys = [tuple(h or ()) for _, h, _ in _hook_dicts(self._modules, self._params)]
         self._next_id = RemovableHandle.next_id
@@ -77,9 +95,10 @@ class ModelWatch:
             objects += [*vars(m).values(), *m._parameters.values(), *m._buffers.values(), *m._modules.values()]
         numbers = (tuple(map(len, self._module_hooks)),
                    tuple(len(getattr(module_mod, attr)) for attr in _GLOBAL_HOOKS),
-                   tuple((p.requires_grad, p._version, len(p._backward_hooks or ()),
+                   tuple((p.requires_grad, _written(p), len(p._backward_hooks or ()),
                           len(getattr(p, "_post_accumulate_grad_hooks", None) or ())) for _, p in self._params),
-                   tuple(b._version for _, b in self._buffers))
+                   tuple(_written(b) for _, b in self._buffers),
+                   tuple(_written(t) for _, t in self._tensor_attributes))
         return objects, numbers
 
     def _unchanged(self) -> bool:
@@ -102,12 +121,17 @@ class ModelWatch:
             if p.requires_grad != requires_grad:
                 return f"parameter {name} was {'unfrozen' if p.requires_grad else 'frozen'} (requires_grad)"
         for (name, p), (_, version, *_) in zip(self._params, self._snapshot[1][2]):
-            if p._version != version:
+            if _written(p) != version:
                 return (f"parameter {name} was written in place (model.load_state_dict, an eager "
-                        "optimizer step, an initializer)")
+                        "optimizer step, an initializer, an assignment to its .data)")
         for (name, b), version in zip(self._buffers, self._snapshot[1][3]):
-            if b._version != version:
+            if _written(b) != version:
                 return f"buffer {name} was written in place (model.load_state_dict, reset_running_stats)"
+        for (name, t), version in zip(self._tensor_attributes, self._snapshot[1][4]):
+            if _written(t) != version:
+                return (f"the tensor attribute {name}, which the step holds as a constant (it is "
+                        "neither a parameter nor a buffer), was written in place; register it as a "
+                        "buffer (module.register_buffer) if it is state that changes")
         for (where, hooks, kind), keys in zip(_hook_dicts(self._modules, self._params), self._hook_keys):
             if tuple(hooks or ()) != keys:
                 return f"a {kind.removesuffix('s')} was added to or removed from {where}"
@@ -155,12 +179,14 @@ class ModelWatch:
     def accept_writes(self) -> None:
         """Take the parameters' and buffers' values as they are now (version counters):
         the step's own weights were just replaced (a checkpoint loaded), so earlier writes
-        into the model's are not ignored any more. Nothing else is accepted."""
+        into the model's are not ignored any more; or the step wrote its own into the model
+        (which moves the versions of tensor attributes that view them too). Nothing else is
+        accepted."""
         objects, numbers = self._snapshot
         now = self._take()[1]
         self._snapshot = objects, (*numbers[:2],
                                    tuple((r, v_now, *hooks) for (r, _, *hooks), (_, v_now, *_) in zip(numbers[2], now[2])),
-                                   now[3])
+                                   now[3], now[4])
 
     def restore_attributes(self) -> None:
         """Give every module back the plain attributes it had at the snapshot (those that

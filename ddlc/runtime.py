@@ -635,7 +635,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     fingerprint = _check_fingerprint(gm)
     _share_generator(gm, device, rng_state)
     step = CompiledStep(model, gm, plan, mesh, coord, options.batch, fingerprint, device, optimizer,
-                        device_mesh, host_scalars=options.backend == "eager")
+                        device_mesh, host_scalars=options.backend == "eager", loss_fn=loss_fn)
     if options.backend == "inductor":
         step.program = _compile_with_inductor(gm, device)
     return step
@@ -725,7 +725,7 @@ class CompiledStep:
     def __init__(self, model: nn.Module, gm: fx.GraphModule, plan: Plan, mesh: Mesh,
                  coord: Sequence[int], batch: str, fingerprint: str, device: torch.device,
                  optimizer: torch.optim.Optimizer | None = None, device_mesh: DeviceMesh | None = None,
-                 host_scalars: bool = True):
+                 host_scalars: bool = True, loss_fn=None):
         self.gm, self.plan, self.mesh, self.coord = gm, plan, mesh, tuple(coord)
         #: what runs the program: the graph module itself, or Inductor's compiled form of it
         self.program = gm
@@ -763,6 +763,9 @@ class CompiledStep:
         self._model = model
         self._ref = weakref.ref(self)  # what _TRAINED_BY holds once this step trains the model
         self._watch = ModelWatch(model)
+        #: a loss module's attributes and weights (a class-weight tensor, label smoothing) are
+        #: fixed by the trace as the model's are
+        self._loss_watch = ModelWatch(loss_fn) if isinstance(loss_fn, nn.Module) else None
         #: the program's generator and where the default generator stood when they last agreed
         self._draws = _ProgramDraws(gm.rng) if hasattr(gm, "rng") else None
         #: the optimizer's state as this step took it (it holds its own from then on)
@@ -1009,14 +1012,20 @@ class CompiledStep:
         """Refuse to run when the model changed since compile in a way the program cannot
         see (:class:`ddlc.model_state.ModelWatch`: it holds its own shards of the weights
         and buffers and runs the modules as they were traced), or the optimizer's state did
-        (:class:`ddlc.model_state.OptimizerStateWatch`: it holds its own), or when
-        ``torch.autocast`` is not as it was at compile (the traced step has its dtypes)."""
+        (:class:`ddlc.model_state.OptimizerStateWatch`: it holds its own), or a loss module
+        did, or when ``torch.autocast`` is not as it was at compile (the traced step has its
+        dtypes). A loss function's plain Python state (a global it reads) goes unseen."""
         if self._optimizer_watch is not None and self._optimizer_watch.changed():
             raise UnsupportedInputError(
                 "the optimizer's state changed after compile (optimizer.load_state_dict, an eager "
                 "optimizer step, an edit of optimizer.state): the compiled step holds its own and "
                 "would ignore it; compile again (that takes the optimizer's state as it is then), "
                 "or load a checkpoint of this step with step.load_checkpoint")
+        change = self._loss_watch.change() if self._loss_watch is not None else None
+        if change is not None:
+            raise UnsupportedInputError(
+                f"the loss function changed after compile: {change}. The compiled step computes "
+                "the loss as it was traced: undo the change, or compile again")
         change = self._watch.change()
         if change is not None:
             raise UnsupportedInputError(

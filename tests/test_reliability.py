@@ -597,6 +597,8 @@ _CHANGES = {
     "forward_hook": lambda model, opt: model[0].register_forward_hook(lambda m, i, o: o * 2),
     "gradient_hook": lambda model, opt: model[3].weight.register_hook(lambda g: g * 0.5),
     "buffer_reassigned": lambda model, opt: model[0].register_buffer("scale", torch.ones(1)),
+    "data_assigned": lambda model, opt: setattr(model[0].weight, "data", torch.zeros_like(model[0].weight)),
+    "optimizer_loaded": lambda model, opt: opt.load_state_dict(opt.state_dict()),
     # not changes of this model: accepted
     "hook_elsewhere": lambda model, opt: torch.nn.Linear(2, 2).register_forward_hook(lambda m, i, o: o),
     "same_value": lambda model, opt: setattr(model[2], "p", float("0.1")),
@@ -617,6 +619,24 @@ def _changes_after_compile(rank):
             refused[name] = None
         except UnsupportedInputError as error:
             refused[name] = str(error)
+    # a tensor constant written in place; a loss module's attribute changed
+    model = _WithConstant()
+    batch7 = _constant_batches()[0]
+    step = ddlc.compile(model, (1,), batch7, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    step.step(*batch7)
+    model.mix.mul_(2)
+    try:
+        step.step(*batch7)
+    except UnsupportedInputError as error:
+        refused["tensor_attribute"] = str(error)
+    model, loss_fn = _net(0.0), torch.nn.MSELoss()
+    step = ddlc.compile(model, (1,), batch, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1))
+    step.step(*batch)
+    loss_fn.reduction = "sum"
+    try:
+        step.step(*batch)
+    except UnsupportedInputError as error:
+        refused["loss_module"] = str(error)
     # torch.autocast at step() as it was at compile, or refused
     model = _net(0.0)
     step = ddlc.compile(model, (1,), batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -643,10 +663,12 @@ def _changes_after_compile(rank):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_changes_after_compile_are_refused_and_an_optimizers_state_is_taken():
-    """A mode switch, a parameter frozen or overwritten (``model.load_state_dict``),
-    parameters swapped between param groups, a module's attribute changed (dropout's p), a
-    hook added (forward, gradient) and a buffer added after compile would be ignored by the
-    compiled step: each is refused with its cause. A hook on another model, or an attribute
+    """A mode switch, a parameter frozen or overwritten (``model.load_state_dict``, an
+    assignment to its ``.data``), parameters swapped between param groups, a module's
+    attribute changed (dropout's p), a hook added (forward, gradient), a buffer added, a
+    tensor constant written, a loss module's attribute changed and the optimizer's state
+    loaded after compile would be ignored by the compiled step: each is refused with its
+    cause. A hook on another model, or an attribute
     given the value it had, is not a change. A step compiled outside ``torch.autocast`` is
     refused under it; one compiled and run under it gives eager's bfloat16 losses. An optimizer that has stepped before compile
     hands its state to the compiled step, which continues as eager training does."""
@@ -658,6 +680,11 @@ def test_changes_after_compile_are_refused_and_an_optimizers_state_is_taken():
     assert "forward hook was added to or removed from module 0" in refused["forward_hook"]
     assert "backward hook was added to or removed from parameter 3.weight" in refused["gradient_hook"]
     assert "a buffer of 0 (scale) was replaced, added or removed" in refused["buffer_reassigned"]
+    assert "parameter 0.weight was written in place" in refused["data_assigned"]
+    assert refused["optimizer_loaded"].startswith("the optimizer's state changed after compile")
+    assert "the tensor attribute mix, which the step holds as a constant" in refused["tensor_attribute"]
+    assert "the loss function changed after compile: reduction changed ('mean' -> 'sum')" in \
+        refused["loss_module"], refused["loss_module"]
     assert refused["hook_elsewhere"] is None and refused["same_value"] is None
     assert "torch.autocast is on for cpu (bfloat16) here but was off" in refused["autocast"]
     x, y = _fixed_batch()
