@@ -20,6 +20,7 @@ model did) is accepted there.
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 from torch import nn
@@ -60,6 +61,8 @@ def _written(t: torch.Tensor) -> tuple[int, int]:
     """What changes when ``t`` is written: its version counter (an in-place write bumps it)
     and its data's address (an assignment to ``t.data`` moves it). A write through ``t.data``
     (``p.data.clamp_()``) changes neither: it goes unseen."""
+    if t.is_inference():  # made under torch.inference_mode: no version counter, never written
+        return -1, t.data_ptr()
     try:
         return t._version, t.data_ptr()
     except RuntimeError:  # a tensor without storage (sparse): its version alone
@@ -139,7 +142,7 @@ class ModelWatch:
             now = vars(m)
             for attr in now.keys() | before.keys():
                 if now.get(attr, _MISSING) is not before.get(attr, _MISSING) and \
-                        not same_plain(now.get(attr, _MISSING), before.get(attr, _MISSING)):
+                        not _alike(now.get(attr, _MISSING), before.get(attr, _MISSING)):
                     return (f"{name + '.' if name else ''}{attr} changed "
                             f"({describe(before.get(attr, _MISSING))} -> {describe(now.get(attr, _MISSING))})")
         # a hook registered on something else, or an attribute given an equal value again
@@ -218,6 +221,19 @@ class _Missing:
 
 
 _MISSING = _Missing()
+
+
+def _alike(a, b) -> bool:
+    """Whether attribute values ``a`` and ``b`` hold the same: equal plain values
+    (:func:`same_plain`), or lists of the same objects (an RNN rebuilds its lists of
+    weights, and of weak references to them, on every ``.to()``)."""
+    if same_plain(a, b):
+        return True
+    if type(a) is list and type(b) is list and len(a) == len(b):
+        return all(x is y or same_plain(x, y) or (isinstance(x, weakref.ref) and isinstance(y, weakref.ref)
+                                                  and x() is not None and x() is y())
+                   for x, y in zip(a, b))
+    return False
 
 
 def same_plain(a, b) -> bool:

@@ -555,6 +555,14 @@ class _ProgramDraws:
         self.generator = generator
         self.synced = _default_rng_state(generator.device)
 
+    def continue_from(self, other: "_ProgramDraws | None") -> None:
+        """Where another program of the model drew since this one (a training step and an
+        inference program drawing in turn: MC dropout, noise in eval mode), go on from its
+        generator's state, as eager's one default generator would."""
+        if other is not None and other is not self and other.generator.device == self.generator.device:
+            self.generator.set_state(other.generator.get_state())
+            self.synced = other.synced
+
     def hand_back(self) -> None:
         """The program generator's state into the default generator, where the steps after
         it, eager or compiled, continue the stream; unless the default generator moved
@@ -916,6 +924,8 @@ class CompiledStep:
 
     # -- running -----------------------------------------------------------------------
     def _run(self, args, kwargs, hyperparameters: dict | None = None):
+        if self._draws is not None:
+            self._draws.continue_from(_DREW_LAST.get(self._model))
         flat = self.signature.flatten(self.params, self.buffers, self.opt_state,
                                       self._local_batch(args, kwargs), hyperparameters)
         if not self._autocast:
@@ -989,9 +999,17 @@ class CompiledStep:
             self._optimizer_watch.accept()
         if self._draws is not None:
             self._draws.hand_back()
-        self._watch.accept_writes()
+        self._accept_writes()
         if _trained_by(self._model) is self:
             del _TRAINED_BY[self._model]
+
+    def _accept_writes(self) -> None:
+        """Take the model's parameters and buffers as they are now (this step wrote its own
+        into them, or took theirs), in the loss module's watch too: it may hold some of them
+        (a learnable temperature in a submodule of the model, class weights the model keeps)."""
+        self._watch.accept_writes()
+        if self._loss_watch is not None:
+            self._loss_watch.accept_writes()
 
     def _only_gates_closed(self, now: tuple) -> bool:
         """Whether the optimizer structure ``now`` differs from the compiled one only in a
@@ -1109,7 +1127,7 @@ class CompiledStep:
         if not self._watch.written():
             return
         self._take_model_state(self._model)
-        self._watch.accept_writes()
+        self._accept_writes()
         if _trained_by(self._model) is self:  # the model's values are newer than this program's
             del _TRAINED_BY[self._model]
 
@@ -1179,7 +1197,7 @@ class CompiledStep:
             role, name = key.split("/", 1)
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
                 value.to_local().contiguous().to(self._device_for(name))
-        self._watch.accept_writes()  # the model's weights written since compile are superseded
+        self._accept_writes()  # the model's weights written since compile are superseded
         if self._optimizer_watch is not None:  # and so is the optimizer's state
             self._optimizer_watch.accept()
         self._written_back_at = None

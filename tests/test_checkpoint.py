@@ -281,6 +281,39 @@ def test_draws_of_an_inference_program_and_repeated_write_backs_keep_eagers_stre
                                rtol=1e-4, atol=1e-6)
 
 
+def _alternating(rank, eager: bool = False):
+    """An inference program compiled before the training step, then steps and inference
+    calls in turn, both drawing noise: the losses and outputs (compiled, or eager)."""
+    model, opt, batch = _noisy_setup()
+    ce = torch.nn.functional.cross_entropy
+    if eager:
+        infer, losses, outputs = model, [], []
+        for _ in range(2):
+            losses += _eager_steps(model, opt, batch, 1)
+            with torch.no_grad():
+                outputs.append(infer(batch[0]))
+        return losses + _eager_steps(model, opt, batch, 1), outputs
+    infer = ddlc.compile(model, (4,), batch[:1])
+    step = ddlc.compile(model, (4,), batch, ce, opt)
+    losses, outputs = [], []
+    for _ in range(2):
+        losses.append(float(step.step(*batch)))
+        outputs.append(infer(batch[0]))
+    return losses + [float(step.step(*batch))], outputs
+
+
+def test_a_training_step_and_an_inference_program_draw_from_one_stream():
+    """Each program draws from its own generator; where a training step and an inference
+    program of one model draw in turn (noise in eval mode, MC dropout), each goes on from
+    the other's draws, as eager's one default generator does. Before, the inference
+    program replayed the first step's noise and the steps after it ignored its draws."""
+    losses, outputs = spawn(_alternating, 4, timeout=120, deadline=300)[0]
+    want_losses, want_outputs = _alternating(0, eager=True)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
+    for got, want in zip(outputs, want_outputs):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def _old_step_after_a_newer_one(rank):
     model, opt, batch = _dropout_setup()
     ce = torch.nn.functional.cross_entropy

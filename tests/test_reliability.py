@@ -605,6 +605,17 @@ _CHANGES = {
 }
 
 
+class _ScaledLoss(torch.nn.Module):
+    """Mean squared error scaled by a module of the model's (its output layer's bias)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, out, target):
+        return F.mse_loss(out, target) * (1 + self.layer.bias.square().mean())
+
+
 def _changes_after_compile(rank):
     batch = _fixed_batch()
     refused = {}
@@ -637,6 +648,17 @@ def _changes_after_compile(rank):
         step.step(*batch)
     except UnsupportedInputError as error:
         refused["loss_module"] = str(error)
+    # a loss module holding a submodule of the model: write_back writes into it, no change
+    model = _net(0.0)
+    loss_fn = _ScaledLoss(model[3])
+    step = ddlc.compile(model, (1,), batch, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1))
+    step.step(*batch)
+    step.write_back()
+    try:
+        step.step(*batch)
+        refused["loss_shares_the_model"] = None
+    except UnsupportedInputError as error:
+        refused["loss_shares_the_model"] = str(error)
     # torch.autocast at step() as it was at compile, or refused
     model = _net(0.0)
     step = ddlc.compile(model, (1,), batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -683,6 +705,7 @@ def test_changes_after_compile_are_refused_and_an_optimizers_state_is_taken():
     assert "parameter 0.weight was written in place" in refused["data_assigned"]
     assert refused["optimizer_loaded"].startswith("the optimizer's state changed after compile")
     assert "the tensor attribute mix, which the step holds as a constant" in refused["tensor_attribute"]
+    assert refused["loss_shares_the_model"] is None, refused["loss_shares_the_model"]
     assert "the loss function changed after compile: reduction changed ('mean' -> 'sum')" in \
         refused["loss_module"], refused["loss_module"]
     assert refused["hook_elsewhere"] is None and refused["same_value"] is None
@@ -731,6 +754,32 @@ def test_a_loaded_checkpoint_supersedes_weights_written_into_the_model_only():
         model[3].bias.zero_()
     watch.accept_writes()
     assert watch.change() == "2.p changed (0.1 -> 0.3)"
+
+
+def test_what_is_not_a_change_to_the_model():
+    """No change the step cannot see, so none refused: an RNN's ``.to()`` to the device it
+    is on (it rebuilds its lists of weights and of weak references to them), a tensor
+    attribute made under ``torch.inference_mode`` (it has no version counter: reading one
+    raised), a model evaluated under it (a hook-based weight norm then holds such a tensor)."""
+    from ddlc.model_state import ModelWatch
+    rnn = torch.nn.LSTM(4, 8)
+    watch = ModelWatch(rnn)
+    rnn.to("cpu")
+    rnn.flatten_parameters()
+    assert watch.change() is None
+    model = _net()
+    with torch.inference_mode():
+        model.scale = torch.ones(4)
+    watch = ModelWatch(model)
+    assert watch.change() is None
+    with torch.inference_mode():
+        model.scale.add_(1)  # in place, but no version counter to say so: unseen
+    assert watch.change() is None
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.utils.weight_norm(torch.nn.Linear(8, 8)), torch.nn.Linear(8, 4))
+    with torch.inference_mode():
+        model(torch.randn(2, 8))
+    ddlc.trace(model, _fixed_batch(), F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def _compile_off_device(rank, where):
