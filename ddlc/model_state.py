@@ -25,6 +25,8 @@ import weakref
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["PLAIN", "ModelWatch", "OptimizerStateWatch", "autocast_state", "autocast_words", "describe", "same_plain"]
@@ -37,6 +39,8 @@ _GLOBAL_HOOKS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_globa
 #: a tensor's hooks on its gradient (``register_hook``, ``register_post_accumulate_grad_hook``)
 _TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
+#: forward pre-hooks that set an attribute of their module from its parameters at every call
+_RECOMPUTING_HOOKS = (WeightNorm, SpectralNorm)
 #: what a module holds besides attributes, and what to call one
 _MEMBERS = {"_modules": "a submodule", "_parameters": "a parameter", "_buffers": "a buffer"}
 
@@ -140,7 +144,7 @@ class ModelWatch:
                 return f"a {kind.removesuffix('s')} was added to or removed from {where}"
         for (name, m), before in zip(self._modules, self._attributes):
             now = vars(m)
-            for attr in now.keys() | before.keys():
+            for attr in (now.keys() | before.keys()) - _recomputed(m):
                 if now.get(attr, _MISSING) is not before.get(attr, _MISSING) and \
                         not _alike(now.get(attr, _MISSING), before.get(attr, _MISSING)):
                     return (f"{name + '.' if name else ''}{attr} changed "
@@ -221,6 +225,13 @@ class _Missing:
 
 
 _MISSING = _Missing()
+
+
+def _recomputed(module: nn.Module) -> set[str]:
+    """The attributes a forward pre-hook of ``module`` sets from its parameters before every
+    call (the hook-based ``weight_norm`` and ``spectral_norm``): the step computes them
+    itself, so an eager forward's new value is no change."""
+    return {hook.name for hook in module._forward_pre_hooks.values() if isinstance(hook, _RECOMPUTING_HOOKS)}
 
 
 def _alike(a, b) -> bool:

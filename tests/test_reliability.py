@@ -760,7 +760,8 @@ def test_what_is_not_a_change_to_the_model():
     """No change the step cannot see, so none refused: an RNN's ``.to()`` to the device it
     is on (it rebuilds its lists of weights and of weak references to them), a tensor
     attribute made under ``torch.inference_mode`` (it has no version counter: reading one
-    raised), a model evaluated under it (a hook-based weight norm then holds such a tensor)."""
+    raised), a model evaluated under it (a hook-based weight norm then holds such a tensor),
+    a hook-based weight or spectral norm's weight set anew by an eager forward."""
     from ddlc.model_state import ModelWatch
     rnn = torch.nn.LSTM(4, 8)
     watch = ModelWatch(rnn)
@@ -780,6 +781,14 @@ def test_what_is_not_a_change_to_the_model():
     with torch.inference_mode():
         model(torch.randn(2, 8))
     ddlc.trace(model, _fixed_batch(), F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    # hook-based weight and spectral norms set their module's weight from its parameters at
+    # every call: an eager forward (an evaluation between steps) gives a new tensor there
+    for norm in (torch.nn.utils.weight_norm, torch.nn.utils.spectral_norm):
+        model = torch.nn.Sequential(norm(torch.nn.Linear(8, 8)), torch.nn.Linear(8, 4)).eval()
+        watch = ModelWatch(model)
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+        assert watch.change() is None, norm
 
 
 def _compile_off_device(rank, where):
