@@ -5,9 +5,9 @@ sequence 16, batch 8; the CNNs at width 4-8 on 32x32 images), on a (4,) mesh wit
 batch split. All in one process; a real ``compile`` adds the rank-0 broadcast and the
 fingerprint check. Each figure is the best of ``--repeat`` rounds.
 
-``--ranks 1 4``: ``ddlc.compile`` itself on that many local gloo processes (all ranks
-trace; rank 0 plans and lowers, and sends the program to the others where the plan splits
-evenly), for the zoo GPT the issue measured (3 layers, d 192) and the models given; the
+``--ranks 1 4``: ``ddlc.compile`` itself on that many local gloo processes (ranks 0 and 1
+trace; rank 0 plans and lowers while rank 1 makes the data-parallel candidate, and the
+chosen program is sent to the others where the plan splits evenly), for the zoo GPT the issue measured (3 layers, d 192) and the models given; the
 figure is the slowest rank's wall time of the ``compile`` call, and the ratio to the first
 rank count and the CPU-seconds of all ranks together are printed.
 ``--mesh 2x4`` compiles for that mesh shape instead of a flat one of each rank count
