@@ -509,7 +509,7 @@ def _from_rank0(value):
 def _share_generator(gm: fx.GraphModule, device: torch.device, cpu_state: torch.Tensor) -> None:
     """Give the program's generator (``gm.rng``, present when the step draws random
     numbers) rank 0's default generator state as ``compile`` found it (after handing it
-    the state of the model's program that drew last, :data:`_DREW_LAST`): on the CPU its
+    the state of the program that holds the random stream, :data:`_STREAM`): on the CPU its
     full state (``cpu_state``), so a single-device run seeded alike draws the same
     numbers; on a GPU, that of its default CUDA generator."""
     if not hasattr(gm, "rng"):
@@ -556,9 +556,9 @@ class _ProgramDraws:
         self.synced = _default_rng_state(generator.device)
 
     def continue_from(self, other: "_ProgramDraws | None") -> None:
-        """Where another program of the model drew since this one (a training step and an
-        inference program drawing in turn: MC dropout, noise in eval mode), go on from its
-        generator's state, as eager's one default generator would."""
+        """Where another program drew since this one (a training step and an inference
+        program drawing in turn, MC dropout; two models' steps), go on from its generator's
+        state, as eager's one default generator would."""
         if other is not None and other is not self and other.generator.device == self.generator.device:
             self.generator.set_state(other.generator.get_state())
             self.synced = other.synced
@@ -579,10 +579,15 @@ class _ProgramDraws:
         self.synced = _default_rng_state(device)
 
 
-#: per model, the draws of the compiled program (training or inference) that drew random
-#: numbers last, kept when the step itself is gone: compiling the model again continues
-#: from them (:func:`compile`)
-_DREW_LAST: "weakref.WeakKeyDictionary[nn.Module, _ProgramDraws]" = weakref.WeakKeyDictionary()
+#: per device (the CPU, each GPU), the draws of the compiled program that holds the latest
+#: state of the random stream: the one that drew last, or was seeded or loaded last. Every
+#: program goes on from it before it runs, and compiling, ``write_back`` and
+#: ``save_checkpoint`` take it (one stream, as eager's one default generator)
+_STREAM: "dict[torch.device, _ProgramDraws]" = {}
+
+
+def _stream_owner(device: torch.device) -> "_ProgramDraws | None":
+    return _STREAM.get(device)
 
 
 def _trained_by(model: nn.Module) -> "CompiledStep | None":
@@ -622,9 +627,11 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
         log.info("the model's earlier compiled step trained it %d step(s): its weights, buffers and "
                  "optimizer state are written back first", held)
         trained_by.write_back()
-    drew = _DREW_LAST.pop(model, None)
-    if drew is not None:  # an inference program's draws too: the new program goes on after them
-        drew.hand_back()
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
+        else torch.device("cpu")
+    owner = _stream_owner(device)
+    if owner is not None:  # an inference program's draws too: the new program goes on after them
+        owner.hand_back()
         rng_state = torch.get_rng_state()
     _take_rank0_state(model)
     # the garbage collector is not deferred here as ``ddlc plan`` defers it: with it
@@ -633,8 +640,6 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     # gloo programs no longer do (passes/waits.py)
     gm, fixed = _trace_on_ranks01(model, example_inputs, loss_fn, optimizer, options, mesh.ndim)
     coord = tuple(device_mesh.get_coordinate())
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
-        else torch.device("cpu")
     chosen, held, even = _plan_with_rank1(gm, mesh, coord, options, fixed, groups)
     gm = _program(gm, mesh, coord, groups, options, chosen, held, even, device)
     plan = chosen.plan
@@ -776,6 +781,8 @@ class CompiledStep:
         self._loss_watch = ModelWatch(loss_fn) if isinstance(loss_fn, nn.Module) else None
         #: the program's generator and where the default generator stood when they last agreed
         self._draws = _ProgramDraws(gm.rng) if hasattr(gm, "rng") else None
+        if self._draws is not None:  # seeded with the stream's latest state: it holds it now
+            _STREAM[self._draws.generator.device] = self._draws
         #: the optimizer's state as this step took it (it holds its own from then on)
         self._optimizer_watch = OptimizerStateWatch(optimizer) if optimizer is not None else None
         self._autocast = autocast_state()
@@ -924,8 +931,7 @@ class CompiledStep:
 
     # -- running -----------------------------------------------------------------------
     def _run(self, args, kwargs, hyperparameters: dict | None = None):
-        if self._draws is not None:
-            self._draws.continue_from(_DREW_LAST.get(self._model))
+        self._take_stream()
         flat = self.signature.flatten(self.params, self.buffers, self.opt_state,
                                       self._local_batch(args, kwargs), hyperparameters)
         if not self._autocast:
@@ -962,8 +968,6 @@ class CompiledStep:
             self.last_grad_norm = out["grad_norm"]["grad_norm"].detach()
         self.steps_done += 1
         _TRAINED_BY[self._model] = self._ref
-        if self._draws is not None:
-            _DREW_LAST[self._model] = self._draws
         return out["loss"]["loss"].detach()
 
     def write_back(self) -> None:
@@ -978,6 +982,7 @@ class CompiledStep:
         instead of replaying the compiled steps'). This step keeps running as it was. Again
         with no step in between, it does nothing: the model and optimizer are the user's,
         and may have been trained eagerly since."""
+        self._hand_back_stream()
         if self._written_back_at == self.steps_done:  # nothing trained since: the model and the
             return                                    # optimizer may have moved on eagerly
         self._written_back_at = self.steps_done
@@ -997,11 +1002,23 @@ class CompiledStep:
                 if not superseded:
                     self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
             self._optimizer_watch.accept()
-        if self._draws is not None:
-            self._draws.hand_back()
         self._accept_writes()
         if _trained_by(self._model) is self:
             del _TRAINED_BY[self._model]
+
+    def _hand_back_stream(self) -> None:
+        """The random stream's latest state (another program's draws too) into the default
+        generator (:meth:`_ProgramDraws.hand_back`)."""
+        if self._draws is not None:
+            self._take_stream()
+            self._draws.hand_back()
+
+    def _take_stream(self) -> None:
+        """Go on from the random stream's latest state (another program's draws since this
+        one's) and hold it: this program draws next, or was seeded or loaded."""
+        if self._draws is not None:
+            self._draws.continue_from(_stream_owner(self._draws.generator.device))
+            _STREAM[self._draws.generator.device] = self._draws
 
     def _accept_writes(self) -> None:
         """Take the model's parameters and buffers as they are now (this step wrote its own
@@ -1111,8 +1128,6 @@ class CompiledStep:
             self.buffers.update(out["buffer"])
             self.steps_done += 1  # calls that changed the model's state, for write_back
             _TRAINED_BY[self._model] = self._ref
-        if self._draws is not None:
-            _DREW_LAST[self._model] = self._draws
         return self.signature.output_tree.rebuild(list(out["output"].values()))
 
     def _take_current_state(self) -> None:
@@ -1142,6 +1157,7 @@ class CompiledStep:
         """Reseed the program's generator with rank 0's ``seed`` (collective)."""
         if self.generator is not None:
             self.generator.manual_seed(_from_rank0(int(seed)))
+            _STREAM[self._draws.generator.device] = self._draws
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and persistent buffers under exactly the keys of the model's own
@@ -1177,6 +1193,7 @@ class CompiledStep:
         random generator state to the directory
         ``path`` with ``torch.distributed.checkpoint``, each rank writing its own pieces
         (collective). Load it with :meth:`load_checkpoint`, on any mesh shape or world size."""
+        self._take_stream()  # the stream's latest state, another program's draws too
         dcp.save(self._sharded_state(), checkpoint_id=path)
 
     def load_checkpoint(self, path: str) -> None:
@@ -1193,6 +1210,7 @@ class CompiledStep:
                 continue
             if key == "rng_state":
                 self.generator.set_state(value)
+                _STREAM[self._draws.generator.device] = self._draws
                 continue
             role, name = key.split("/", 1)
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
@@ -1201,6 +1219,8 @@ class CompiledStep:
         if self._optimizer_watch is not None:  # and so is the optimizer's state
             self._optimizer_watch.accept()
         self._written_back_at = None
+        _TRAINED_BY[self._model] = self._ref  # newer than the model's: compiling it again, or an
+                                              # inference program of it, writes it back first
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """Full optimizer state keyed ``"<param>:<state>"`` (collective), as torch.optim

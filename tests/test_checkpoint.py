@@ -314,6 +314,57 @@ def test_a_training_step_and_an_inference_program_draw_from_one_stream():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _one_stream(rank, path, eager: bool = False):
+    """The random stream across programs, as eager's one default generator: (two models'
+    steps in turn, a GAN's; an inference program seeded with ``manual_seed`` after the step
+    drew; an inference program after ``load_checkpoint``): losses and outputs."""
+    ce = torch.nn.functional.cross_entropy
+    a, opt_a, batch = _noisy_setup()
+    b, opt_b, _ = _noisy_setup()
+    if eager:
+        losses = []
+        for _ in range(2):
+            losses += _eager_steps(a, opt_a, batch, 1) + _eager_steps(b, opt_b, batch, 1)
+        torch.manual_seed(5)
+        with torch.no_grad():
+            seeded = a(batch[0])
+        return losses, seeded
+    step_a = ddlc.compile(a, (4,), batch, ce, opt_a)
+    step_b = ddlc.compile(b, (4,), batch, ce, opt_b)
+    infer = ddlc.compile(a, (4,), batch[:1])
+    losses = []
+    for _ in range(2):
+        losses += [float(step_a.step(*batch)), float(step_b.step(*batch))]
+    infer.manual_seed(5)
+    seeded = infer(batch[0])
+    step_a.save_checkpoint(path)  # a's weights after its two steps
+    step_a.step(*batch)
+    step_a.load_checkpoint(path)
+    return losses, seeded, infer(batch[0]), step_a.state_dict()
+
+
+def test_every_program_draws_from_one_stream(tmp_path):
+    """Two models' steps in turn (a GAN's generator and discriminator) drew the same noise,
+    each program seeded alike at compile; an inference program seeded with
+    ``manual_seed`` was given the other program's stream before it ran; one called after
+    ``load_checkpoint`` of the training step ran on the weights before it. Every program
+    now goes on from the program that drew, or was seeded or loaded, last, as eager's one
+    default generator does, and a loaded step is written back before the model's
+    inference program runs."""
+    losses, seeded, after_load, state = spawn(_one_stream, 4, str(tmp_path / "ckpt"), timeout=120,
+                                              deadline=300)[0]
+    want_losses, want_seeded = _one_stream(0, None, eager=True)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(seeded, want_seeded, rtol=1e-5, atol=1e-6)
+    model, _, batch = _noisy_setup()
+    model.load_state_dict(state)  # the checkpoint's weights, and the stream where it was saved
+    torch.manual_seed(5)
+    with torch.no_grad():
+        model(batch[0])  # the seeded call's draws
+        want_after_load = model(batch[0])
+    torch.testing.assert_close(after_load, want_after_load, rtol=1e-5, atol=1e-6)
+
+
 def _old_step_after_a_newer_one(rank):
     model, opt, batch = _dropout_setup()
     ce = torch.nn.functional.cross_entropy
