@@ -67,9 +67,12 @@ def run_and_exit(argv=None) -> NoReturn:
     collected; reference counting frees the rest as usual. Files the command writes are
     closed by then; the log is flushed here."""
     gc.disable()
-    code = main(argv)
+    try:
+        code = main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader of the report left (``| head``): nothing more to say
+        code = 0
     logging.shutdown()
-    sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
@@ -171,8 +174,8 @@ def parse_bytes(text: str) -> float:
     if match is None or match.group(2).upper() not in _UNITS:
         raise OptionError(f"--memory {text!r}: write a size such as 16GB, 512MiB or 1e9")
     value = float(match.group(1)) * _UNITS[match.group(2).upper()]
-    if value <= 0:
-        raise OptionError(f"--memory {text!r}: the budget must be positive")
+    if not 0 < value < math.inf:
+        raise OptionError(f"--memory {text!r}: the budget must be a positive, finite size")
     return value
 
 

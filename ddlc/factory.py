@@ -27,7 +27,7 @@ def _execute(spec, name: str, where: str, spec_text: str):
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit at import, too: the command says why it ends
         del sys.modules[name]
         raise FactoryError(f"{spec_text}: importing {where} raised {type(e).__name__}: {e}") from e
     return module
@@ -79,7 +79,7 @@ def call_factory(spec_text: str) -> tuple[nn.Module, Any, Callable | None]:
     factory = load_factory(spec_text)
     try:
         result = factory()
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise FactoryError(f"{spec_text}: the factory raised {type(e).__name__}: {e}") from e
     if not (isinstance(result, tuple) and len(result) == 3):
         raise FactoryError(f"{spec_text}: the factory must return (model, example_inputs, loss_fn), "

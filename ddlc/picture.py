@@ -170,6 +170,12 @@ def _layered(graph: nx.DiGraph) -> dict:
     return pos
 
 
+def _plain(text: str) -> str:
+    """``text`` as matplotlib shows it literally: a ``$`` (in a path or a module's name)
+    would start TeX math, and an unpaired one fails the drawing."""
+    return text.replace("$", r"\$")
+
+
 def draw(graph: nx.DiGraph, title: str) -> Figure:
     """Lay the graph out (:func:`_layered`) and draw it on a new figure."""
     pos = _layered(graph)
@@ -179,7 +185,7 @@ def draw(graph: nx.DiGraph, title: str) -> Figure:
     ax.set_axis_off()
     ax.set_xlim(-0.5, len(PHASES) - 0.5)
     ax.set_ylim(-rows + 0.3, 1.0)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(_plain(title), fontsize=9)
     _draw_columns(ax, graph, pos, rows)
     data = [e for e in graph.edges if graph.edges[e]["data"]]
     nx.draw_networkx_edges(graph, pos, edgelist=data, ax=ax, edge_color="#9a9a9a", width=0.5, alpha=0.6,
@@ -188,13 +194,13 @@ def draw(graph: nx.DiGraph, title: str) -> Figure:
     colours = _colours(graph)
     for placement, colour in colours.items():
         members = [n for n in graph.nodes if graph.nodes[n]["placement"] == placement]
-        texts = nx.draw_networkx_labels(graph, pos, ax=ax, labels={n: graph.nodes[n]["text"] for n in members},
+        texts = nx.draw_networkx_labels(graph, pos, ax=ax, labels={n: _plain(graph.nodes[n]["text"]) for n in members},
                                         font_size=6.5, bbox=dict(boxstyle="round,pad=0.3", fc=colour,
                                                                  ec="#444444", lw=0.5))
         for n, text in texts.items():
             text.set_gid(f"module:{n[0]}:{n[1]}")
     handles = [Rectangle((0, 0), 1, 1, fc=c, ec="#444444", lw=0.5) for c in colours.values()]
-    ax.legend(handles, [f"placement {p}" for p in colours], loc="upper right", fontsize=6.5,
+    ax.legend(handles, [_plain(f"placement {p}") for p in colours], loc="upper right", fontsize=6.5,
               title="box colour", title_fontsize=7)
     return fig
 
@@ -213,7 +219,7 @@ def _draw_collectives(ax, graph: nx.DiGraph, pos: dict) -> None:
     for (src, dst), lines in ((e, graph.edges[e].get("collectives")) for e in graph.edges):
         if not lines:
             continue
-        label = "\n".join(lines)
+        label = _plain("\n".join(lines))
         gid = f"collective:{src[0]}:{src[1]}->{dst[0]}:{dst[1]}"
         if src == dst:
             x, y = pos[src]

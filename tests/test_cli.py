@@ -33,6 +33,10 @@ TIMEOUT = 150
 RAISING = '''
 def broken():
     raise ValueError("no weights for this model")
+
+
+def leaves():
+    raise SystemExit(3)
 '''
 
 
@@ -55,6 +59,7 @@ def _commands(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "missing_file": (["plan", "no/such/file.py:gpt", "--mesh", "2x2"], "0"),
         "factory_raises": (["plan", f"{tmp / 'raising.py'}:broken", "--mesh", "2"], "0"),
         "factory_raises_verbose": (["plan", f"{tmp / 'raising.py'}:broken", "--mesh", "2", "-v"], "0"),
+        "factory_exits": (["plan", f"{tmp / 'raising.py'}:leaves", "--mesh", "2"], "0"),
         "bad_mesh": (["plan", f"{FACTORIES}:mlp", "--mesh", "2y4"], "0"),
         "over_budget": (["plan", f"{FACTORIES}:mlp", "--mesh", "2", "--memory", "1KB"], "0"),
         "profile_not_json": (["plan", f"{FACTORIES}:mlp", "--mesh", "2", "--profile", str(tmp / "raising.py")
@@ -106,6 +111,16 @@ def test_plan_json_loads_as_a_plan(runs):
     assert data["modeled_step"]["step"] > 0
     assert any(row["module"] == "layers.[0-2]" and row["layers"] == 3 for row in data["modules"])
     assert data["collectives"] and all(c["count"] >= 1 for c in data["collectives"])
+
+
+def test_a_dollar_sign_in_a_name_is_drawn_as_it_is():
+    # matplotlib reads text between $ signs as TeX: a path or module name with them failed
+    import io
+    import networkx as nx
+    from ddlc.picture import draw
+    svg = io.StringIO()
+    draw(nx.DiGraph(), r"w$\frac$/f.py:mlp").savefig(svg, format="svg")
+    assert ET.fromstring(svg.getvalue()) is not None
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -176,6 +191,7 @@ def test_schedule_prints_the_timeline_and_writes_a_trace(runs):
     ("over_budget", "no sharding fits the memory budget of 1000 B per device"),
     ("profile_not_json", "raising.json' is not valid JSON"),
     ("svg_no_folder", "cannot write --svg"),
+    ("factory_exits", "the factory raised SystemExit: 3"),  # rc 3 and no message before
 ])
 def test_bad_input_is_one_line_and_exit_2(runs, name, cause):
     out = _result(runs, name)
@@ -198,7 +214,7 @@ def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 
 
-@pytest.mark.parametrize("text", ["lots", "16 parsecs", "-1GB", "0"])
+@pytest.mark.parametrize("text", ["lots", "16 parsecs", "-1GB", "0", "1e400"])
 def test_parse_bytes_refuses(text):
     with pytest.raises(OptionError, match="--memory"):
         parse_bytes(text)

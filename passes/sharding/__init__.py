@@ -12,6 +12,8 @@ Solvers: ``solver="cd"`` (default), AutoDDL's coordinate descent
 """
 from __future__ import annotations
 
+import math
+
 import time
 from typing import Mapping, Sequence
 
@@ -167,10 +169,10 @@ def mesh_shapes(world_size: int, max_ndim: int = 3) -> list[tuple[int, ...]]:
         if parts == 1:
             yield (n,)
             return
-        for f in range(2, n):
-            if n % f == 0:
-                for rest in split(n // f, parts - 1):
-                    yield (f,) + rest
+        small = [f for f in range(2, math.isqrt(n) + 1) if n % f == 0]
+        for f in sorted({*small, *(n // f for f in small)} - {n}):  # the divisors but 1 and n
+            for rest in split(n // f, parts - 1):
+                yield (f,) + rest
     if world_size == 1:
         return [(1,)]
     return [s for k in range(1, max_ndim + 1) for s in sorted(split(world_size, k))]
