@@ -212,10 +212,10 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
 
     The search minimises an additive objective (per node and per edge); the program's
     timeline adds what that leaves out: buckets sharing start-ups, overlap, the order. So
-    where :func:`data_parallel_reference` gives pins, the searched plan is lowered for mesh
-    coordinate 0 on a copy and compared with the candidates (:func:`plan_pinned`,
-    :func:`plan_replicated`): data
-    parallelism where the search did not choose it itself (or ``data_parallel()``'s
+    where nothing is pinned (:func:`_weighs_candidates`), the searched plan is lowered for
+    mesh coordinate 0 on a copy and compared with the candidates (:func:`plan_pinned`,
+    :func:`plan_replicated`): data parallelism where :func:`data_parallel_reference`
+    gives pins and the search did not choose it itself (or ``data_parallel()``'s
     candidate where another process made it meanwhile: ``ddlc.runtime``'s rank 1), and
     replication (:func:`plan_replicated`) where its compute alone, unsharded
     (:func:`unsharded_compute`), is modeled below the searched plan's step: the lowered
@@ -234,10 +234,11 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     Deterministic: rank 0 runs it and broadcasts the decisions (``ddlc.runtime``)."""
     reference = data_parallel_reference(gm, mesh, options, fixed)
     searched = plan(gm, mesh, options, fixed)
-    if reference is None:
+    if not _weighs_candidates(mesh, options, fixed):
         return ChosenPlan(searched)
-    searched_data_parallel = all(SHARDING(n).outputs[0] == reference[n.name]
-                                 for n in gm.graph.find_nodes(op="placeholder") if n.name in reference)
+    searched_data_parallel = reference is not None and all(
+        SHARDING(n).outputs[0] == reference[n.name]
+        for n in gm.graph.find_nodes(op="placeholder") if n.name in reference)
     whole = NdSBP.broadcast(mesh.ndim)
     searched_replicated = all(SHARDING(n).outputs[0] == whole for n in gm.graph.find_nodes(op="placeholder"))
     compute = unsharded_compute(gm, mesh) if options.batch == "global" and not searched_replicated \
@@ -247,7 +248,7 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     mine, *my_program = _lowered_step(named_alike_copy(gm), mesh, options, groups)
     stats: dict[str, Any] = {"searched_step": mine}
     best, kept = mine, None
-    if not searched_data_parallel:
+    if not searched_data_parallel and reference is not None:
         candidate = data_parallel() if data_parallel is not None else \
             plan_pinned(gm, mesh, options, reference, groups)
         if isinstance(candidate, NoCandidate):
@@ -276,12 +277,20 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     return ChosenPlan(candidate.plan, candidate.choices, candidate.program)
 
 
+def _weighs_candidates(mesh: Mesh, options: CompileOptions, fixed: Mapping[str, NdSBP]) -> bool:
+    """Whether :func:`choose_plan` weighs the searched plan against data parallelism and
+    replication: where nothing is pinned (``fixed`` empty), activations may move and the
+    mesh has more than one device."""
+    return not fixed and options.move_activations and mesh.size > 1
+
+
 def data_parallel_reference(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
                             fixed: Mapping[str, NdSBP]) -> dict[str, NdSBP] | None:
     """The pins :func:`choose_plan` compares the searched plan with: the
-    :func:`data_parallel_placements`, where nothing is pinned (``fixed`` empty), activations
-    may move and the mesh has more than one device; else None. The same on every rank."""
-    if fixed or not options.move_activations or mesh.size == 1:
+    :func:`data_parallel_placements`, where it weighs candidates at all
+    (:func:`_weighs_candidates`); else None (and None where no batch splits over every
+    device: replication is still weighed). The same on every rank."""
+    if not _weighs_candidates(mesh, options, fixed):
         return None
     return data_parallel_placements(gm, mesh)
 

@@ -186,6 +186,21 @@ def test_a_model_smaller_than_a_collective_is_replicated():
     assert "checked against data parallelism and replication" in text and "kept replication" in text
 
 
+def test_replication_is_weighed_where_no_batch_splits_over_every_device():
+    """A batch of 2 on 4 devices has no data-parallel plan to compare with; replication was
+    then not weighed either, and the one Linear(8, 8) kept a plan that communicates,
+    modeled several times slower than running it whole on every rank."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    gm = pipeline.trace_step(model, (torch.randn(2, 8), torch.randn(2, 8)), torch.nn.functional.mse_loss,
+                             torch.optim.AdamW(model.parameters()), CompileOptions())
+    chosen = pipeline.choose_plan(gm, ddlc.Mesh((4,)), CompileOptions(), {})
+    stats = chosen.plan.stats
+    assert "data_parallel_step" not in stats
+    assert stats["replicated_chosen"] is True and stats["replicated_step"] < stats["searched_step"]
+    assert is_replicated(gm) and collective_sequence(chosen.program) == []
+
+
 def test_replication_is_not_tried_for_a_model_it_cannot_win(monkeypatch):
     """The zoo GPT of the tests on (4,) with a fast link: its unsharded compute alone is
     modeled longer than the searched plan's step, so no replicated candidate is planned."""
