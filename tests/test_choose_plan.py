@@ -167,15 +167,21 @@ def test_a_data_parallel_plan_chosen_over_the_search_matches_single_device(mesh)
             torch.testing.assert_close(a, b)
 
 
+def _one_linear(batch: int):
+    """The traced AdamW step of one Linear(8, 8) on a batch of ``batch`` rows."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    return pipeline.trace_step(model, (torch.randn(batch, 8), torch.randn(batch, 8)),
+                               torch.nn.functional.mse_loss, torch.optim.AdamW(model.parameters()),
+                               CompileOptions())
+
+
 def test_a_model_smaller_than_a_collective_is_replicated():
     """One Linear(8, 8) on 2 ranks: any plan that communicates pays a gloo start-up (about a
     millisecond with 2 ranks on 2 cores) for microseconds of compute, so the plan kept runs
     the whole step on every rank, and the report says so."""
     from ddlc.report import format_report
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 8)
-    gm = pipeline.trace_step(model, (torch.randn(8, 8), torch.randn(8, 8)), torch.nn.functional.mse_loss,
-                             torch.optim.AdamW(model.parameters()), CompileOptions())
+    gm = _one_linear(batch=8)
     chosen = pipeline.choose_plan(gm, ddlc.Mesh((2,)), CompileOptions(), {})
     stats = chosen.plan.stats
     assert stats["replicated_chosen"] is True
@@ -190,10 +196,7 @@ def test_replication_is_weighed_where_no_batch_splits_over_every_device():
     """A batch of 2 on 4 devices has no data-parallel plan to compare with; replication was
     then not weighed either, and the one Linear(8, 8) kept a plan that communicates,
     modeled several times slower than running it whole on every rank."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 8)
-    gm = pipeline.trace_step(model, (torch.randn(2, 8), torch.randn(2, 8)), torch.nn.functional.mse_loss,
-                             torch.optim.AdamW(model.parameters()), CompileOptions())
+    gm = _one_linear(batch=2)
     chosen = pipeline.choose_plan(gm, ddlc.Mesh((4,)), CompileOptions(), {})
     stats = chosen.plan.stats
     assert "data_parallel_step" not in stats
