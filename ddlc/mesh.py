@@ -183,6 +183,11 @@ def load_profile(name_or_path: str | HardwareProfile) -> HardwareProfile:
 _DEFAULT_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp", "tp", "pp")}
 
 
+#: the most mesh axes ddlc plans for (a 4-axis mesh already takes the search a minute on
+#: a small model)
+MAX_AXES = 4
+
+
 @dataclass(frozen=True)
 class Mesh:
     """Devices arranged as ``shape`` with ``axis_names`` and a link model per axis."""
@@ -196,6 +201,12 @@ class Mesh:
                  profile: str | HardwareProfile = "cpu-gloo",
                  links: Sequence[LinkModel] | None = None):
         shape = _parse_shape(shape)
+        if len(shape) > MAX_AXES:
+            raise MeshError(
+                f"mesh {shape} has {len(shape)} axes; ddlc plans meshes of at most {MAX_AXES} (an "
+                "operator's candidate placements multiply per axis: the search of a 5-axis mesh "
+                "took minutes and exhausted memory for a 3-layer MLP). Merge axes whose devices "
+                "share a link, e.g. 2x2x2x2x2 as 4x2x4")
         names = tuple(axis_names) if axis_names is not None else _default_names(len(shape))
         if len(names) != len(shape):
             raise MeshError(f"mesh {shape} has {len(shape)} axes but {len(names)} names {names}")

@@ -320,6 +320,8 @@ CATALOGUE = [
      UnsupportedInputError, r"param group 0 of the optimizer holds a tensor of shape \(\) that is not a "
                             r"parameter of the model .* make it a parameter of the model"),
     ("a non-ASCII mesh", lambda: ddlc.Mesh("²"), MeshError, "cannot parse mesh shape"),
+    ("a mesh of five axes (its search ran out of memory)", lambda: ddlc.Mesh("2x2x2x2x2"), MeshError,
+     "has 5 axes; ddlc plans meshes of at most 4"),
     ("an unknown compile option", lambda: CompileOptions.from_kwargs(solvr="cd"),
      ddlc.errors.OptionError, "solvr"),
 ]
