@@ -155,10 +155,13 @@ class ModelWatch:
         self._snapshot = self._take()
         return None
 
-    def member_change(self) -> str | None:
-        """Which submodule, parameter or buffer of which module was replaced, added or
-        removed since the snapshot, in words; None if none was."""
+    def member_change(self, skip: frozenset[int] = frozenset()) -> str | None:
+        """Which submodule, parameter or buffer of which module (other than those whose
+        ``id`` is in ``skip``) was replaced, added or removed since the snapshot, in words;
+        None if none was."""
         for (name, m), members in zip(self._modules, self._members):
+            if id(m) in skip:
+                continue
             for kind, what in _MEMBERS.items():
                 now, then = getattr(m, kind), members[kind]
                 if now.keys() != then.keys() or any(now[k] is not then[k] for k in now):

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -419,6 +420,12 @@ def _may_be_state(value) -> bool:
     return isinstance(value, (*PLAIN, torch.Tensor))
 
 
+def _aliased_modules(model: nn.Module) -> frozenset[int]:
+    """The ``id`` of every submodule of ``model`` registered under more than one name."""
+    seen = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    return frozenset(i for i, n in seen.items() if n > 1)
+
+
 @contextlib.contextmanager
 def _no_state_kept_across_calls(model: nn.Module, forward_again: Callable[[], None]):
     """Within, ``model``'s step is traced. Afterwards every module gets back the tensor
@@ -450,7 +457,10 @@ def _no_state_kept_across_calls(model: nn.Module, forward_again: Callable[[], No
         watch.restore_members()
         watch.restore_attributes()
         raise
-    structure = watch.member_change()
+    # torch's functional_call gives a module registered under two names (``self.b =
+    # self.a``) back another tensor than it had: what it holds then is torch's doing, not
+    # the forward's (the trace itself read the right ones), and is put back below
+    structure = watch.member_change(skip=_aliased_modules(model))
     if structure is not None:
         watch.restore_members()
         watch.restore_attributes()
@@ -460,6 +470,7 @@ def _no_state_kept_across_calls(model: nn.Module, forward_again: Callable[[], No
             "sequences, or a lazy module taking its shape). ddlc traces one call and would repeat "
             "that first call's work at every step: call the model once on the example batch "
             "before compile (under torch.no_grad()), so that compile traces the calls that follow")
+    watch.restore_members()
     changed = [(name, attr, old, new) for name, attr, old, new in watch.attributes_changed()
                if _may_be_state(old) and _may_be_state(new)
                and not (isinstance(new, torch.Tensor) and new.requires_grad)]

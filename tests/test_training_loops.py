@@ -492,6 +492,31 @@ def test_an_unused_parameter_is_left_alone_under_gradient_clipping():
     assert STEP(gm).untrained == ("unused.weight", "unused.bias")
 
 
+class _RegisteredTwice(nn.Module):
+    """One layer registered under two names (``self.b = self.a``), applied twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = self.a
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def test_a_module_registered_under_two_names_trains_as_eager():
+    """torch's functional_call gave such a module back another tensor than it had after the
+    trace, which ddlc took for a forward that changes the model and refused; it is put back
+    now, and the step trains as eager does (the module's parameters once, as torch lists them)."""
+    torch.manual_seed(0)
+    model = _RegisteredTwice()
+    weight = model.a.weight
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    _matches_eager(model, F.mse_loss, sgd, _regression(), (4,))
+    assert model.a.weight is weight and model.b is model.a
+
+
 def _with_l2_penalty(model, strength=0.05):
     """Cross-entropy plus an L2 penalty over ``model.parameters()``, as users write it."""
     return lambda out, y: F.cross_entropy(out, y) + strength * sum((p ** 2).sum() for p in model.parameters())
