@@ -563,6 +563,17 @@ class _ProgramDraws:
             self.generator.set_state(other.generator.get_state())
             self.synced = other.synced
 
+    def hold(self) -> None:
+        """Hold the random stream (:data:`_STREAM`): this program draws next, or was seeded
+        or loaded last."""
+        _STREAM[self.generator.device] = self
+
+    def take_stream(self) -> None:
+        """Go on from the random stream's latest state (another program's draws since this
+        one's) and hold it."""
+        self.continue_from(_STREAM.get(self.generator.device))
+        self.hold()
+
     def hand_back(self) -> None:
         """The program generator's state into the default generator, where the steps after
         it, eager or compiled, continue the stream; unless the default generator moved
@@ -584,10 +595,6 @@ class _ProgramDraws:
 #: program goes on from it before it runs, and compiling, ``write_back`` and
 #: ``save_checkpoint`` take it (one stream, as eager's one default generator)
 _STREAM: "dict[torch.device, _ProgramDraws]" = {}
-
-
-def _stream_owner(device: torch.device) -> "_ProgramDraws | None":
-    return _STREAM.get(device)
 
 
 def _trained_by(model: nn.Module) -> "CompiledStep | None":
@@ -629,7 +636,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
         trained_by.write_back()
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
-    owner = _stream_owner(device)
+    owner = _STREAM.get(device)
     if owner is not None:  # an inference program's draws too: the new program goes on after them
         owner.hand_back()
         rng_state = torch.get_rng_state()
@@ -782,7 +789,7 @@ class CompiledStep:
         #: the program's generator and where the default generator stood when they last agreed
         self._draws = _ProgramDraws(gm.rng) if hasattr(gm, "rng") else None
         if self._draws is not None:  # seeded with the stream's latest state: it holds it now
-            _STREAM[self._draws.generator.device] = self._draws
+            self._draws.hold()
         #: the optimizer's state as this step took it (it holds its own from then on)
         self._optimizer_watch = OptimizerStateWatch(optimizer) if optimizer is not None else None
         self._autocast = autocast_state()
@@ -1014,11 +1021,9 @@ class CompiledStep:
             self._draws.hand_back()
 
     def _take_stream(self) -> None:
-        """Go on from the random stream's latest state (another program's draws since this
-        one's) and hold it: this program draws next, or was seeded or loaded."""
+        """:meth:`_ProgramDraws.take_stream`, where the program draws."""
         if self._draws is not None:
-            self._draws.continue_from(_stream_owner(self._draws.generator.device))
-            _STREAM[self._draws.generator.device] = self._draws
+            self._draws.take_stream()
 
     def _accept_writes(self) -> None:
         """Take the model's parameters and buffers as they are now (this step wrote its own
@@ -1157,7 +1162,7 @@ class CompiledStep:
         """Reseed the program's generator with rank 0's ``seed`` (collective)."""
         if self.generator is not None:
             self.generator.manual_seed(_from_rank0(int(seed)))
-            _STREAM[self._draws.generator.device] = self._draws
+            self._draws.hold()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and persistent buffers under exactly the keys of the model's own
@@ -1210,7 +1215,7 @@ class CompiledStep:
                 continue
             if key == "rng_state":
                 self.generator.set_state(value)
-                _STREAM[self._draws.generator.device] = self._draws
+                self._draws.hold()
                 continue
             role, name = key.split("/", 1)
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
