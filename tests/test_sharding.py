@@ -320,7 +320,8 @@ def test_boxing_table_equals_boxing_seconds(mesh_shape):
 
 
 def _eliminate_plainly(unary, edges, order):
-    """solve_elimination as first written: every table summed into fresh zeros."""
+    """solve_elimination as first written: every table summed into fresh zeros (each new
+    factor shifted by its least entry, as solve_elimination shifts it)."""
     import itertools
 
     import numpy as np
@@ -351,7 +352,8 @@ def _eliminate_plainly(unary, edges, order):
             total += table.reshape([sizes[w] if w in sub else 1 for w in rest] + [sizes[v] if v in sub else 1])
         arg = np.argmin(total, axis=-1)
         steps.append((v, rest, arg))
-        add(rest, np.take_along_axis(total, arg[..., None], axis=-1)[..., 0])
+        least = np.take_along_axis(total, arg[..., None], axis=-1)[..., 0]
+        add(rest, least - least.min() if least.size and np.isfinite(least.min()) else least)
     choice = [0] * len(unary)
     for v, rest, arg in reversed(steps):
         choice[v] = int(arg[tuple(choice[w] for w in rest)])
@@ -381,8 +383,9 @@ def test_elimination_sums_like_plain_summation():
 
 def test_elimination_solves_a_repeated_block_once(monkeypatch):
     """A chain of identical blocks (one layer's costs repeated, joined by the same edge):
-    buckets that sum the same tables in the same order are solved once, and the result is
-    still exactly plain elimination's."""
+    buckets that sum the same tables in the same order are solved once, the shifted
+    message settles so that later layers are not summed at all, and the result is still
+    exactly plain elimination's."""
     import numpy as np
 
     import passes.sharding.exact as exact
@@ -406,7 +409,9 @@ def test_elimination_solves_a_repeated_block_once(monkeypatch):
     monkeypatch.setattr(exact, "_minimize_out", lambda *a: calls.append(1) or plain_minimize(*a))
     order = [3 * k + i for k in range(layers) for i in (1, 2, 0)]  # inner variables first
     assert exact.solve_elimination(unary, edges, order) == _eliminate_plainly(unary, edges, order)
-    assert len(calls) <= layers + 4  # per layer only the bucket that carries the chain is new
+    # the message along the chain, shifted by its least entry, repeats after a few layers:
+    # from there on no bucket is new (15 buckets summed without the shift)
+    assert len(calls) < layers
 
 
 def _pinned_plan(model, batch, loss_fn, params_sbp, mesh, **options):
