@@ -256,6 +256,14 @@ def hyperparameter_values(optimizer: torch.optim.Optimizer, groups: Mapping[int,
             for name, value in type(spec).group_values(optimizer.param_groups[g]).items()}
 
 
+def group_hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[dict[str, float], ...]:
+    """Per param group, the value of every hyper-parameter a compiled step reads from it
+    (:meth:`OptimizerSpec.group_values`)."""
+    return tuple({name: float(value) for name, value in
+                  type(_spec_for_group(optimizer, g)).group_values(g).items()}
+                 for g in optimizer.param_groups)
+
+
 def structure(optimizer: torch.optim.Optimizer) -> tuple:
     """Per param group, what a compiled step depends on (:meth:`OptimizerSpec.structure`)
     and its number of parameters: a change means the graph must be traced again."""

@@ -45,7 +45,7 @@ from .errors import DDLCError, LoweringError, MeshError, RuntimeMismatchError, U
 from .ir import GLOBAL_VAL, HYPERPARAMETER_DTYPE, SHARDING, STEP, collective_sequence
 from .mesh import Mesh
 from .model_state import ModelWatch, OptimizerStateWatch, autocast_state, autocast_words
-from .optim import hyperparameter_values, structure as optimizer_structure
+from .optim import group_hyperparameters, hyperparameter_values, structure as optimizer_structure
 from .options import CompileOptions
 from .plan import Plan
 from .portable import attributes_read, from_portable, set_attribute, to_portable
@@ -106,9 +106,10 @@ def _on_rank(source: int, what: str, decide):
 
 def _given(model: nn.Module, example_inputs, loss_fn, optimizer, mesh: Mesh,
            options: CompileOptions) -> list[str]:
-    """What this rank was given to compile, in kind and shape (no values), one line per
-    item: parameters, buffers, example inputs, loss function, optimizer structure, mesh
-    and options. Every rank runs the program rank 0 traces and plans, so these must agree."""
+    """What this rank was given to compile, in kind and shape (no tensor values), one line
+    per item: parameters, buffers, example inputs, loss function, optimizer structure and
+    hyper-parameters, mesh and options. Every rank runs the program rank 0 traces and
+    plans, so these must agree."""
     def plain(x) -> str:  # without memory addresses, which differ by process
         return repr(x) if isinstance(x, (int, float, bool, str, type(None))) else type(x).__name__
 
@@ -126,6 +127,8 @@ def _given(model: nn.Module, example_inputs, loss_fn, optimizer, mesh: Mesh,
     if optimizer is not None:
         try:
             lines.append(f"optimizer {type(optimizer).__name__} {optimizer_structure(optimizer)}")
+            lines += [f"optimizer hyper-parameters of param group {g}: {values}"
+                      for g, values in enumerate(group_hyperparameters(optimizer))]
         except DDLCError:  # unsupported: rank 0's trace says so
             lines.append(f"optimizer {type(optimizer).__name__}")
     lines.append(f"mesh {mesh.shape} {mesh.axis_names} profile {mesh.profile.name}")
@@ -202,6 +205,53 @@ def _take_rank0_state(model: nn.Module) -> None:
                 dense = tensor.contiguous()
                 dist.broadcast(dense, src=0)
                 tensor.copy_(dense)
+
+
+def _take_rank0_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
+    """Give every rank's ``optimizer`` rank 0's state (``optimizer.state``), as
+    :func:`_take_rank0_state` gives it rank 0's parameters: the program continues from the
+    optimizer's state where it has one (a loaded checkpoint, eager steps before compile),
+    and ranks whose optimizers stepped on other data, or only rank 0's loaded a checkpoint,
+    would otherwise each continue from their own. Rank 0 broadcasts what its state holds per
+    parameter (in ``param_groups`` order): scalars (a step count) by value, other tensors
+    by shape, dtype and device type, each then broadcast; every other rank's state is made
+    to hold exactly that (what rank 0's lacks is dropped)."""
+    if optimizer is None:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def held(value):
+        if not isinstance(value, torch.Tensor):
+            return ("value", value)
+        if value.dim() == 0:
+            return ("scalar", value.item(), value.dtype, value.device.type)
+        return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+
+    message = [[{name: held(v) for name, v in optimizer.state.get(p, {}).items()} for p in params]
+               if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(message, src=0)
+    with torch.no_grad():
+        for param, wanted in zip(params, message[0]):
+            if not wanted:
+                optimizer.state.pop(param, None)
+                continue
+            state = optimizer.state[param]
+            for name in [k for k in state if k not in wanted]:
+                del state[name]
+            for name, (kind, *what) in wanted.items():
+                if kind == "value":
+                    state[name] = what[0]
+                    continue
+                device = param.device if what[-1] == param.device.type else torch.device(what[-1])
+                if kind == "scalar":
+                    state[name] = torch.tensor(what[0], dtype=what[1], device=device)
+                    continue
+                shape, dtype = what[0], what[1]
+                mine = state.get(name)
+                if not (isinstance(mine, torch.Tensor) and tuple(mine.shape) == shape and mine.dtype == dtype
+                        and mine.device == device and mine.is_contiguous()):
+                    mine = state[name] = torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(mine, src=0)
 
 
 def _trace_on_ranks01(model: nn.Module, example_inputs, loss_fn, optimizer, options: CompileOptions,
@@ -641,6 +691,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
         owner.hand_back()
         rng_state = torch.get_rng_state()
     _take_rank0_state(model)
+    _take_rank0_optimizer_state(optimizer)
     # the garbage collector is not deferred here as ``ddlc plan`` defers it: with it
     # deferred, a later step of a gloo worker once aborted on a corrupted heap (as with
     # ``gc.freeze`` before); most likely gloo's functional collectives overlapping, which

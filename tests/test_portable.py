@@ -154,6 +154,23 @@ def test_ranks_given_different_models_are_told_so():
     assert RuntimeMismatchError.__name__ in str(caught.value)
 
 
+def _compile_other_learning_rates(rank):
+    model = MLP()
+    ddlc.compile(model, (2,), (torch.randn(8, 32), torch.randn(8, 16)), F.mse_loss,
+                 torch.optim.SGD(model.parameters(), lr=0.2 if rank == 1 else 0.1))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_ranks_given_different_hyperparameters_are_told_so():
+    # each rank fed its own learning rate to the program: shards updated at another rate,
+    # replicated parameters apart between ranks, silently
+    with pytest.raises(WorkerError, match=r"rank 1 was given optimizer hyper-parameters .*'lr': 0\.2.*"
+                                          r"rank 0 .*'lr': 0\.1") as caught:
+        spawn(_compile_other_learning_rates, 2, timeout=30, deadline=90)
+    assert RuntimeMismatchError.__name__ in str(caught.value)
+
+
 def _trained_from_other_seeds(rank):
     from conftest import batches, model_and_loss, optimizer
     model, loss_fn = model_and_loss("mlp")  # seed 0 ...

@@ -572,6 +572,51 @@ def test_rank_0s_tensor_constants_are_every_ranks():
         assert got == pytest.approx(want, rel=1e-5), (got, want)
 
 
+def _presteps(rank):
+    """(model, AdamW, batches): the optimizer stepped once eagerly before compile on rank 0
+    (a checkpoint it alone loaded), on another batch on rank 2, not at all on the others."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(4)]
+    if rank in (0, 2):
+        x, y = batches[0] if rank == 0 else batches[1]
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, opt, batches
+
+
+def _steps_after_presteps(rank):
+    model, opt, batches = _presteps(rank)
+    step = ddlc.compile(model, (4,), batches[1], F.cross_entropy, opt,
+                        placements={"input0": "(S0)", "input1": "(S0)", "weight": "(S0)"})
+    losses = [float(step.step(*b)) for b in batches[1:]]
+    return losses, {k: v.clone() for k, v in step.optimizer_state().items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_every_rank_continues_from_rank_0s_optimizer_state():
+    # the program took each rank's own optimizer state: ranks whose optimizers had not
+    # stepped (or stepped on other data) updated their shards from other moments than
+    # rank 0's (losses 4e-3 off), silently
+    model, opt, batches = _presteps(0)
+    want = []
+    for x, y in batches[1:]:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for losses, state in spawn(_steps_after_presteps, 4, timeout=300, deadline=100):
+        assert losses == pytest.approx(want, rel=1e-5), (losses, want)
+        for name, p in model.named_parameters():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.allclose(state[f"{name}:{key}"].reshape(opt.state[p][key].shape),
+                                      opt.state[p][key], rtol=1e-5, atol=1e-7), (name, key)
+
+
 def _net(dropout: float = 0.0):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout),
