@@ -647,10 +647,28 @@ class _ProgramDraws:
 _STREAM: "dict[torch.device, _ProgramDraws]" = {}
 
 
+#: counts the compiled steps of this process (:attr:`CompiledStep.compiled_as`)
+_COMPILED = itertools.count()
+
+
 def _trained_by(model: nn.Module) -> "CompiledStep | None":
     """The live compiled step whose training of ``model`` is not written back, if any."""
     ref = _TRAINED_BY.get(model)
     return ref() if ref is not None else None
+
+
+def _trainers(model: nn.Module) -> "list[CompiledStep]":
+    """The live compiled steps whose training of ``model``'s parameters is not written back:
+    the model's own (:func:`_trained_by`) and those of other models holding one of its
+    parameters (a submodule both hold), in the order they were compiled (the same on every
+    rank). Each step holds its own copy of the parameters it trains."""
+    mine = {id(p) for p in model.parameters()}
+    found = []
+    for other, ref in list(_TRAINED_BY.items()):
+        step = ref()
+        if step is not None and (other is model or not mine.isdisjoint(id(p) for p in other.parameters())):
+            found.append(step)
+    return sorted(found, key=lambda step: step.compiled_as)
 
 
 def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None,
@@ -672,18 +690,19 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
         raise RuntimeMismatchError("ddlc.compile needs an initialised process group: launch the "
                                    "script with torchrun, or use ddlc.spawn for local workers")
     mesh, device_mesh, device_type = _mesh_for_world(mesh, options)
-    trained_by = _trained_by(model)
-    held = trained_by.steps_done if trained_by is not None else 0
+    trainers = _trainers(model)
+    held = [step.steps_done for step in trainers]
     if options.batch == "local":  # before the shapes are compared: each rank's own part?
         _check_one_example(example_inputs)
     _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options)
-                 + [f"steps trained by an earlier compiled step of this model: {held}"])
+                 + [f"steps trained by earlier compiled steps of this model or of models sharing "
+                    f"its parameters: {held}"])
     _check_devices(model, example_inputs, device_type)
     groups = _axis_group_names(device_mesh)  # a collective: before anything one rank may raise alone
-    if trained_by is not None:
-        log.info("the model's earlier compiled step trained it %d step(s): its weights, buffers and "
-                 "optimizer state are written back first", held)
-        trained_by.write_back()
+    for trainer in trainers:
+        log.info("an earlier compiled step trained this model's parameters %d step(s): its weights, "
+                 "buffers and optimizer state are written back first", trainer.steps_done)
+        trainer.write_back()
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
     owner = _STREAM.get(device)
@@ -810,6 +829,8 @@ class CompiledStep:
         self._coordinates = _coordinates(device_mesh) if device_mesh is not None else \
             [mesh.coordinate(r) for r in range(mesh.size)]
         self.steps_done = 0
+        #: compiled as the how-manyth step of this process (the same on every rank)
+        self.compiled_as = next(_COMPILED)
         #: on a GPU, the scalars the update reads that stay in host memory, as torch.optim keeps
         #: them (:meth:`_device_for`); each hyper-parameter is one too
         self._host_scalars = host_scalars and device.type == "cuda"
@@ -1008,12 +1029,22 @@ class CompiledStep:
             raise UnsupportedInputError("this program has no loss: it was compiled without "
                                         "loss_fn or optimizer; call it for inference instead")
         self._check_model()
-        newer = _trained_by(self._model)
-        if newer is not None and newer is not self:
+        newer = next((step for step in _trainers(self._model) if step is not self), None)
+        if newer is not None and newer._model is self._model:
             raise UnsupportedInputError(
                 "another compiled step of this model has trained it since this one last ran (its "
                 "weights and optimizer state are that step's now): keep training with that step, "
                 "or write it back (step.write_back()) and compile again")
+        if newer is not None:
+            shared = next(name for name, p in self._model.named_parameters()
+                          if any(p is q for q in newer._model.parameters()))
+            raise UnsupportedInputError(
+                f"parameter {shared} of this model is also a parameter of another model (a "
+                f"submodule both hold), whose compiled step ({type(newer._model).__name__}'s) has "
+                "trained it since this step last ran: each compiled step trains its own copy of "
+                "its parameters, so two steps cannot train shared parameters in turn. Compile one "
+                "model that runs both (a module calling each, with the losses added), or write "
+                "the other step back (step.write_back()) and compile this one again")
         out = self._run(batch, keyword_batch, self._hyperparameters())
         self.params.update(out.get("param", {}))
         self.opt_state.update(out.get("opt_state", {}))
@@ -1192,9 +1223,9 @@ class CompiledStep:
         parameters and buffers written into the model since this program took them (an
         inference program holds no state of its own to keep: eager inference would read
         the model's)."""
-        trainer = _trained_by(self._model)
-        if trainer is not None and trainer is not self:
-            trainer.write_back()
+        for trainer in _trainers(self._model):
+            if trainer is not self:
+                trainer.write_back()
         if not self._watch.written():
             return
         self._take_model_state(self._model)
