@@ -683,8 +683,17 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     A model that an earlier compiled step has trained (whose weights and optimizer state
     that step holds) gets them back first (:meth:`CompiledStep.write_back`), so the new
     step continues the training, as eager would after changing the model.
+
+    Under ``torch.inference_mode()`` the step's state is still made of normal tensors
+    (inference tensors could not be updated by the steps run outside it).
     """
-    options = CompileOptions.from_kwargs(**options)
+    with torch.inference_mode(False):
+        return _compile(model, mesh, example_inputs, loss_fn, optimizer, CompileOptions.from_kwargs(**options))
+
+
+def _compile(model: nn.Module, mesh, example_inputs, loss_fn, optimizer,
+             options: CompileOptions) -> "CompiledStep":
+    """:func:`compile` (outside inference mode)."""
     rng_state = torch.get_rng_state()  # before anything could draw from it
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeMismatchError("ddlc.compile needs an initialised process group: launch the "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import math
 import os
 import re
@@ -186,6 +187,11 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     untrained = ()
     if training and optimizer is not None:
         untrained = _stamp_updates(gm, placeholders, inputs, specs, group_of, scalar_names, len(clip))
+        if specs and len(untrained) == len(specs):
+            raise UnsupportedInputError(
+                "the loss depends on no trainable parameter (computed under torch.no_grad(), from "
+                "detached values, or from frozen parameters only), so the step would train "
+                "nothing: eager's loss.backward() raises on it")
     inputs = [InputSpec(_rename_placeholder(n, spec), spec.role, spec.key)
               for n, spec in zip(placeholders, inputs)]
     if outputs is None:
@@ -565,6 +571,10 @@ def _loss_of(out, loss_fn: Callable | None, targets: Sequence[torch.Tensor]) -> 
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
         raise UnsupportedInputError(f"{what} must return a one-element loss tensor, got "
                                     f"{type(loss).__name__} {list(getattr(loss, 'shape', []))}")
+    if not loss.is_floating_point():
+        raise UnsupportedInputError(
+            f"{what} returned a {loss.dtype} loss, which has no gradient (a count or an accuracy: "
+            "eager's loss.backward() raises on it); return a floating-point loss")
     return loss
 
 
@@ -851,7 +861,8 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
         # GPT-2-small step)
         with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model), \
                 _forward_frames_only(), _loss_frames_kept(loss_fn), _use_lazy_graph_module(True), \
-                _checkpoints_as_regions(annotator), _sync_batch_norm_as_batch_norm():
+                _checkpoints_as_regions(annotator), _sync_batch_norm_as_batch_norm(), \
+                _failed_kernels_unlogged():
             # a tensor the forward or loss captures from outside the model (class weights
             # in a global) becomes a constant of the graph
             return make_fx(functionalize(fn, remove=remove), tracing_mode="fake",
@@ -878,6 +889,19 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
     finally:
         for h in hooks:
             h.remove()
+
+
+@contextlib.contextmanager
+def _failed_kernels_unlogged():
+    """Within, torch's fake tensor mode does not log a kernel that fails (its traceback, at
+    ERROR, before it raises the error): the trace raises that error as a ddlc error naming
+    its cause and the user's line, and the log would bury it."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 @contextlib.contextmanager

@@ -37,6 +37,13 @@ def broken():
 
 def leaves():
     raise SystemExit(3)
+
+
+def misfit():
+    import torch
+    import torch.nn.functional as F
+    from ddlc.zoo import MLP
+    return MLP(8, 16, 4), (torch.randn(8, 9), torch.randint(0, 4, (8,))), F.cross_entropy
 '''
 
 
@@ -60,6 +67,7 @@ def _commands(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "factory_raises": (["plan", f"{tmp / 'raising.py'}:broken", "--mesh", "2"], "0"),
         "factory_raises_verbose": (["plan", f"{tmp / 'raising.py'}:broken", "--mesh", "2", "-v"], "0"),
         "factory_exits": (["plan", f"{tmp / 'raising.py'}:leaves", "--mesh", "2"], "0"),
+        "inputs_misfit": (["plan", f"{tmp / 'raising.py'}:misfit", "--mesh", "2"], "0"),
         "bad_mesh": (["plan", f"{FACTORIES}:mlp", "--mesh", "2y4"], "0"),
         "over_budget": (["plan", f"{FACTORIES}:mlp", "--mesh", "2", "--memory", "1KB"], "0"),
         "profile_not_json": (["plan", f"{FACTORIES}:mlp", "--mesh", "2", "--profile", str(tmp / "raising.py")
@@ -192,6 +200,8 @@ def test_schedule_prints_the_timeline_and_writes_a_trace(runs):
     ("profile_not_json", "raising.json' is not valid JSON"),
     ("svg_no_folder", "cannot write --svg"),
     ("factory_exits", "the factory raised SystemExit: 3"),  # rc 3 and no message before
+    # torch's fake tensor mode logged the failing kernel's traceback first (19 lines)
+    ("inputs_misfit", "the example inputs may not match the model; the example inputs are float32[8, 9]"),
 ])
 def test_bad_input_is_one_line_and_exit_2(runs, name, cause):
     out = _result(runs, name)

@@ -669,6 +669,30 @@ def test_models_sharing_a_submodule_train_it_in_turn_or_are_refused():
         assert refused_again is not None and "shared parameters" in refused_again, refused_again
 
 
+def _steps_compiled_under_inference_mode(rank):
+    model, opt, batches = _presteps(1)  # a fresh AdamW
+    with torch.inference_mode():
+        step = ddlc.compile(model, (2,), batches[1], F.cross_entropy, opt)
+    return [float(step.step(*b)) for b in batches[1:]]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_step_compiled_under_inference_mode_trains_outside_it():
+    # its state was made of inference tensors: torch's "Inplace update to inference tensor
+    # outside InferenceMode" from inside the program at the first step
+    model, opt, batches = _presteps(1)
+    want = []
+    for x, y in batches[1:]:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for losses in spawn(_steps_compiled_under_inference_mode, 2, timeout=300, deadline=100):
+        assert losses == pytest.approx(want, rel=1e-5), (losses, want)
+
+
 def _net(dropout: float = 0.0):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout),

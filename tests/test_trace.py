@@ -114,6 +114,18 @@ def test_unsupported_inputs(bad):
         ddlc.trace(MLP(), bad)
 
 
+@pytest.mark.parametrize("loss_fn,cause", [
+    (lambda out, y: (out.argmax(-1) == y.argmax(-1)).sum(), "int64 loss, which has no gradient"),
+    (lambda out, y: F.mse_loss(out.detach(), y), "depends on no trainable parameter"),
+], ids=["count", "detached"])
+def test_a_loss_without_gradient_is_refused(loss_fn, cause):
+    # both traced and ran a step that trained nothing, where eager's backward() raises
+    model = MLP()
+    with pytest.raises(UnsupportedInputError, match=cause):
+        ddlc.trace(model, (torch.randn(8, 32), torch.randn(8, 16)), loss_fn,
+                   torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def test_unsupported_optimizer_and_options():
     model = MLP()
     x, y = torch.randn(8, 32), torch.randn(8, 16)
