@@ -587,6 +587,18 @@ def _presteps(rank):
     return model, opt, batches
 
 
+def _eager_losses(model, opt, batches) -> list[float]:
+    """The losses of eager cross-entropy steps of ``model`` and ``opt`` on ``batches``."""
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _steps_after_presteps(rank):
     model, opt, batches = _presteps(rank)
     step = ddlc.compile(model, (4,), batches[1], F.cross_entropy, opt,
@@ -602,13 +614,7 @@ def test_every_rank_continues_from_rank_0s_optimizer_state():
     # stepped (or stepped on other data) updated their shards from other moments than
     # rank 0's (losses 4e-3 off), silently
     model, opt, batches = _presteps(0)
-    want = []
-    for x, y in batches[1:]:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want = _eager_losses(model, opt, batches[1:])
     for losses, state in spawn(_steps_after_presteps, 4, timeout=300, deadline=100):
         assert losses == pytest.approx(want, rel=1e-5), (losses, want)
         for name, p in model.named_parameters():
@@ -682,13 +688,7 @@ def test_a_step_compiled_under_inference_mode_trains_outside_it():
     # its state was made of inference tensors: torch's "Inplace update to inference tensor
     # outside InferenceMode" from inside the program at the first step
     model, opt, batches = _presteps(1)
-    want = []
-    for x, y in batches[1:]:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want = _eager_losses(model, opt, batches[1:])
     for losses in spawn(_steps_compiled_under_inference_mode, 2, timeout=300, deadline=100):
         assert losses == pytest.approx(want, rel=1e-5), (losses, want)
 
