@@ -838,6 +838,8 @@ class CompiledStep:
         self._coordinates = _coordinates(device_mesh) if device_mesh is not None else \
             [mesh.coordinate(r) for r in range(mesh.size)]
         self.steps_done = 0
+        #: whether every rank's global batch was compared with rank 0's (the first call)
+        self._batch_compared = False
         #: compiled as the how-manyth step of this process (the same on every rank)
         self.compiled_as = next(_COMPILED)
         #: on a GPU, the scalars the update reads that stay in host memory, as torch.optim keeps
@@ -970,7 +972,8 @@ class CompiledStep:
     def _local_batch(self, args: Sequence, kwargs: Mapping) -> dict[str, torch.Tensor]:
         out = {}
         shapes = dict(zip(self.signature.keys("input"), self.local_input_shapes))
-        for key, t in self._batch_by_key(args, kwargs).items():
+        batch = self._batch_by_key(args, kwargs)
+        for key, t in batch.items():
             if not isinstance(t, torch.Tensor):
                 raise UnsupportedInputError(f"{key} is a {type(t).__name__}; the compiled step "
                                             "takes tensors")
@@ -986,7 +989,31 @@ class CompiledStep:
             out[key] = self._shard(key, t) if self.batch_mode == "global" else t.to(self.device)
         if self.batch_mode == "local":
             self._check_copies_agree(out)
+        elif not self._batch_compared:
+            self._check_one_global_batch(batch)
+            self._batch_compared = True
         return out
+
+    def _check_one_global_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
+        """With ``batch="global"`` every rank passes the whole global batch, the same, and
+        takes its own part. A rank given only its own data instead (a ``DistributedSampler``'s,
+        as for DDP) would train on a mixture of parts, silently, and under a replicated plan
+        the ranks' copies of the model would drift apart. So the first call of a program
+        gathers every input's fingerprint (:func:`_fingerprint`) from every rank and compares
+        it with rank 0's, and every rank refuses at once (once only: the check waits for the
+        device and costs a collective)."""
+        mine = torch.stack([_fingerprint(t) for t in batch.values()])
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        everyone = [t.cpu() for t in everyone]
+        for rank, prints in enumerate(everyone):
+            for j, key in enumerate(batch):
+                if not torch.equal(prints[j], everyone[0][j]):
+                    raise UnsupportedInputError(
+                        f"rank {rank} passed another {key} than rank 0: with batch='global' (the "
+                        "default) every rank passes the whole global batch, the same, and takes "
+                        "its own part; to give each rank only its own data (a DistributedSampler's, "
+                        "as for DDP), compile with batch='local'")
 
     def _check_copies_agree(self, parts: Mapping[str, torch.Tensor]) -> None:
         """With ``batch="local"``, the ranks that hold the same piece of an input (those

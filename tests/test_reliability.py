@@ -693,6 +693,27 @@ def test_a_step_compiled_under_inference_mode_trains_outside_it():
         assert losses == pytest.approx(want, rel=1e-5), (losses, want)
 
 
+def _steps_on_own_data(rank):
+    from ddlc.errors import UnsupportedInputError
+    model, opt, batches = _presteps(1)
+    step = ddlc.compile(model, (2,), batches[1], F.cross_entropy, opt)
+    x, y = batches[1 + rank]  # each rank its own batch, as a DistributedSampler gives DDP
+    try:
+        step.step(x, y)
+    except UnsupportedInputError as e:
+        return str(e)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_ranks_passing_their_own_data_as_the_global_batch_are_refused():
+    # each rank took its part of its own batch (a mixture was trained), and under a
+    # replicated plan each rank trained its copy on its own data, silently
+    for refused in spawn(_steps_on_own_data, 2, timeout=300, deadline=100):
+        assert refused is not None and "rank 1 passed another input0 than rank 0" in refused \
+            and "batch='local'" in refused, refused
+
+
 def _net(dropout: float = 0.0):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout),
