@@ -647,6 +647,54 @@ class _ProgramDraws:
 _STREAM: "dict[torch.device, _ProgramDraws]" = {}
 
 
+#: models and optimizers whose eager reads :func:`_guard_stale_reads` checks
+_GUARDED: "weakref.WeakSet[object]" = weakref.WeakSet()
+#: per guarded optimizer, the model it was compiled with (weakly)
+_MODEL_OF: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _guard_stale_reads(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Make eager reads of ``model``'s weights that a compiled step has trained past refuse,
+    at the user's call, instead of reading them as compile took them: the model's forward
+    and ``state_dict()`` (evaluation, ``torch.save``, ``save_pretrained``, an EMA copied from
+    the state dict) and ``optimizer.state_dict()``, while a compiled step holds training of
+    the model it has not written back (:func:`_trained_by`). Hooks registered once per
+    model and optimizer, before any :class:`ModelWatch` snapshot of this compile.
+    Reading ``model.parameters()`` directly cannot be seen."""
+    if model not in _GUARDED:
+        model.register_forward_pre_hook(_refuse_stale_forward)
+        model.register_state_dict_pre_hook(_refuse_stale_state_dict)
+        _GUARDED.add(model)
+    if optimizer is not None and optimizer not in _GUARDED:
+        optimizer.register_state_dict_pre_hook(_refuse_stale_optimizer_state)
+        _MODEL_OF[optimizer] = weakref.ref(model)
+        _GUARDED.add(optimizer)
+
+
+def _refuse_stale(model: nn.Module | None, what: str) -> None:
+    trainer = _trained_by(model) if model is not None else None
+    if trainer is not None:
+        raise UnsupportedInputError(
+            f"{what}, but its compiled step has trained it {trainer.steps_done} step(s) since compile "
+            "and holds the result as its own shards: the model and its optimizer keep the values "
+            "compile took until step.write_back() puts the step's into them (a collective: call it "
+            "on every rank). Call it first, or read step.state_dict() / step.optimizer_state(), or "
+            "evaluate with an inference program compiled from the model (it reads the step's)")
+
+
+def _refuse_stale_forward(module: nn.Module, args) -> None:
+    _refuse_stale(module, "the model is called eagerly")
+
+
+def _refuse_stale_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    _refuse_stale(module, "model.state_dict() is read")
+
+
+def _refuse_stale_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    ref = _MODEL_OF.get(optimizer)
+    _refuse_stale(ref() if ref is not None else None, "the optimizer's state_dict() is read")
+
+
 #: counts the compiled steps of this process (:attr:`CompiledStep.compiled_as`)
 _COMPILED = itertools.count()
 
@@ -687,6 +735,8 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     Under ``torch.inference_mode()`` the step's state is still made of normal tensors
     (inference tensors could not be updated by the steps run outside it).
     """
+    if isinstance(model, nn.Module):  # else rank 0's trace says what is wrong
+        _guard_stale_reads(model, optimizer)
     with torch.inference_mode(False):
         return _compile(model, mesh, example_inputs, loss_fn, optimizer, CompileOptions.from_kwargs(**options))
 

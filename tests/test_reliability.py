@@ -714,6 +714,35 @@ def test_ranks_passing_their_own_data_as_the_global_batch_are_refused():
             and "batch='local'" in refused, refused
 
 
+def _eager_reads_between_steps(rank):
+    from ddlc.errors import UnsupportedInputError
+    model, opt, batches = _presteps(1)
+    step = ddlc.compile(model, (2,), batches[1], F.cross_entropy, opt)
+    step.step(*batches[1])
+    refused = []
+    for read in (lambda: model(batches[2][0]), model.state_dict, opt.state_dict):
+        try:
+            read()
+        except UnsupportedInputError as e:
+            refused.append(str(e))
+    step.write_back()
+    return refused, model(batches[2][0]).detach(), opt.state_dict()["state"][0]["exp_avg"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_eager_reads_of_a_model_trained_past_are_refused_until_written_back():
+    # the model called eagerly, its state_dict and the optimizer's gave the values compile
+    # took (an evaluation, a torch.save or an EMA of the untrained weights), silently
+    model, opt, batches = _presteps(1)
+    _eager_losses(model, opt, batches[1:2])
+    for refused, logits, exp_avg in spawn(_eager_reads_between_steps, 2, timeout=300, deadline=100):
+        assert len(refused) == 3, refused
+        assert all("step.write_back()" in text for text in refused), refused
+        assert torch.allclose(logits, model(batches[2][0]).detach(), rtol=1e-5, atol=1e-6)
+        assert torch.allclose(exp_avg, opt.state[model.weight]["exp_avg"], rtol=1e-5, atol=1e-7)
+
+
 def _net(dropout: float = 0.0):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout),
@@ -734,15 +763,17 @@ def _swap_groups(model, opt):
 _CHANGES = {
     "eval": lambda model, opt: model.eval(),
     "freeze": lambda model, opt: model[0].weight.requires_grad_(False),
-    "load_state_dict": lambda model, opt: model.load_state_dict(
-        {k: v + 1 for k, v in model.state_dict().items()}),
+    "load_state_dict": lambda model, opt: model.load_state_dict(  # new weights, not read from
+        {k: v.detach() + 1 for k, v in [*model.named_parameters(), *model.named_buffers()]}),  # the model
     "swap_groups": _swap_groups,
     "dropout_p": lambda model, opt: setattr(model[2], "p", 0.5),
     "forward_hook": lambda model, opt: model[0].register_forward_hook(lambda m, i, o: o * 2),
     "gradient_hook": lambda model, opt: model[3].weight.register_hook(lambda g: g * 0.5),
     "buffer_reassigned": lambda model, opt: model[0].register_buffer("scale", torch.ones(1)),
     "data_assigned": lambda model, opt: setattr(model[0].weight, "data", torch.zeros_like(model[0].weight)),
-    "optimizer_loaded": lambda model, opt: opt.load_state_dict(opt.state_dict()),
+    "optimizer_loaded": lambda model, opt: opt.load_state_dict(  # another optimizer's state
+        torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[3].parameters()}],
+                        lr=0.1).state_dict()),
     # not changes of this model: accepted
     "hook_elsewhere": lambda model, opt: torch.nn.Linear(2, 2).register_forward_hook(lambda m, i, o: o),
     "same_value": lambda model, opt: setattr(model[2], "p", float("0.1")),
