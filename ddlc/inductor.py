@@ -8,7 +8,8 @@ the generated wrapper code are read in the order it calls them and compared with
 planned ones (kind and process group, in program order): any difference is a
 :class:`ddlc.errors.LoweringError` on every rank, never a deadlock or a mismatched
 reduction. Inductor's own compute/communication reordering stays off
-(``reorder_for_compute_comm_overlap=False``).
+(``reorder_for_compute_comm_overlap=False``), and on gloo, where every collective is
+waited for before the next is issued, so does its reordering for locality.
 
 Needs a C++ compiler (Inductor's CPU kernels); programs that draw random numbers
 (dropout) are refused: their draws read the program's generator, which Inductor's
@@ -35,9 +36,12 @@ _CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\((.*)\)\s*$", 
 _IN_PLACE = {"all_reduce_": "all_reduce"}
 
 
-def compile_program(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> tuple[Callable, list, int]:
+def compile_program(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
+                    one_in_flight: bool = False) -> tuple[Callable, list, int]:
     """``(the compiled program, the collectives its wrapper calls, in order, the most of
-    them in flight at once)``."""
+    them in flight at once)``. ``one_in_flight``: ``gm`` waits for each collective before
+    the next (gloo: :mod:`passes.waits`), so Inductor's reordering for locality, which moves
+    a wait down to its result's first reader (past the next collectives), stays off."""
     if any(n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Generator)
            for n in gm.graph.nodes):
         raise UnsupportedInputError("backend='inductor' does not run programs that draw random "
@@ -49,8 +53,10 @@ def compile_program(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) 
     from torch._inductor.compile_fx import compile_fx
     loaded = len(PyCodeCache.modules)
     try:
-        program = compile_fx(gm, list(example_inputs),
-                             config_patches={"reorder_for_compute_comm_overlap": False})
+        patches = {"reorder_for_compute_comm_overlap": False}
+        if one_in_flight:
+            patches["reorder_for_locality"] = False
+        program = compile_fx(gm, list(example_inputs), config_patches=patches)
     except Exception as e:  # noqa: BLE001 - Inductor's own failure, named for the user
         raise LoweringError(f"Inductor could not compile this rank's program ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}); use backend='eager'") from e

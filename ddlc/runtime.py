@@ -796,9 +796,11 @@ def _compile_with_inductor(gm: fx.GraphModule, device: torch.device):
     a time: :mod:`passes.waits`)."""
     examples = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device).zero_()
                 for v in (n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")]
-    program, compiled, in_flight = pipeline.run_pass("inductor", inductor.compile_program, gm, examples)
-    problem = inductor.check_order(inductor.planned_collectives(gm), compiled)
-    if problem is None and in_flight > 1 and dist.get_backend() == "gloo":
+    gloo, planned = dist.get_backend() == "gloo", inductor.planned_collectives(gm)
+    program, compiled, in_flight = pipeline.run_pass("inductor", inductor.compile_program, gm, examples,
+                                                     one_in_flight=gloo and len(planned) > 1)
+    problem = inductor.check_order(planned, compiled)
+    if problem is None and in_flight > 1 and gloo:
         problem = (f"Inductor's program has {in_flight} collectives in flight at once, which gloo's "
                    "functional collectives do not survive (passes/waits.py)")
     everyone = [None] * dist.get_world_size()
