@@ -86,9 +86,9 @@ def call_factory(spec_text: str) -> tuple[nn.Module, Any, Callable | None]:
                            f"got {type(result).__name__}")
     model, inputs, loss_fn = result
     if not isinstance(model, nn.Module):
-        raise FactoryError(f"{spec_text}: the factory's model is a {type(model).__name__}, not a "
+        raise FactoryError(f"{spec_text}: the factory's model is of type {type(model).__name__}, not a "
                            "torch.nn.Module")
     if loss_fn is not None and not callable(loss_fn):
-        raise FactoryError(f"{spec_text}: the factory's loss_fn is a {type(loss_fn).__name__}, "
+        raise FactoryError(f"{spec_text}: the factory's loss_fn is of type {type(loss_fn).__name__}, "
                            "neither None nor callable")
     return model, inputs, loss_fn

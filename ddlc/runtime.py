@@ -1027,7 +1027,7 @@ class CompiledStep:
         batch = self._batch_by_key(args, kwargs)
         for key, t in batch.items():
             if not isinstance(t, torch.Tensor):
-                raise UnsupportedInputError(f"{key} is a {type(t).__name__}; the compiled step "
+                raise UnsupportedInputError(f"{key} is of type {type(t).__name__}; the compiled step "
                                             "takes tensors")
             dtype = GLOBAL_VAL(self._placeholders[self._spec[key].name]).dtype
             if t.dtype != dtype:

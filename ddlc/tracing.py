@@ -366,7 +366,7 @@ class _Batch:
             raise UnsupportedInputError("example_inputs is empty: give the model's inputs")
         for key, t in zip(keys, values):
             if not isinstance(t, torch.Tensor):
-                raise UnsupportedInputError(f"example input {key!r} is a {type(t).__name__}; ddlc "
+                raise UnsupportedInputError(f"example input {key!r} is of type {type(t).__name__}; ddlc "
                                             "traces tensor inputs only (set other values on the "
                                             "model, e.g. its config, or bind them with "
                                             "functools.partial in a wrapper)")

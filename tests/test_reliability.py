@@ -400,7 +400,7 @@ def test_step_refuses_wrong_dtypes_lists_non_tensors_and_other_dict_keys():
     found, keys, want = spawn(_bad_steps, 1, timeout=60, deadline=100)[0]
     assert len(found) == 6
     assert "dtype torch.float64" in found[0] and "separate arguments" in found[1] \
-        and "is a int" in found[2]
+        and "is of type int" in found[2]
     # a step compiled on a dict batch: positional tensors, a missing key, an extra key
     assert "step(batch) or step(**batch)" in found[3]
     assert "missing ['target']" in found[4] and "extra ['mask']" in found[5]
