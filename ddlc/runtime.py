@@ -709,12 +709,14 @@ def _trainers(model: nn.Module) -> "list[CompiledStep]":
     """The live compiled steps whose training of ``model``'s parameters is not written back:
     the model's own (:func:`_trained_by`) and those of other models holding one of its
     parameters (a submodule both hold), in the order they were compiled (the same on every
-    rank). Each step holds its own copy of the parameters it trains."""
+    rank). Each step holds its own copy of the parameters it trains (an inference program
+    holds only the buffers it updates: another model's is not one of these)."""
     mine = {id(p) for p in model.parameters()}
     found = []
     for other, ref in list(_TRAINED_BY.items()):
         step = ref()
-        if step is not None and (other is model or not mine.isdisjoint(id(p) for p in other.parameters())):
+        if step is not None and (other is model or step.signature.has_loss and
+                                 not mine.isdisjoint(id(p) for p in other.parameters())):
             found.append(step)
     return sorted(found, key=lambda step: step.compiled_as)
 
