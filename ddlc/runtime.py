@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.nn.modules import module as module_mod
 
 from cost_models.measured import local_gloo_ranks
 from cost_models.program import program_timeline
@@ -647,28 +648,56 @@ class _ProgramDraws:
 _STREAM: "dict[torch.device, _ProgramDraws]" = {}
 
 
-#: models and optimizers whose eager reads :func:`_guard_stale_reads` checks
-_GUARDED: "weakref.WeakSet[object]" = weakref.WeakSet()
-#: per guarded optimizer, the model it was compiled with (weakly)
+#: per module of a compiled model (its submodules too), the models it belongs to (weakly):
+#: what :func:`_refuse_stale_call` looks a called module up in
+_MODELS_OF: "weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]]" = weakref.WeakKeyDictionary()
+#: per compiled optimizer, its model (weakly)
 _MODEL_OF: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref]" = weakref.WeakKeyDictionary()
+#: per model whose training a compiled step holds, the handles of the ``state_dict`` guards
+#: on it and its optimizer (:func:`_hold_training`)
+_STATE_DICT_GUARDS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+#: the handle of :func:`_refuse_stale_call`, registered for every module once (first compile)
+_CALL_GUARD = None
 
 
 def _guard_stale_reads(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Make eager reads of ``model``'s weights that a compiled step has trained past refuse,
-    at the user's call, instead of reading them as compile took them: the model's forward
-    and ``state_dict()`` (evaluation, ``torch.save``, ``save_pretrained``, an EMA copied from
-    the state dict) and ``optimizer.state_dict()``, while a compiled step holds training of
-    the model it has not written back (:func:`_trained_by`). Hooks registered once per
-    model and optimizer, before any :class:`ModelWatch` snapshot of this compile.
-    Reading ``model.parameters()`` directly cannot be seen."""
-    if model not in _GUARDED:
-        model.register_forward_pre_hook(_refuse_stale_forward)
-        model.register_state_dict_pre_hook(_refuse_stale_state_dict)
-        _GUARDED.add(model)
-    if optimizer is not None and optimizer not in _GUARDED:
-        optimizer.register_state_dict_pre_hook(_refuse_stale_optimizer_state)
+    """Make eager reads of ``model``'s weights that a compiled step has trained past raise,
+    at the user's call, instead of reading the values compile took, while a compiled step
+    holds training of the model it has not written back (:func:`_trained_by`): a call of
+    the model or of any of its modules (evaluation, ``generate``; a model holding one of
+    them), through a global forward pre-hook registered once, before any
+    :class:`ModelWatch` snapshot; and ``model.state_dict()`` (``torch.save``,
+    ``save_pretrained``, an EMA copied from it) and ``optimizer.state_dict()``, through
+    hooks that exist only while the step holds the training (:func:`_hold_training`), so a
+    model written back pickles and scripts as it did. Reading ``model.parameters()``
+    directly cannot be seen."""
+    global _CALL_GUARD
+    if _CALL_GUARD is None:
+        _CALL_GUARD = module_mod.register_module_forward_pre_hook(_refuse_stale_call)
+    for module in model.modules():
+        models = _MODELS_OF.setdefault(module, [])
+        if not any(ref() is model for ref in models):
+            models.append(weakref.ref(model))
+    if optimizer is not None:
         _MODEL_OF[optimizer] = weakref.ref(model)
-        _GUARDED.add(optimizer)
+
+
+def _hold_training(step: "CompiledStep") -> None:
+    """``step`` holds training of its model that is not written back (:data:`_TRAINED_BY`);
+    the model's and optimizer's ``state_dict()`` refuse until :func:`_release_training`."""
+    _TRAINED_BY[step._model] = step._ref
+    if step._model not in _STATE_DICT_GUARDS:
+        handles = [step._model.register_state_dict_pre_hook(_refuse_stale_state_dict)]
+        if step._optimizer is not None:
+            handles.append(step._optimizer.register_state_dict_pre_hook(_refuse_stale_optimizer_state))
+        _STATE_DICT_GUARDS[step._model] = handles
+
+
+def _release_training(model: nn.Module) -> None:
+    """The model's weights are current again (written back, or taken anew)."""
+    _TRAINED_BY.pop(model, None)
+    for handle in _STATE_DICT_GUARDS.pop(model, ()):
+        handle.remove()
 
 
 def _refuse_stale(model: nn.Module | None, what: str) -> None:
@@ -682,8 +711,18 @@ def _refuse_stale(model: nn.Module | None, what: str) -> None:
             "evaluate with an inference program compiled from the model (it reads the step's)")
 
 
-def _refuse_stale_forward(module: nn.Module, args) -> None:
-    _refuse_stale(module, "the model is called eagerly")
+def _refuse_stale_call(module: nn.Module, args) -> None:
+    """The global forward pre-hook of :func:`_guard_stale_reads`; a module called with other
+    weights than its own (``torch.func.functional_call`` of ``step.state_dict()``) passes."""
+    if not _TRAINED_BY:  # nothing held: every call of every module passes here
+        return
+    for ref in _MODELS_OF.get(module, ()):
+        model = ref()
+        trainer = _trained_by(model) if model is not None else None
+        first = next(module.parameters(), None)
+        if trainer is not None and (first is None or id(first) in trainer.param_ids):
+            _refuse_stale(model, "the model is called eagerly" if model is module else
+                          f"a {type(module).__name__} of the model is called eagerly")
 
 
 def _refuse_stale_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -715,8 +754,8 @@ def _trainers(model: nn.Module) -> "list[CompiledStep]":
     found = []
     for other, ref in list(_TRAINED_BY.items()):
         step = ref()
-        if step is not None and (other is model or step.signature.has_loss and
-                                 not mine.isdisjoint(id(p) for p in other.parameters())):
+        if step is not None and (other is model or step.signature.has_loss and not mine.isdisjoint(
+                id(p) for p in other.parameters() if p.requires_grad)):  # those it trains
             found.append(step)
     return sorted(found, key=lambda step: step.compiled_as)
 
@@ -894,6 +933,8 @@ class CompiledStep:
         self.steps_done = 0
         #: whether every rank's global batch was compared with rank 0's (the first call)
         self._batch_compared = False
+        #: the model's parameters as compile took them (by ``id``)
+        self.param_ids = frozenset(id(p) for p in model.parameters())
         #: compiled as the how-manyth step of this process (the same on every rank)
         self.compiled_as = next(_COMPILED)
         #: on a GPU, the scalars the update reads that stay in host memory, as torch.optim keeps
@@ -1024,9 +1065,28 @@ class CompiledStep:
         return dict(zip(keys, args))
 
     def _local_batch(self, args: Sequence, kwargs: Mapping) -> dict[str, torch.Tensor]:
+        """This rank's part of the batch ``step()`` or a call was given, as the program takes
+        it; the first call of a program with ``batch="global"`` compares the ranks' batches
+        (:meth:`_check_one_global_batch`)."""
+        if self.batch_mode == "global" and not self._batch_compared:
+            self._batch_compared = True
+            try:
+                batch = self._batch_by_key(args, kwargs)
+                out = self._parts(batch)
+            except UnsupportedInputError as error:
+                self._check_one_global_batch(None, error)  # every rank hears of it: no hang
+                raise
+            self._check_one_global_batch(batch, None)
+            return out
+        out = self._parts(self._batch_by_key(args, kwargs))
+        if self.batch_mode == "local":
+            self._check_copies_agree(out)
+        return out
+
+    def _parts(self, batch: Mapping[str, object]) -> dict[str, torch.Tensor]:
+        """This rank's part of each input of ``batch`` (checked against the program's)."""
         out = {}
         shapes = dict(zip(self.signature.keys("input"), self.local_input_shapes))
-        batch = self._batch_by_key(args, kwargs)
         for key, t in batch.items():
             if not isinstance(t, torch.Tensor):
                 raise UnsupportedInputError(f"{key} is of type {type(t).__name__}; the compiled step "
@@ -1041,28 +1101,30 @@ class CompiledStep:
                     f"{key} has shape {tuple(t.shape)} but the program was compiled for "
                     f"{self.batch_mode} shape {want} (placement {self._sbp(key)} on mesh {self.mesh})")
             out[key] = self._shard(key, t) if self.batch_mode == "global" else t.to(self.device)
-        if self.batch_mode == "local":
-            self._check_copies_agree(out)
-        elif not self._batch_compared:
-            self._check_one_global_batch(batch)
-            self._batch_compared = True
         return out
 
-    def _check_one_global_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
+    def _check_one_global_batch(self, batch: Mapping[str, torch.Tensor] | None,
+                                error: UnsupportedInputError | None) -> None:
         """With ``batch="global"`` every rank passes the whole global batch, the same, and
         takes its own part. A rank given only its own data instead (a ``DistributedSampler``'s,
         as for DDP) would train on a mixture of parts, silently, and under a replicated plan
         the ranks' copies of the model would drift apart. So the first call of a program
-        gathers every input's fingerprint (:func:`_fingerprint`) from every rank and compares
-        it with rank 0's, and every rank refuses at once (once only: the check waits for the
-        device and costs a collective)."""
-        mine = torch.stack([_fingerprint(t) for t in batch.values()])
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, mine)
-        everyone = [t.cpu() for t in everyone]
-        for rank, prints in enumerate(everyone):
-            for j, key in enumerate(batch):
-                if not torch.equal(prints[j], everyone[0][j]):
+        gathers from every rank either every input's fingerprint (:func:`_fingerprint`) or
+        the error its own checks raised (``error``: that rank then raises it), and every
+        rank refuses at once, naming the first rank that failed or differs from rank 0
+        (once only: the check waits for the device and costs a collective)."""
+        mine = ("error", str(error)) if error is not None else \
+            ("prints", [_fingerprint(t).cpu() for t in batch.values()])
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if error is not None:
+            return
+        for rank, (kind, found) in enumerate(everyone):
+            if kind == "error":
+                raise UnsupportedInputError(f"rank {rank} refused its batch: {found}")
+        for rank, (_, prints) in enumerate(everyone):
+            for key, theirs, first in zip(batch, prints, everyone[0][1]):
+                if not torch.equal(theirs, first):
                     raise UnsupportedInputError(
                         f"rank {rank} passed another {key} than rank 0: with batch='global' (the "
                         "default) every rank passes the whole global batch, the same, and takes "
@@ -1127,7 +1189,7 @@ class CompiledStep:
                 "or write it back (step.write_back()) and compile again")
         if newer is not None:
             shared = next(name for name, p in self._model.named_parameters()
-                          if any(p is q for q in newer._model.parameters()))
+                          if any(p is q for q in newer._model.parameters() if q.requires_grad))
             raise UnsupportedInputError(
                 f"parameter {shared} of this model is also a parameter of another model (a "
                 f"submodule both hold), whose compiled step ({type(newer._model).__name__}'s) has "
@@ -1146,7 +1208,7 @@ class CompiledStep:
         if "grad_norm" in out:
             self.last_grad_norm = out["grad_norm"]["grad_norm"].detach()
         self.steps_done += 1
-        _TRAINED_BY[self._model] = self._ref
+        _hold_training(self)
         return out["loss"]["loss"].detach()
 
     def write_back(self) -> None:
@@ -1183,7 +1245,7 @@ class CompiledStep:
             self._optimizer_watch.accept()
         self._accept_writes()
         if _trained_by(self._model) is self:
-            del _TRAINED_BY[self._model]
+            _release_training(self._model)
 
     def _hand_back_stream(self) -> None:
         """The random stream's latest state (another program's draws too) into the default
@@ -1304,7 +1366,7 @@ class CompiledStep:
         if out.get("buffer"):
             self.buffers.update(out["buffer"])
             self.steps_done += 1  # calls that changed the model's state, for write_back
-            _TRAINED_BY[self._model] = self._ref
+            _hold_training(self)
         return self.signature.output_tree.rebuild(list(out["output"].values()))
 
     def _take_current_state(self) -> None:
@@ -1321,7 +1383,7 @@ class CompiledStep:
         self._take_model_state(self._model)
         self._accept_writes()
         if _trained_by(self._model) is self:  # the model's values are newer than this program's
-            del _TRAINED_BY[self._model]
+            _release_training(self._model)
 
     # -- random numbers ----------------------------------------------------------------
     @property
@@ -1396,8 +1458,9 @@ class CompiledStep:
         if self._optimizer_watch is not None:  # and so is the optimizer's state
             self._optimizer_watch.accept()
         self._written_back_at = None
-        _TRAINED_BY[self._model] = self._ref  # newer than the model's: compiling it again, or an
-                                              # inference program of it, writes it back first
+        # newer than the model's: compiling it again, or an inference program of it,
+        # writes it back first
+        _hold_training(self)
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """Full optimizer state keyed ``"<param>:<state>"`` (collective), as torch.optim

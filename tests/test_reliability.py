@@ -1,5 +1,7 @@
 """Inputs that would give silently wrong results are refused with a ddlc.errors error that
 names the cause (the rest of the reliability catalogue grows here)."""
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -704,6 +706,27 @@ def _steps_on_own_data(rank):
         return str(e)
 
 
+def _first_step_of_another_shape_on_rank_1(rank):
+    from ddlc.errors import UnsupportedInputError
+    model, opt, batches = _presteps(1)
+    step = ddlc.compile(model, (2,), batches[1], F.cross_entropy, opt)
+    x, y = batches[1]
+    try:
+        step.step(x[:6] if rank == 1 else x, y[:6] if rank == 1 else y)
+    except UnsupportedInputError as e:
+        return str(e)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_first_batch_refused_on_one_rank_is_refused_on_every_rank():
+    # rank 1 refused its batch before the first step's comparison of the ranks' batches,
+    # where rank 0 then waited until gloo's timeout
+    refused = spawn(_first_step_of_another_shape_on_rank_1, 2, timeout=30, deadline=90)
+    assert "rank 1 refused its batch: input0 has shape (6, 8)" in refused[0], refused
+    assert refused[1].startswith("input0 has shape (6, 8)"), refused
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_ranks_passing_their_own_data_as_the_global_batch_are_refused():
@@ -726,6 +749,8 @@ def _eager_reads_between_steps(rank):
         except UnsupportedInputError as e:
             refused.append(str(e))
     step.write_back()
+    scripted = torch.jit.script(model)  # written back: nothing of ddlc's is left on the model
+    assert torch.equal(scripted(batches[2][0]), model(batches[2][0])) and b"ddlc" not in pickle.dumps(model)
     return refused, model(batches[2][0]).detach(), opt.state_dict()["state"][0]["exp_avg"]
 
 
@@ -741,6 +766,42 @@ def test_eager_reads_of_a_model_trained_past_are_refused_until_written_back():
         assert all("step.write_back()" in text for text in refused), refused
         assert torch.allclose(logits, model(batches[2][0]).detach(), rtol=1e-5, atol=1e-6)
         assert torch.allclose(exp_avg, opt.state[model.weight]["exp_avg"], rtol=1e-5, atol=1e-7)
+
+
+def _calls_of_shared_and_frozen_modules(rank):
+    from ddlc.errors import UnsupportedInputError
+    (a, opt_a), (b, opt_b), batches = _sharing_models()
+    step_a = ddlc.compile(a, (2,), batches[0], F.cross_entropy, opt_a)
+    step_a.step(*batches[0])
+    refused = []
+    for call in (lambda: a[2](torch.randn(8, 8)), lambda: b(batches[0][0])):
+        try:
+            call()
+        except UnsupportedInputError as e:
+            refused.append(str(e))
+    step_a.write_back()
+    # a frozen module both hold, which neither step trains: they step in turn
+    a[0].requires_grad_(False)
+    opt_a, opt_b = (torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (a, b))
+    step_a = ddlc.compile(a, (2,), batches[0], F.cross_entropy, opt_a)
+    step_b = ddlc.compile(b, (2,), batches[0], F.cross_entropy, opt_b)
+    losses = [float(step.step(*batch)) for batch in batches for step in (step_a, step_b)]
+    return refused, losses
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_calls_of_a_trained_models_modules_are_refused_and_frozen_shared_ones_are_not():
+    (a, opt_a), (b, opt_b), batches = _sharing_models()
+    _eager_losses(a, opt_a, batches[:1])
+    a[0].requires_grad_(False)
+    opt_a, opt_b = (torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (a, b))
+    want = [loss for batch in batches for model, opt in ((a, opt_a), (b, opt_b))
+            for loss in _eager_losses(model, opt, [batch])]
+    for refused, losses in spawn(_calls_of_shared_and_frozen_modules, 2, timeout=300, deadline=100):
+        assert len(refused) == 2 and all("of the model is called eagerly" in r for r in refused), refused
+        # both steps were refused in turn before: the frozen Linear was counted as trained
+        assert losses == pytest.approx(want, rel=1e-5), (losses, want)
 
 
 def _net(dropout: float = 0.0):
