@@ -1222,7 +1222,14 @@ class CompiledStep:
         a ``ddlc.compile`` of it again continues from them (dropout goes on to new masks
         instead of replaying the compiled steps'). This step keeps running as it was. Again
         with no step in between, it does nothing: the model and optimizer are the user's,
-        and may have been trained eagerly since."""
+        and may have been trained eagerly since. Under ``torch.inference_mode()`` (an
+        inference program called there writes a training step back) the optimizer's state
+        is still made of normal tensors, which eager steps can update."""
+        with torch.inference_mode(False):
+            self._write_back()
+
+    def _write_back(self) -> None:
+        """:meth:`write_back`, outside inference mode."""
         self._hand_back_stream()
         if self._written_back_at == self.steps_done:  # nothing trained since: the model and the
             return                                    # optimizer may have moved on eagerly

@@ -1086,10 +1086,21 @@ def _check_no_captured_parameters(gm: fx.GraphModule, model: nn.Module) -> None:
     ``w = model.fc.weight`` in a closure, an optimizer's ``param_groups``) holds the real
     tensor, not the step's, so a penalty on it would keep its value at compile and give
     it no gradient. (Through the model, ``model.parameters()`` inside the loss, it is the
-    step's.)"""
+    step's.) Likewise any other trainable tensor the step reads (another module's
+    parameter: a GAN's discriminator called in the generator's loss), whose training the
+    step would not see."""
     names = {id(p): k for k, p in model.named_parameters() if p.requires_grad}
     for node in gm.graph.find_nodes(op="get_attr"):
-        name = names.get(id(getattr(gm, node.target, None)))
+        value = getattr(gm, node.target, None)
+        name = names.get(id(value))
+        if name is None and isinstance(value, torch.Tensor) and value.requires_grad:
+            raise UnsupportedInputError(
+                f"the step reads a trainable tensor {tuple(value.shape)} that is not the model's (a "
+                "parameter of another module, e.g. a discriminator the loss calls), which it would "
+                "hold as a constant of its value at compile: stale once that module trains, and "
+                "without a gradient. Compile one model that holds both (a module calling each), "
+                "or freeze it (requires_grad_(False)) if it never trains (a perceptual loss's network)",
+                where=_source_from_stack(node.meta.get("stack_trace")) or None)
         if name is not None:
             raise UnsupportedInputError(
                 f"the step reads parameter {name!r} through a reference taken outside the model "

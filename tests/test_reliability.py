@@ -804,6 +804,32 @@ def test_calls_of_a_trained_models_modules_are_refused_and_frozen_shared_ones_ar
         assert losses == pytest.approx(want, rel=1e-5), (losses, want)
 
 
+def _inference_under_inference_mode(rank):
+    model, opt, batches = _presteps(1)
+    step = ddlc.compile(model, (2,), batches[1], F.cross_entropy, opt)
+    infer = ddlc.compile(model, (2,), (batches[2][0],))
+    step.step(*batches[1])
+    with torch.inference_mode():  # writes the step back there
+        out = infer(batches[2][0]).clone()
+    _eager_losses(model, opt, batches[2:3])  # eager steps update the optimizer's state in place
+    return out, model.weight.detach().clone()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_an_inference_program_called_under_inference_mode_after_steps():
+    # the write-back it runs made the optimizer's state inference tensors: torch's
+    # "Inference tensors do not track version counter" inside ddlc, then eager steps failed
+    model, opt, batches = _presteps(1)
+    _eager_losses(model, opt, batches[1:2])
+    with torch.no_grad():
+        want = model(batches[2][0])
+    _eager_losses(model, opt, batches[2:3])
+    for out, weight in spawn(_inference_under_inference_mode, 2, timeout=300, deadline=100):
+        assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(weight, model.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
 def _net(dropout: float = 0.0):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout),

@@ -126,6 +126,22 @@ def test_a_loss_without_gradient_is_refused(loss_fn, cause):
                    torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+@pytest.mark.parametrize("trains", [True, False], ids=["trainable", "frozen"])
+def test_another_modules_trainable_parameters_read_by_the_loss_are_refused(trains):
+    # a GAN's generator step whose loss calls the discriminator: its parameters were
+    # constants of their values at compile (stale once it trained), and the step crashed
+    # in autograd at run time; a frozen network (a perceptual loss's) is a constant indeed
+    torch.manual_seed(0)
+    generator, critic = MLP(d_in=4, d_out=8), MLP(d_in=8, d_out=1)
+    critic.requires_grad_(trains)
+
+    def loss_fn(out, y):
+        return F.binary_cross_entropy_with_logits(critic(out), y)
+    with pytest.raises(UnsupportedInputError, match="trainable tensor") if trains else contextlib.nullcontext():
+        ddlc.trace(generator, (torch.randn(8, 4), torch.ones(8, 1)), loss_fn,
+                   torch.optim.Adam(generator.parameters()))
+
+
 def test_unsupported_optimizer_and_options():
     model = MLP()
     x, y = torch.randn(8, 32), torch.randn(8, 16)
