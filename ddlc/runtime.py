@@ -713,8 +713,10 @@ def _refuse_stale(model: nn.Module | None, what: str) -> None:
 
 def _refuse_stale_call(module: nn.Module, args) -> None:
     """The global forward pre-hook of :func:`_guard_stale_reads`; a module called with other
-    weights than its own (``torch.func.functional_call`` of ``step.state_dict()``) passes."""
-    if not _TRAINED_BY:  # nothing held: every call of every module passes here
+    weights than its own (``torch.func.functional_call`` of ``step.state_dict()``) passes;
+    so does every call while ``torch.compile`` traces (the check would break its graphs).
+    Every eager module call in the process passes here (about 2 us each)."""
+    if not _TRAINED_BY or torch.compiler.is_compiling():  # nothing held
         return
     for ref in _MODELS_OF.get(module, ()):
         model = ref()
