@@ -712,17 +712,20 @@ def _refuse_stale(model: nn.Module | None, what: str) -> None:
 
 
 def _refuse_stale_call(module: nn.Module, args) -> None:
-    """The global forward pre-hook of :func:`_guard_stale_reads`; a module called with other
-    weights than its own (``torch.func.functional_call`` of ``step.state_dict()``) passes;
-    so does every call while ``torch.compile`` traces (the check would break its graphs).
-    Every eager module call in the process passes here (about 2 us each)."""
+    """The global forward pre-hook of :func:`_guard_stale_reads`: refuses a call of a module
+    holding a parameter that a compiled step trains and has not written back. A module
+    with no such parameter passes (a frozen encoder, an activation or positional module
+    shared with another model), and so does one called with other weights than its own
+    (``torch.func.functional_call`` of ``step.state_dict()``), and every call while
+    ``torch.compile`` traces (the check would break its graphs; what it compiles then reads
+    the model's values as they are). Every eager module call in the process passes here
+    (about 2 us each)."""
     if not _TRAINED_BY or torch.compiler.is_compiling():  # nothing held
         return
     for ref in _MODELS_OF.get(module, ()):
         model = ref()
         trainer = _trained_by(model) if model is not None else None
-        first = next(module.parameters(), None)
-        if trainer is not None and (first is None or id(first) in trainer.param_ids):
+        if trainer is not None and any(id(p) in trainer.trained_ids for p in module.parameters()):
             _refuse_stale(model, "the model is called eagerly" if model is module else
                           f"a {type(module).__name__} of the model is called eagerly")
 
@@ -935,8 +938,10 @@ class CompiledStep:
         self.steps_done = 0
         #: whether every rank's global batch was compared with rank 0's (the first call)
         self._batch_compared = False
-        #: the model's parameters as compile took them (by ``id``)
-        self.param_ids = frozenset(id(p) for p in model.parameters())
+        #: the parameters the step trains, as compile took them (by ``id``); the frozen ones
+        #: it leaves as they are (``write_back`` does not write them)
+        self.trained_ids = frozenset(id(p) for p in model.parameters() if p.requires_grad)
+        self._frozen = frozenset(k for k, p in model.named_parameters() if not p.requires_grad)
         #: compiled as the how-manyth step of this process (the same on every rank)
         self.compiled_as = next(_COMPILED)
         #: on a GPU, the scalars the update reads that stay in host memory, as torch.optim keeps
@@ -1237,7 +1242,9 @@ class CompiledStep:
             return                                    # optimizer may have moved on eagerly
         self._written_back_at = self.steps_done
         written = self._watch.written()
-        full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()}
+        # a collective per tensor, alike on every rank; a frozen parameter stays as it is
+        full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()
+                if k not in self._frozen}
         own = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
         with torch.no_grad():
             for name, value in full.items():
