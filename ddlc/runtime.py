@@ -751,16 +751,16 @@ def _trained_by(model: nn.Module) -> "CompiledStep | None":
 
 def _trainers(model: nn.Module) -> "list[CompiledStep]":
     """The live compiled steps whose training of ``model``'s parameters is not written back:
-    the model's own (:func:`_trained_by`) and those of other models holding one of its
-    parameters (a submodule both hold), in the order they were compiled (the same on every
-    rank). Each step holds its own copy of the parameters it trains (an inference program
+    the model's own (:func:`_trained_by`) and those of other models that train one of its
+    parameters (a submodule both hold, trainable there when that step was compiled, even
+    if frozen here), in the order they were compiled (the same on every rank). Each step holds its own copy of the parameters it trains (an inference program
     holds only the buffers it updates: another model's is not one of these)."""
     mine = {id(p) for p in model.parameters()}
     found = []
     for other, ref in list(_TRAINED_BY.items()):
         step = ref()
-        if step is not None and (other is model or step.signature.has_loss and not mine.isdisjoint(
-                id(p) for p in other.parameters() if p.requires_grad)):  # those it trains
+        if step is not None and (other is model or step.signature.has_loss and
+                                 not mine.isdisjoint(step.trained_ids)):
             found.append(step)
     return sorted(found, key=lambda step: step.compiled_as)
 
@@ -1195,8 +1195,7 @@ class CompiledStep:
                 "weights and optimizer state are that step's now): keep training with that step, "
                 "or write it back (step.write_back()) and compile again")
         if newer is not None:
-            shared = next(name for name, p in self._model.named_parameters()
-                          if any(p is q for q in newer._model.parameters() if q.requires_grad))
+            shared = next(name for name, p in self._model.named_parameters() if id(p) in newer.trained_ids)
             raise UnsupportedInputError(
                 f"parameter {shared} of this model is also a parameter of another model (a "
                 f"submodule both hold), whose compiled step ({type(newer._model).__name__}'s) has "

@@ -833,6 +833,31 @@ def test_an_inference_program_called_under_inference_mode_after_steps():
         assert torch.allclose(weight, model.weight.detach(), rtol=1e-5, atol=1e-6)
 
 
+def _frozen_here_trained_there(rank):
+    from ddlc.errors import UnsupportedInputError
+    (a, _), (b, opt_b), batches = _sharing_models()
+    a[0].requires_grad_(False)  # frozen around a's step, as a GAN freezes D around G's
+    step_a = ddlc.compile(a, (2,), batches[0], F.cross_entropy,
+                          torch.optim.SGD([p for p in a.parameters() if p.requires_grad], lr=0.1))
+    a[0].requires_grad_(True)
+    step_b = ddlc.compile(b, (2,), batches[0], F.cross_entropy, opt_b)
+    step_b.step(*batches[0])
+    a[0].requires_grad_(False)
+    try:
+        step_a.step(*batches[1])
+    except UnsupportedInputError as e:
+        return str(e)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_module_frozen_in_one_step_and_trained_in_another_is_refused():
+    # the frozen copy a's step holds was stale once b's step trained it (a GAN's generator
+    # step read its discriminator's compile-time weights), silently
+    for refused in spawn(_frozen_here_trained_there, 2, timeout=300, deadline=100):
+        assert refused is not None and "parameter 0.weight of this model is also a parameter" in refused, refused
+
+
 def _net(dropout: float = 0.0):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout),
