@@ -753,8 +753,9 @@ def _trainers(model: nn.Module) -> "list[CompiledStep]":
     """The live compiled steps whose training of ``model``'s parameters is not written back:
     the model's own (:func:`_trained_by`) and those of other models that train one of its
     parameters (a submodule both hold, trainable there when that step was compiled, even
-    if frozen here), in the order they were compiled (the same on every rank). Each step holds its own copy of the parameters it trains (an inference program
-    holds only the buffers it updates: another model's is not one of these)."""
+    if frozen here), in the order they were compiled (the same on every rank). Each step
+    holds its own copy of the parameters it trains (an inference program holds only the
+    buffers it updates: another model's is not one of these)."""
     mine = {id(p) for p in model.parameters()}
     found = []
     for other, ref in list(_TRAINED_BY.items()):
@@ -1266,7 +1267,7 @@ class CompiledStep:
         """The random stream's latest state (another program's draws too) into the default
         generator (:meth:`_ProgramDraws.hand_back`)."""
         if self._draws is not None:
-            self._take_stream()
+            self._draws.take_stream()
             self._draws.hand_back()
 
     def _take_stream(self) -> None:

@@ -235,7 +235,7 @@ def solve_elimination(unary: Sequence[np.ndarray], edges: Sequence, order: Seque
         else:
             add((e.dst, e.src), e.cost.T)
     sizes = [len(u) for u in unary]
-    steps, solved = [], {}  # solved: bucket key -> (min_v shifted, argmin_v, its key) of the first such bucket
+    steps, solved = [], {}  # bucket key -> (min_v shifted, argmin_v, its key), of the first such bucket
     for v in order:
         bucket = sorted(by_var[v])
         rest = tuple(sorted({w for i in bucket for w in factors[i][0]} - {v}))
