@@ -25,7 +25,6 @@ import hashlib
 import itertools
 import logging
 import pickle
-import weakref
 from typing import Mapping, Sequence
 
 import torch
@@ -36,12 +35,11 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.nn.modules import module as module_mod
 
 from cost_models.measured import local_gloo_ranks
 from cost_models.program import program_timeline
 
-from . import inductor, pipeline
+from . import holding, inductor, pipeline
 from .errors import DDLCError, LoweringError, MeshError, RuntimeMismatchError, UnsupportedInputError, as_shared
 from .ir import GLOBAL_VAL, HYPERPARAMETER_DTYPE, SHARDING, STEP, collective_sequence
 from .mesh import Mesh
@@ -587,11 +585,6 @@ def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh, st
     return mesh, device_mesh, device_type
 
 
-#: per model, the compiled step whose steps trained it last and whose state was not written
-#: back (:meth:`CompiledStep.write_back`): compiling the model again writes it back first
-_TRAINED_BY: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
-
-
 def _default_rng_state(device: torch.device) -> torch.Tensor:
     """The state of the default generator of ``device``'s type (CPU or that CUDA device)."""
     return torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
@@ -648,122 +641,8 @@ class _ProgramDraws:
 _STREAM: "dict[torch.device, _ProgramDraws]" = {}
 
 
-#: per module of a compiled model (its submodules too), the models it belongs to (weakly):
-#: what :func:`_refuse_stale_call` looks a called module up in
-_MODELS_OF: "weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]]" = weakref.WeakKeyDictionary()
-#: per compiled optimizer, its model (weakly)
-_MODEL_OF: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref]" = weakref.WeakKeyDictionary()
-#: per model whose training a compiled step holds, the handles of the ``state_dict`` guards
-#: on it and its optimizer (:func:`_hold_training`)
-_STATE_DICT_GUARDS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
-#: the handle of :func:`_refuse_stale_call`, registered for every module once (first compile)
-_CALL_GUARD = None
-
-
-def _guard_stale_reads(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Make eager reads of ``model``'s weights that a compiled step has trained past raise,
-    at the user's call, instead of reading the values compile took, while a compiled step
-    holds training of the model it has not written back (:func:`_trained_by`): a call of
-    the model or of any of its modules (evaluation, ``generate``; a model holding one of
-    them), through a global forward pre-hook registered once, before any
-    :class:`ModelWatch` snapshot; and ``model.state_dict()`` (``torch.save``,
-    ``save_pretrained``, an EMA copied from it) and ``optimizer.state_dict()``, through
-    hooks that exist only while the step holds the training (:func:`_hold_training`), so a
-    model written back pickles and scripts as it did. Reading ``model.parameters()``
-    directly cannot be seen."""
-    global _CALL_GUARD
-    if _CALL_GUARD is None:
-        _CALL_GUARD = module_mod.register_module_forward_pre_hook(_refuse_stale_call)
-    for module in model.modules():
-        models = _MODELS_OF.setdefault(module, [])
-        if not any(ref() is model for ref in models):
-            models.append(weakref.ref(model))
-    if optimizer is not None:
-        _MODEL_OF[optimizer] = weakref.ref(model)
-
-
-def _hold_training(step: "CompiledStep") -> None:
-    """``step`` holds training of its model that is not written back (:data:`_TRAINED_BY`);
-    the model's and optimizer's ``state_dict()`` refuse until :func:`_release_training`."""
-    _TRAINED_BY[step._model] = step._ref
-    if step._model not in _STATE_DICT_GUARDS:
-        handles = [step._model.register_state_dict_pre_hook(_refuse_stale_state_dict)]
-        if step._optimizer is not None:
-            handles.append(step._optimizer.register_state_dict_pre_hook(_refuse_stale_optimizer_state))
-        _STATE_DICT_GUARDS[step._model] = handles
-
-
-def _release_training(model: nn.Module) -> None:
-    """The model's weights are current again (written back, or taken anew)."""
-    _TRAINED_BY.pop(model, None)
-    for handle in _STATE_DICT_GUARDS.pop(model, ()):
-        handle.remove()
-
-
-def _refuse_stale(model: nn.Module | None, what: str) -> None:
-    trainer = _trained_by(model) if model is not None else None
-    if trainer is not None:
-        raise UnsupportedInputError(
-            f"{what}, but its compiled step has trained it {trainer.steps_done} step(s) since compile "
-            "and holds the result as its own shards: the model and its optimizer keep the values "
-            "compile took until step.write_back() puts the step's into them (a collective: call it "
-            "on every rank). Call it first, or read step.state_dict() / step.optimizer_state(), or "
-            "evaluate with an inference program compiled from the model (it reads the step's)")
-
-
-def _refuse_stale_call(module: nn.Module, args) -> None:
-    """The global forward pre-hook of :func:`_guard_stale_reads`: refuses a call of a module
-    holding a parameter that a compiled step trains and has not written back. A module
-    with no such parameter passes (a frozen encoder, an activation or positional module
-    shared with another model), and so does one called with other weights than its own
-    (``torch.func.functional_call`` of ``step.state_dict()``), and every call while
-    ``torch.compile`` traces (the check would break its graphs; what it compiles then reads
-    the model's values as they are). Every eager module call in the process passes here
-    (about 2 us each)."""
-    if not _TRAINED_BY or torch.compiler.is_compiling():  # nothing held
-        return
-    for ref in _MODELS_OF.get(module, ()):
-        model = ref()
-        trainer = _trained_by(model) if model is not None else None
-        if trainer is not None and any(id(p) in trainer.trained_ids for p in module.parameters()):
-            _refuse_stale(model, "the model is called eagerly" if model is module else
-                          f"a {type(module).__name__} of the model is called eagerly")
-
-
-def _refuse_stale_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    _refuse_stale(module, "model.state_dict() is read")
-
-
-def _refuse_stale_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    ref = _MODEL_OF.get(optimizer)
-    _refuse_stale(ref() if ref is not None else None, "the optimizer's state_dict() is read")
-
-
 #: counts the compiled steps of this process (:attr:`CompiledStep.compiled_as`)
 _COMPILED = itertools.count()
-
-
-def _trained_by(model: nn.Module) -> "CompiledStep | None":
-    """The live compiled step whose training of ``model`` is not written back, if any."""
-    ref = _TRAINED_BY.get(model)
-    return ref() if ref is not None else None
-
-
-def _trainers(model: nn.Module) -> "list[CompiledStep]":
-    """The live compiled steps whose training of ``model``'s parameters is not written back:
-    the model's own (:func:`_trained_by`) and those of other models that train one of its
-    parameters (a submodule both hold, trainable there when that step was compiled, even
-    if frozen here), in the order they were compiled (the same on every rank). Each step
-    holds its own copy of the parameters it trains (an inference program holds only the
-    buffers it updates: another model's is not one of these)."""
-    mine = {id(p) for p in model.parameters()}
-    found = []
-    for other, ref in list(_TRAINED_BY.items()):
-        step = ref()
-        if step is not None and (other is model or step.signature.has_loss and
-                                 not mine.isdisjoint(step.trained_ids)):
-            found.append(step)
-    return sorted(found, key=lambda step: step.compiled_as)
 
 
 def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None,
@@ -783,7 +662,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     (inference tensors could not be updated by the steps run outside it).
     """
     if isinstance(model, nn.Module):  # else rank 0's trace says what is wrong
-        _guard_stale_reads(model, optimizer)
+        holding.guard(model, optimizer)
     with torch.inference_mode(False):
         return _compile(model, mesh, example_inputs, loss_fn, optimizer, CompileOptions.from_kwargs(**options))
 
@@ -796,7 +675,7 @@ def _compile(model: nn.Module, mesh, example_inputs, loss_fn, optimizer,
         raise RuntimeMismatchError("ddlc.compile needs an initialised process group: launch the "
                                    "script with torchrun, or use ddlc.spawn for local workers")
     mesh, device_mesh, device_type = _mesh_for_world(mesh, options)
-    trainers = _trainers(model)
+    trainers = holding.trainers(model)
     held = [step.steps_done for step in trainers]
     if options.batch == "local":  # before the shapes are compared: each rank's own part?
         _check_one_example(example_inputs)
@@ -967,7 +846,6 @@ class CompiledStep:
         self._hyperparameter_values: dict[str, float] | None = None
         self._hyperparameter_inputs: dict[str, torch.Tensor] = {}
         self._model = model
-        self._ref = weakref.ref(self)  # what _TRAINED_BY holds once this step trains the model
         self._watch = ModelWatch(model)
         #: a loss module's attributes and weights (a class-weight tensor, label smoothing) are
         #: fixed by the trace as the model's are
@@ -1189,7 +1067,7 @@ class CompiledStep:
             raise UnsupportedInputError("this program has no loss: it was compiled without "
                                         "loss_fn or optimizer; call it for inference instead")
         self._check_model()
-        newer = next((step for step in _trainers(self._model) if step is not self), None)
+        newer = next((step for step in holding.trainers(self._model) if step is not self), None)
         if newer is not None and newer._model is self._model:
             raise UnsupportedInputError(
                 "another compiled step of this model has trained it since this one last ran (its "
@@ -1215,7 +1093,7 @@ class CompiledStep:
         if "grad_norm" in out:
             self.last_grad_norm = out["grad_norm"]["grad_norm"].detach()
         self.steps_done += 1
-        _hold_training(self)
+        holding.hold(self, self._model, self._optimizer)
         return out["loss"]["loss"].detach()
 
     def write_back(self) -> None:
@@ -1260,8 +1138,8 @@ class CompiledStep:
                     self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
             self._optimizer_watch.accept()
         self._accept_writes()
-        if _trained_by(self._model) is self:
-            _release_training(self._model)
+        if holding.holder(self._model) is self:
+            holding.release(self._model)
 
     def _hand_back_stream(self) -> None:
         """The random stream's latest state (another program's draws too) into the default
@@ -1382,7 +1260,7 @@ class CompiledStep:
         if out.get("buffer"):
             self.buffers.update(out["buffer"])
             self.steps_done += 1  # calls that changed the model's state, for write_back
-            _hold_training(self)
+            holding.hold(self, self._model, self._optimizer)
         return self.signature.output_tree.rebuild(list(out["output"].values()))
 
     def _take_current_state(self) -> None:
@@ -1391,15 +1269,15 @@ class CompiledStep:
         parameters and buffers written into the model since this program took them (an
         inference program holds no state of its own to keep: eager inference would read
         the model's)."""
-        for trainer in _trainers(self._model):
+        for trainer in holding.trainers(self._model):
             if trainer is not self:
                 trainer.write_back()
         if not self._watch.written():
             return
         self._take_model_state(self._model)
         self._accept_writes()
-        if _trained_by(self._model) is self:  # the model's values are newer than this program's
-            _release_training(self._model)
+        if holding.holder(self._model) is self:  # the model's values are newer than this program's
+            holding.release(self._model)
 
     # -- random numbers ----------------------------------------------------------------
     @property
@@ -1476,7 +1354,7 @@ class CompiledStep:
         self._written_back_at = None
         # newer than the model's: compiling it again, or an inference program of it,
         # writes it back first
-        _hold_training(self)
+        holding.hold(self, self._model, self._optimizer)
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """Full optimizer state keyed ``"<param>:<state>"`` (collective), as torch.optim

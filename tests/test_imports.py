@@ -37,7 +37,7 @@ LAYERS = (
     ("cost_models", ("cost_models", "cost_models.")),
     ("passes", ("passes", "passes.", "ddlc.tracing", "ddlc.updates", "ddlc.strided_views")),
     ("pipeline", ("ddlc.pipeline",)),
-    ("runtime", ("ddlc.inductor", "ddlc.runtime", "ddlc.simulate")),
+    ("runtime", ("ddlc.holding", "ddlc.inductor", "ddlc.runtime", "ddlc.simulate")),
     ("public", ("ddlc", "ddlc.__main__", "ddlc.calibrate", "ddlc.cli", "ddlc.factory", "ddlc.launch",
                 "ddlc.picture", "ddlc.report", "ddlc.zoo")),
 )

@@ -1,0 +1,144 @@
+"""Which compiled step holds a model's training, and the guard on eager reads of it.
+
+A compiled step keeps the parameters, buffers and optimizer state it trains as its own
+shards: the model and its optimizer keep the values compile took until the step's
+``write_back`` puts the step's into them. This module records, per model, the live step
+whose training is not written back (:func:`hold`, :func:`release`, :func:`holder`), finds
+every live step that trains a model's parameters (:func:`trainers`: the model's own, and
+those of models sharing a submodule with it), and makes eager reads of weights a step has
+trained past raise at the user's call instead of reading the values compile took
+(:func:`guard`): a call of any module holding such a parameter (a global forward pre-hook,
+registered once) and ``state_dict()`` of the model or its optimizer (hooks that exist only
+while a step holds the training, so a model written back pickles and scripts as before).
+Reading ``model.parameters()`` directly cannot be seen.
+
+A step here is a :class:`ddlc.runtime.CompiledStep`; this module reads its public
+``steps_done``, ``trained_ids``, ``compiled_as`` and ``signature``.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_mod
+
+from .errors import UnsupportedInputError
+
+if TYPE_CHECKING:
+    from .runtime import CompiledStep
+
+__all__ = ["guard", "hold", "release", "holder", "trainers"]
+
+#: per model, the compiled step whose steps trained it last and whose state was not written
+#: back: compiling the model again writes it back first
+_HOLDER: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+#: per module of a compiled model (its submodules too), the models it belongs to (weakly):
+#: what :func:`_refuse_stale_call` looks a called module up in
+_MODELS_OF: "weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]]" = weakref.WeakKeyDictionary()
+#: per compiled optimizer, its model (weakly)
+_MODEL_OF: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref]" = weakref.WeakKeyDictionary()
+#: per model whose training a compiled step holds, the handles of the ``state_dict`` guards
+#: on it and its optimizer (:func:`hold`)
+_STATE_DICT_GUARDS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+#: the handle of :func:`_refuse_stale_call`, registered for every module once (first compile)
+_CALL_GUARD = None
+
+
+def guard(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Refuse eager reads of ``model``'s weights (and ``optimizer``'s state) while a compiled
+    step holds training of it that is not written back: a call of the model or of any of
+    its modules (evaluation, ``generate``; a model holding one of them), through a global
+    forward pre-hook registered once, before any ``ModelWatch`` snapshot; and
+    ``model.state_dict()`` (``torch.save``, ``save_pretrained``, an EMA copied from it) and
+    ``optimizer.state_dict()``, through hooks that :func:`hold` adds."""
+    global _CALL_GUARD
+    if _CALL_GUARD is None:
+        _CALL_GUARD = module_mod.register_module_forward_pre_hook(_refuse_stale_call)
+    for module in model.modules():
+        models = _MODELS_OF.setdefault(module, [])
+        if not any(ref() is model for ref in models):
+            models.append(weakref.ref(model))
+    if optimizer is not None:
+        _MODEL_OF[optimizer] = weakref.ref(model)
+
+
+def hold(step: "CompiledStep", model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """``step`` holds training of ``model`` that is not written back; the model's and
+    ``optimizer``'s ``state_dict()`` refuse until :func:`release`."""
+    _HOLDER[model] = weakref.ref(step)
+    if model not in _STATE_DICT_GUARDS:
+        handles = [model.register_state_dict_pre_hook(_refuse_stale_state_dict)]
+        if optimizer is not None:
+            handles.append(optimizer.register_state_dict_pre_hook(_refuse_stale_optimizer_state))
+        _STATE_DICT_GUARDS[model] = handles
+
+
+def release(model: nn.Module) -> None:
+    """The model's weights are current again (written back, or taken anew)."""
+    _HOLDER.pop(model, None)
+    for handle in _STATE_DICT_GUARDS.pop(model, ()):
+        handle.remove()
+
+
+def holder(model: nn.Module) -> "CompiledStep | None":
+    """The live compiled step whose training of ``model`` is not written back, if any."""
+    ref = _HOLDER.get(model)
+    return ref() if ref is not None else None
+
+
+def trainers(model: nn.Module) -> "list[CompiledStep]":
+    """The live compiled steps whose training of ``model``'s parameters is not written back:
+    the model's own (:func:`holder`) and those of other models that train one of its
+    parameters (a submodule both hold, trainable there when that step was compiled, even
+    if frozen here), in the order they were compiled (the same on every rank). Each step
+    holds its own copy of the parameters it trains (an inference program holds only the
+    buffers it updates: another model's is not one of these)."""
+    mine = {id(p) for p in model.parameters()}
+    found = []
+    for other, ref in list(_HOLDER.items()):
+        step = ref()
+        if step is not None and (other is model or step.signature.has_loss and
+                                 not mine.isdisjoint(step.trained_ids)):
+            found.append(step)
+    return sorted(found, key=lambda step: step.compiled_as)
+
+
+def _refuse_stale(model: nn.Module | None, what: str) -> None:
+    step = holder(model) if model is not None else None
+    if step is not None:
+        raise UnsupportedInputError(
+            f"{what}, but its compiled step has trained it {step.steps_done} step(s) since compile "
+            "and holds the result as its own shards: the model and its optimizer keep the values "
+            "compile took until step.write_back() puts the step's into them (a collective: call it "
+            "on every rank). Call it first, or read step.state_dict() / step.optimizer_state(), or "
+            "evaluate with an inference program compiled from the model (it reads the step's)")
+
+
+def _refuse_stale_call(module: nn.Module, args) -> None:
+    """The global forward pre-hook of :func:`guard`: refuses a call of a module holding a
+    parameter that a compiled step trains and has not written back. A module with no such
+    parameter passes (a frozen encoder, an activation or positional module shared with
+    another model), and so does one called with other weights than its own
+    (``torch.func.functional_call`` of ``step.state_dict()``), and every call while
+    ``torch.compile`` traces (the check would break its graphs; what it compiles then reads
+    the model's values as they are). Every eager module call in the process passes here
+    (about 2 us each)."""
+    if not _HOLDER or torch.compiler.is_compiling():  # nothing held
+        return
+    for ref in _MODELS_OF.get(module, ()):
+        model = ref()
+        step = holder(model) if model is not None else None
+        if step is not None and any(id(p) in step.trained_ids for p in module.parameters()):
+            _refuse_stale(model, "the model is called eagerly" if model is module else
+                          f"a {type(module).__name__} of the model is called eagerly")
+
+
+def _refuse_stale_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    _refuse_stale(module, "model.state_dict() is read")
+
+
+def _refuse_stale_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    ref = _MODEL_OF.get(optimizer)
+    _refuse_stale(ref() if ref is not None else None, "the optimizer's state_dict() is read")
