@@ -19,7 +19,6 @@ and keeps only its own shards of the parameters and optimizer state
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import hashlib
 import itertools

@@ -16,7 +16,6 @@ import functools
 import inspect
 import logging
 import math
-import os
 import re
 import sys
 import traceback
@@ -38,10 +37,10 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from . import rng, strided_views
+from . import graph_checks, sources, strided_views
 from .errors import TraceError, UnsupportedInputError
 from .ir import (ORIGIN, RECOMPUTE, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
-                 dataclasses_as_nodes, hyperparameter_tensors, where)
+                 dataclasses_as_nodes, hyperparameter_tensors)
 from .model_state import PLAIN, ModelWatch, describe, same_plain as _same_plain
 from .optim import hyperparameter_key, optimizer_spec
 from .updates import Update, stamp_updates
@@ -182,7 +181,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         gm = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn)
         if strided_views.needs_repair(gm):  # an in-place update of a view: see ddlc.strided_views
             with_views = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn, remove="mutations")
-            strided_views.repair(gm, with_views, lambda n: _source_from_stack(n.meta.get("stack_trace")) or None)
+            strided_views.repair(gm, with_views,
+                                 lambda n: sources.source_from_stack(n.meta.get("stack_trace")) or None)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     untrained = ()
     if training and optimizer is not None:
@@ -198,14 +198,14 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         outputs = [OutputSpec("output", f"output{i}") for i in range(outputs_tree.num_tensors)]
     outputs += [OutputSpec("buffer", k) for k in buffers]
     outputs = _drop_unchanged_buffers(gm, inputs, outputs)
-    _check_no_input_mutation(gm, inputs)
-    _check_no_captured_parameters(gm, model)
+    graph_checks.no_input_mutation(gm, inputs)
+    graph_checks.no_captured_parameters(gm, model)
     _annotate_origins(gm, inputs, annotator)
-    _check_random_ops(gm)
-    _check_checkpointed_draws(gm, annotator.fresh_draws)
-    _check_hidden_mutations(gm)
-    _check_static_shapes(gm)
-    _check_operand_dtypes(gm, batch.tensors)
+    graph_checks.random_ops(gm)
+    graph_checks.checkpointed_draws(gm, annotator.fresh_draws)
+    graph_checks.hidden_mutations(gm)
+    graph_checks.static_shapes(gm)
+    graph_checks.operand_dtypes(gm, batch.tensors)
     gm.recompile()
     STEP.set(gm, StepSignature(tuple(inputs), tuple(outputs), tuple((k, specs[k]) for k in specs),
                                n_targets, tuple(groups.items()), tuple(hyper.items()),
@@ -771,7 +771,7 @@ class _ModuleAnnotator:
         """Within, new forward nodes belong to a new checkpointed region (a call nested in
         another stays in the outer one, whose recomputation covers it). Without
         ``preserve_rng_state``, eager's recomputation of the region draws new random
-        numbers (see :func:`_check_checkpointed_draws`)."""
+        numbers (see :func:`graph_checks.checkpointed_draws`)."""
         outer = self.region
         if outer is None:
             self.region, self.regions = self.regions, self.regions + 1
@@ -870,9 +870,9 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
     except (UnsupportedInputError, TraceError):
         raise
     except Exception as e:  # torch raises many types; name the cause and the user's line
-        line = _user_frame(e)
+        line = sources.user_frame(e)
         text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        custom = _custom_operator(e)
+        custom = sources.custom_operator(e)
         if custom is not None and _CUSTOM_FUNCTION.search(f"{type(e).__name__} {e}"):
             raise UnsupportedInputError(
                 f"the model calls the custom operator {custom} (a torch.library op with its own "
@@ -883,8 +883,8 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
                 f"experts_implementation='batched_mm' traces) ({text})", where=line) from e
         for pattern, error, cause in _CAUSES:
             if pattern.search(f"{type(e).__name__} {e}"):
-                raise error(f"{cause}; the example inputs are {_describe(batch)} ({text})",
-                            where=line) from e
+                inputs = graph_checks.describe_tensors(batch)
+                raise error(f"{cause}; the example inputs are {inputs} ({text})", where=line) from e
         raise TraceError(f"tracing the step failed ({text})", where=line) from e
     finally:
         for h in hooks:
@@ -929,7 +929,7 @@ def _checkpoints_as_regions(annotator: _ModuleAnnotator):
                 "the block in an old-style autograd Function that ddlc cannot trace; pass "
                 "use_reentrant=False (Hugging Face's gradient_checkpointing_enable does by "
                 "default): ddlc then recomputes the block's activations in backward",
-                where=_cite([(f.filename, f.lineno, f.name, f.line or "") for f in frames]))
+                where=sources.cite([(f.filename, f.lineno, f.name, f.line or "") for f in frames]))
 
     saved = checkpoint_module._checkpoint_without_reentrant_generator, checkpoint_module.CheckpointFunction
     checkpoint_module._checkpoint_without_reentrant_generator = without_reentrant
@@ -1009,242 +1009,12 @@ def _loss_frames_kept(loss_fn: Callable | None):
             anchors.discard(anchor)
 
 
-def _describe(flat) -> str:
-    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in flat)
-
-
-_INTERNAL_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
-                  os.path.dirname(os.__file__))
-
-
-def _is_user_file(filename: str) -> bool:
-    path = os.path.abspath(filename)
-    if path.endswith(os.path.join("ddlc", "zoo.py")):
-        return True
-    return not path.startswith(_INTERNAL_DIRS) and "site-packages" not in path \
-        and not filename.startswith("<")
-
-
-def _is_library_file(filename: str) -> bool:
-    """A third-party model library's file (transformers, timm, ...): not torch, not ddlc."""
-    path = os.path.abspath(filename)
-    return "site-packages" in path and not path.startswith(_INTERNAL_DIRS)
-
-
-def _cite(frames: Sequence[tuple[str, int | str, str, str]]) -> str | None:
-    """The user's innermost frame, and where the innermost library frame lies below it
-    (a Hugging Face model's own line), as ``file:line in func: code [in lib/file:line ...]``."""
-    users = [k for k, f in enumerate(frames) if _is_user_file(f[0])]
-    libraries = [k for k, f in enumerate(frames) if _is_library_file(f[0])]
-    parts = []
-    if users:
-        file, line, func, code = frames[users[-1]]
-        parts.append(f"{file}:{line} in {func}: {code.strip()}")
-    if libraries and (not users or libraries[-1] > users[-1]):
-        file, line, func, code = frames[libraries[-1]]
-        short = os.path.abspath(file).split("site-packages" + os.sep, 1)[-1]
-        parts.append(f"[in {short}:{line} in {func}: {code.strip()}]")
-    return " ".join(parts) or None
-
-
-def _custom_operator(exc: BaseException) -> str | None:
-    """The innermost operator outside torch's own namespaces that was running when
-    ``exc`` was raised (a ``torch.library`` custom op), by name; None if there is none."""
-    found = None
-    for frame, _ in traceback.walk_tb(exc.__traceback__):
-        op = frame.f_locals.get("self") if frame.f_code.co_name == "__call__" else None
-        if isinstance(op, torch._ops.OpOverload) and op.namespace not in _TORCH_NAMESPACES:
-            found = op.name()
-    return found
-
-
-#: operator namespaces of torch itself
-_TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d", "higher_order", "profiler"})
-
-
-def _user_frame(exc: BaseException) -> str | None:
-    return _cite([(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_tb(exc.__traceback__)])
-
-
-def _source_from_stack(stack_trace: str | None) -> str:
-    if not stack_trace:
-        return ""
-    return _cite(re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', stack_trace)) or ""
-
-
 def _rename_placeholder(node: fx.Node, spec: InputSpec) -> str:
     prefix = {"param": "p", "buffer": "buf", "opt_state": "st", "hparam": "hp", "input": ""}[spec.role]
     name = re.sub(r"\W", "_", f"{prefix}_{spec.key}" if prefix else spec.key)
     node._rename(name)
     node.target = node.name
     return node.name
-
-
-def _check_no_captured_parameters(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Refuse a trainable parameter the step read as a constant: a reference the forward or
-    the loss took before ``compile`` (``params = list(model.parameters())`` or
-    ``w = model.fc.weight`` in a closure, an optimizer's ``param_groups``) holds the real
-    tensor, not the step's, so a penalty on it would keep its value at compile and give
-    it no gradient. (Through the model, ``model.parameters()`` inside the loss, it is the
-    step's.) Likewise any other trainable tensor the step reads (another module's
-    parameter: a GAN's discriminator called in the generator's loss), whose training the
-    step would not see."""
-    names = {id(p): k for k, p in model.named_parameters() if p.requires_grad}
-    for node in gm.graph.find_nodes(op="get_attr"):
-        value = getattr(gm, node.target, None)
-        name = names.get(id(value))
-        if name is None and isinstance(value, torch.Tensor) and value.requires_grad:
-            raise UnsupportedInputError(
-                f"the step reads a trainable tensor {tuple(value.shape)} that is not the model's (a "
-                "parameter of another module, e.g. a discriminator the loss calls), which it would "
-                "hold as a constant of its value at compile: stale once that module trains, and "
-                "without a gradient. Compile one model that holds both (a module calling each), "
-                "or freeze it (requires_grad_(False)) if it never trains (a perceptual loss's network)",
-                where=_source_from_stack(node.meta.get("stack_trace")) or None)
-        if name is not None:
-            raise UnsupportedInputError(
-                f"the step reads parameter {name!r} through a reference taken outside the model "
-                "(a list of model.parameters() or a tensor kept before compile, or an optimizer's "
-                "param_groups), which would be a constant of its value at compile with no "
-                "gradient: read it through the model when the loss or forward runs "
-                "(model.parameters(), model.fc.weight)",
-                where=_source_from_stack(node.meta.get("stack_trace")) or None)
-
-
-def _check_no_input_mutation(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> None:
-    """Refuse a step that writes one of its inputs in place, other than a buffer."""
-    by_name = {i.name: i for i in inputs}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
-                and node.args[0].op == "placeholder":
-            spec = by_name.get(node.args[0].name)
-            if spec is not None and spec.role == "param":
-                raise UnsupportedInputError(
-                    f"the forward writes parameter {spec.key!r} in place (e.g. "
-                    "nn.Embedding(max_norm=...) renormalizes the rows it reads); ddlc carries "
-                    "in-place updates of the model's buffers only: renormalize outside the "
-                    "step, or use F.normalize on the looked-up rows")
-            raise UnsupportedInputError(
-                f"the step mutates its input {node.args[0].name!r} in place (a batch tensor "
-                "or a tensor captured from outside the model); ddlc carries in-place updates "
-                "of the model's own buffers only")
-
-
-def _check_static_shapes(gm: fx.GraphModule) -> None:
-    """Refuse a step with a tensor whose size depends on tensor values (an unbacked
-    symbolic size: ``x[mask]``, ``h[mask] = v``, ``nonzero``): one static plan cannot
-    split or size it."""
-    for node in gm.graph.nodes:
-        vals = [v for v in tree_flatten(node.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
-        if any(isinstance(d, torch.SymInt) for v in vals for d in v.shape):
-            raise TraceError(
-                f"the step computes a tensor whose size depends on tensor values ({node.target}), "
-                "e.g. a boolean-mask index `x[mask]` or assignment `h[mask] = v`, which one static "
-                "graph cannot plan; write it with a fixed size, e.g. "
-                "`h = torch.where(mask[..., None], v, h)`", where=where(node))
-
-
-_aten = torch.ops.aten
-#: Operators whose floating-point tensor operands eager requires to share one dtype (it
-#: raises "mat1 and mat2 must have the same dtype", "expected scalar type Double but found
-#: Float", ...) where the meta kernels of the fake trace do not check it and promote
-#: (``bmm``, ``dot``, ``prelu`` and attention's do check: tracing fails there already).
-_SAME_DTYPE = frozenset({
-    _aten.mm, _aten.addmm, _aten.mv, _aten.addmv, _aten.vdot, _aten.convolution, _aten._convolution,
-    _aten.nll_loss_forward, _aten.nll_loss2d_forward, _aten._embedding_bag,
-    _aten._embedding_bag_forward_only,
-})
-#: The same on CPU, except that a bfloat16 or float16 input may meet float32 weights
-#: (CUDA's kernels take mixed operands).
-_SAME_DTYPE_ON_CPU = frozenset({
-    _aten.native_layer_norm, _aten.native_group_norm, _aten.native_batch_norm,
-    _aten._native_batch_norm_legit, _aten._native_batch_norm_legit_no_training,
-})
-
-
-def _refused_by_eager(packet, floats: Sequence[torch.Tensor]) -> bool:
-    """Whether eager refuses ``packet`` on the floating-point operands ``floats`` (the
-    operator's input first) for their mixed dtypes (see :data:`_SAME_DTYPE`)."""
-    dtypes = {v.dtype for v in floats}
-    if len(dtypes) < 2:
-        return False
-    if packet in _SAME_DTYPE:
-        return True
-    reduced = floats[0].dtype in (torch.bfloat16, torch.float16) and dtypes == {floats[0].dtype, torch.float32}
-    return packet in _SAME_DTYPE_ON_CPU and all(v.device.type == "cpu" for v in floats) and not reduced
-
-
-def _check_operand_dtypes(gm: fx.GraphModule, batch: Sequence[torch.Tensor]) -> None:
-    """Refuse an operator that eager refuses for its operands' mixed floating-point dtypes
-    (:func:`_refused_by_eager`: a float64 batch into a float32 layer), which the fake
-    trace lets through, so that the step would first fail when it runs, inside the per-rank
-    program."""
-    for node in gm.graph.nodes:
-        packet = getattr(node.target, "overloadpacket", None)
-        if packet not in _SAME_DTYPE and packet not in _SAME_DTYPE_ON_CPU:
-            continue
-        floats = [v for a in node.all_input_nodes if isinstance(v := a.meta.get("val"), torch.Tensor)
-                  and (v.is_floating_point() or v.is_complex())]
-        if _refused_by_eager(packet, floats):
-            dtypes = " and ".join(dict.fromkeys(str(v.dtype).removeprefix("torch.") for v in floats))
-            raise TraceError(f"the example inputs' dtypes do not fit the model: {packet.__name__} gets "
-                             f"{dtypes} operands, which eager refuses (the example inputs are "
-                             f"{_describe(batch)}); give inputs of the model's dtype or cast them "
-                             "in forward", where=where(node))
-
-
-def _check_random_ops(gm: fx.GraphModule) -> None:
-    """Refuse a random op that :mod:`ddlc.rng` does not draw: one whose numbers depend on
-    an input's values (``bernoulli`` of a probability tensor, ``multinomial``; ddlc.rng draws
-    every random tensor for its global shape on every rank, which such an op does not
-    allow), or a distribution it has no draw for (``exponential``, ...)."""
-    for node in gm.graph.nodes:
-        if rng.draws_random_numbers(node) and not rng.supported(node):
-            if rng.bound_arguments(node).get("generator") is not None:
-                raise UnsupportedInputError(
-                    f"the step draws random numbers with {node.target} from a generator of its "
-                    "own (generator=...); ddlc draws every random number of the step from the "
-                    "program's generator, the same on every rank (step.generator, seeded from "
-                    "the default one at compile; step.manual_seed(s)): leave generator= out",
-                    where=where(node))
-            raise UnsupportedInputError(
-                f"the step draws random numbers with {node.target}, which ddlc does not reproduce "
-                "across ranks: it keeps ranks' random numbers consistent for dropout, rand, randn, "
-                f"randint, normal and uniform only ({', '.join(sorted(map(str, rng.DRAWS)))}); one "
-                "whose numbers depend on an input's values (bernoulli of a probability tensor, "
-                "multinomial) cannot be, others (exponential: F.gumbel_softmax; cauchy, geometric) "
-                "are not yet",
-                where=where(node))
-
-
-def _check_checkpointed_draws(gm: fx.GraphModule, fresh: set[int]) -> None:
-    """Refuse a random draw inside a checkpointed call with ``preserve_rng_state=False``:
-    eager's recomputation draws new numbers there (the backward pass sees other dropout
-    masks than the forward did, and the generator moves on twice), which ddlc, whose
-    copies reuse the forward's draw, does not reproduce."""
-    for node in gm.graph.nodes:
-        if RECOMPUTE.get(node) in fresh and rng.draws_random_numbers(node):
-            raise UnsupportedInputError(
-                f"the step draws random numbers ({node.target}) inside a call checkpointed with "
-                "preserve_rng_state=False, whose recomputation in backward draws other numbers "
-                "in eager; ddlc reuses the forward's: drop preserve_rng_state=False (the "
-                "default keeps the masks), or the dropout in that call",
-                where=ORIGIN(node).where(node.name))
-
-
-def _check_hidden_mutations(gm: fx.GraphModule) -> None:
-    """Refuse a ``native_batch_norm`` in training mode with running statistics: its CPU
-    kernel updates them in place though its schema does not say so, so the traced graph
-    misses that write (``F.batch_norm`` and ``F.instance_norm`` are written as reductions
-    while tracing, :class:`_ForwardRewrites`; this is another way to the kernel)."""
-    for node in gm.graph.nodes:
-        if node.target is torch.ops.aten.native_batch_norm.default and node.args[5] \
-                and (node.args[3] is not None or node.args[4] is not None):
-            raise UnsupportedInputError(
-                "the step calls a batch norm kernel in training mode with running statistics "
-                "other than through F.batch_norm or F.instance_norm (torch.batch_norm, "
-                "torch.native_batch_norm, ...): its in-place update of the running statistics "
-                "cannot be traced; call F.batch_norm", where=where(node))
 
 
 def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],
@@ -1265,7 +1035,7 @@ def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],
         custom = node.meta.get("custom") or {}
         phase = custom.get("ddlc_phase", "optimizer" if node.op == "output" else "forward")
         module = custom.get("ddlc_module")
-        source = _source_from_stack(node.meta.get("stack_trace"))
+        source = sources.source_from_stack(node.meta.get("stack_trace"))
         if module is None:
             origins = [ORIGIN.get(a) for a in node.all_input_nodes if ORIGIN.get(a)]
             preferred = [o for o in origins if o.phase in ("forward", "input")] or origins

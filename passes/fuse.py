@@ -53,7 +53,7 @@ from cost_models.collectives import repriced
 from cost_models.program import NodeCosts, order_makespan
 from ddlc import comm
 from ddlc.fake import all_fake, run_on_meta
-from ddlc.ir import (BUCKETABLE, COLLECTIVE, FUSED, collective_kind, collective_sequence, is_wait, map_leaves,
+from ddlc.ir import (BUCKETABLE, COLLECTIVE, FUSED, collective_kind, collective_sequence, is_wait,
                      output_scalars)
 from ddlc.mesh import Mesh
 

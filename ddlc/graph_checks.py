@@ -1,0 +1,194 @@
+"""Checks of the traced step graph: what one static program, alike on every rank, cannot
+carry is refused here with its cause and the user's line (``ddlc.tracing`` runs them on
+every trace): a trainable tensor read as a constant, an input written in place, a size
+that depends on tensor values, operands eager would refuse for their dtypes, random
+numbers ddlc cannot reproduce across ranks, draws inside a recomputed checkpoint, and a
+kernel's hidden in-place write.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten
+
+from . import rng
+from .errors import TraceError, UnsupportedInputError
+from .ir import ORIGIN, RECOMPUTE, InputSpec, where
+from .sources import source_from_stack
+
+__all__ = ["checkpointed_draws", "describe_tensors", "hidden_mutations", "no_captured_parameters",
+           "no_input_mutation", "operand_dtypes", "random_ops", "static_shapes"]
+
+
+def describe_tensors(flat) -> str:
+    """Tensors as error messages list them: ``float32[8, 32], int64[8]``."""
+    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in flat)
+
+
+def no_captured_parameters(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Refuse a trainable parameter the step read as a constant: a reference the forward or
+    the loss took before ``compile`` (``params = list(model.parameters())`` or
+    ``w = model.fc.weight`` in a closure, an optimizer's ``param_groups``) holds the real
+    tensor, not the step's, so a penalty on it would keep its value at compile and give
+    it no gradient. (Through the model, ``model.parameters()`` inside the loss, it is the
+    step's.) Likewise any other trainable tensor the step reads (another module's
+    parameter: a GAN's discriminator called in the generator's loss), whose training the
+    step would not see."""
+    names = {id(p): k for k, p in model.named_parameters() if p.requires_grad}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = getattr(gm, node.target, None)
+        name = names.get(id(value))
+        if name is None and isinstance(value, torch.Tensor) and value.requires_grad:
+            raise UnsupportedInputError(
+                f"the step reads a trainable tensor {tuple(value.shape)} that is not the model's (a "
+                "parameter of another module, e.g. a discriminator the loss calls), which it would "
+                "hold as a constant of its value at compile: stale once that module trains, and "
+                "without a gradient. Compile one model that holds both (a module calling each), "
+                "or freeze it (requires_grad_(False)) if it never trains (a perceptual loss's network)",
+                where=source_from_stack(node.meta.get("stack_trace")) or None)
+        if name is not None:
+            raise UnsupportedInputError(
+                f"the step reads parameter {name!r} through a reference taken outside the model "
+                "(a list of model.parameters() or a tensor kept before compile, or an optimizer's "
+                "param_groups), which would be a constant of its value at compile with no "
+                "gradient: read it through the model when the loss or forward runs "
+                "(model.parameters(), model.fc.weight)",
+                where=source_from_stack(node.meta.get("stack_trace")) or None)
+
+
+def no_input_mutation(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> None:
+    """Refuse a step that writes one of its inputs in place, other than a buffer."""
+    by_name = {i.name: i for i in inputs}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
+                and node.args[0].op == "placeholder":
+            spec = by_name.get(node.args[0].name)
+            if spec is not None and spec.role == "param":
+                raise UnsupportedInputError(
+                    f"the forward writes parameter {spec.key!r} in place (e.g. "
+                    "nn.Embedding(max_norm=...) renormalizes the rows it reads); ddlc carries "
+                    "in-place updates of the model's buffers only: renormalize outside the "
+                    "step, or use F.normalize on the looked-up rows")
+            raise UnsupportedInputError(
+                f"the step mutates its input {node.args[0].name!r} in place (a batch tensor "
+                "or a tensor captured from outside the model); ddlc carries in-place updates "
+                "of the model's own buffers only")
+
+
+def static_shapes(gm: fx.GraphModule) -> None:
+    """Refuse a step with a tensor whose size depends on tensor values (an unbacked
+    symbolic size: ``x[mask]``, ``h[mask] = v``, ``nonzero``): one static plan cannot
+    split or size it."""
+    for node in gm.graph.nodes:
+        vals = [v for v in tree_flatten(node.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
+        if any(isinstance(d, torch.SymInt) for v in vals for d in v.shape):
+            raise TraceError(
+                f"the step computes a tensor whose size depends on tensor values ({node.target}), "
+                "e.g. a boolean-mask index `x[mask]` or assignment `h[mask] = v`, which one static "
+                "graph cannot plan; write it with a fixed size, e.g. "
+                "`h = torch.where(mask[..., None], v, h)`", where=where(node))
+
+
+_aten = torch.ops.aten
+#: Operators whose floating-point tensor operands eager requires to share one dtype (it
+#: raises "mat1 and mat2 must have the same dtype", "expected scalar type Double but found
+#: Float", ...) where the meta kernels of the fake trace do not check it and promote
+#: (``bmm``, ``dot``, ``prelu`` and attention's do check: tracing fails there already).
+_SAME_DTYPE = frozenset({
+    _aten.mm, _aten.addmm, _aten.mv, _aten.addmv, _aten.vdot, _aten.convolution, _aten._convolution,
+    _aten.nll_loss_forward, _aten.nll_loss2d_forward, _aten._embedding_bag,
+    _aten._embedding_bag_forward_only,
+})
+#: The same on CPU, except that a bfloat16 or float16 input may meet float32 weights
+#: (CUDA's kernels take mixed operands).
+_SAME_DTYPE_ON_CPU = frozenset({
+    _aten.native_layer_norm, _aten.native_group_norm, _aten.native_batch_norm,
+    _aten._native_batch_norm_legit, _aten._native_batch_norm_legit_no_training,
+})
+
+
+def _refused_by_eager(packet, floats: Sequence[torch.Tensor]) -> bool:
+    """Whether eager refuses ``packet`` on the floating-point operands ``floats`` (the
+    operator's input first) for their mixed dtypes (see :data:`_SAME_DTYPE`)."""
+    dtypes = {v.dtype for v in floats}
+    if len(dtypes) < 2:
+        return False
+    if packet in _SAME_DTYPE:
+        return True
+    reduced = floats[0].dtype in (torch.bfloat16, torch.float16) and dtypes == {floats[0].dtype, torch.float32}
+    return packet in _SAME_DTYPE_ON_CPU and all(v.device.type == "cpu" for v in floats) and not reduced
+
+
+def operand_dtypes(gm: fx.GraphModule, batch: Sequence[torch.Tensor]) -> None:
+    """Refuse an operator that eager refuses for its operands' mixed floating-point dtypes
+    (:func:`_refused_by_eager`: a float64 batch into a float32 layer), which the fake
+    trace lets through, so that the step would first fail when it runs, inside the per-rank
+    program."""
+    for node in gm.graph.nodes:
+        packet = getattr(node.target, "overloadpacket", None)
+        if packet not in _SAME_DTYPE and packet not in _SAME_DTYPE_ON_CPU:
+            continue
+        floats = [v for a in node.all_input_nodes if isinstance(v := a.meta.get("val"), torch.Tensor)
+                  and (v.is_floating_point() or v.is_complex())]
+        if _refused_by_eager(packet, floats):
+            dtypes = " and ".join(dict.fromkeys(str(v.dtype).removeprefix("torch.") for v in floats))
+            raise TraceError(f"the example inputs' dtypes do not fit the model: {packet.__name__} gets "
+                             f"{dtypes} operands, which eager refuses (the example inputs are "
+                             f"{describe_tensors(batch)}); give inputs of the model's dtype or cast them "
+                             "in forward", where=where(node))
+
+
+def random_ops(gm: fx.GraphModule) -> None:
+    """Refuse a random op that :mod:`ddlc.rng` does not draw: one whose numbers depend on
+    an input's values (``bernoulli`` of a probability tensor, ``multinomial``; ddlc.rng draws
+    every random tensor for its global shape on every rank, which such an op does not
+    allow), or a distribution it has no draw for (``exponential``, ...)."""
+    for node in gm.graph.nodes:
+        if rng.draws_random_numbers(node) and not rng.supported(node):
+            if rng.bound_arguments(node).get("generator") is not None:
+                raise UnsupportedInputError(
+                    f"the step draws random numbers with {node.target} from a generator of its "
+                    "own (generator=...); ddlc draws every random number of the step from the "
+                    "program's generator, the same on every rank (step.generator, seeded from "
+                    "the default one at compile; step.manual_seed(s)): leave generator= out",
+                    where=where(node))
+            raise UnsupportedInputError(
+                f"the step draws random numbers with {node.target}, which ddlc does not reproduce "
+                "across ranks: it keeps ranks' random numbers consistent for dropout, rand, randn, "
+                f"randint, normal and uniform only ({', '.join(sorted(map(str, rng.DRAWS)))}); one "
+                "whose numbers depend on an input's values (bernoulli of a probability tensor, "
+                "multinomial) cannot be, others (exponential: F.gumbel_softmax; cauchy, geometric) "
+                "are not yet",
+                where=where(node))
+
+
+def checkpointed_draws(gm: fx.GraphModule, fresh: set[int]) -> None:
+    """Refuse a random draw inside a checkpointed call with ``preserve_rng_state=False``:
+    eager's recomputation draws new numbers there (the backward pass sees other dropout
+    masks than the forward did, and the generator moves on twice), which ddlc, whose
+    copies reuse the forward's draw, does not reproduce."""
+    for node in gm.graph.nodes:
+        if RECOMPUTE.get(node) in fresh and rng.draws_random_numbers(node):
+            raise UnsupportedInputError(
+                f"the step draws random numbers ({node.target}) inside a call checkpointed with "
+                "preserve_rng_state=False, whose recomputation in backward draws other numbers "
+                "in eager; ddlc reuses the forward's: drop preserve_rng_state=False (the "
+                "default keeps the masks), or the dropout in that call",
+                where=ORIGIN(node).where(node.name))
+
+
+def hidden_mutations(gm: fx.GraphModule) -> None:
+    """Refuse a ``native_batch_norm`` in training mode with running statistics: its CPU
+    kernel updates them in place though its schema does not say so, so the traced graph
+    misses that write (``F.batch_norm`` and ``F.instance_norm`` are written as reductions
+    while tracing, :class:`ddlc.tracing._ForwardRewrites`; this is another way to the kernel)."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.native_batch_norm.default and node.args[5] \
+                and (node.args[3] is not None or node.args[4] is not None):
+            raise UnsupportedInputError(
+                "the step calls a batch norm kernel in training mode with running statistics "
+                "other than through F.batch_norm or F.instance_norm (torch.batch_norm, "
+                "torch.native_batch_norm, ...): its in-place update of the running statistics "
+                "cannot be traced; call F.batch_norm", where=where(node))

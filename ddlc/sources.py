@@ -1,0 +1,74 @@
+"""Which line of the user's code a traced node or an exception comes from.
+
+Errors name the user's source line (``ddlc.errors``' ``where``): the innermost frame of the
+user's own files (not torch's, ddlc's or the standard library's), and for a model from a
+third-party library (transformers, timm) also that library's innermost line below it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import traceback
+from typing import Sequence
+
+import torch
+
+__all__ = ["cite", "custom_operator", "source_from_stack", "user_frame"]
+
+_INTERNAL_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
+                  os.path.dirname(os.__file__))
+
+
+def _is_user_file(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    if path.endswith(os.path.join("ddlc", "zoo.py")):
+        return True
+    return not path.startswith(_INTERNAL_DIRS) and "site-packages" not in path \
+        and not filename.startswith("<")
+
+
+def _is_library_file(filename: str) -> bool:
+    """A third-party model library's file (transformers, timm, ...): not torch, not ddlc."""
+    path = os.path.abspath(filename)
+    return "site-packages" in path and not path.startswith(_INTERNAL_DIRS)
+
+
+def cite(frames: Sequence[tuple[str, int | str, str, str]]) -> str | None:
+    """The user's innermost frame, and where the innermost library frame lies below it
+    (a Hugging Face model's own line), as ``file:line in func: code [in lib/file:line ...]``."""
+    users = [k for k, f in enumerate(frames) if _is_user_file(f[0])]
+    libraries = [k for k, f in enumerate(frames) if _is_library_file(f[0])]
+    parts = []
+    if users:
+        file, line, func, code = frames[users[-1]]
+        parts.append(f"{file}:{line} in {func}: {code.strip()}")
+    if libraries and (not users or libraries[-1] > users[-1]):
+        file, line, func, code = frames[libraries[-1]]
+        short = os.path.abspath(file).split("site-packages" + os.sep, 1)[-1]
+        parts.append(f"[in {short}:{line} in {func}: {code.strip()}]")
+    return " ".join(parts) or None
+
+
+def custom_operator(exc: BaseException) -> str | None:
+    """The innermost operator outside torch's own namespaces that was running when
+    ``exc`` was raised (a ``torch.library`` custom op), by name; None if there is none."""
+    found = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        op = frame.f_locals.get("self") if frame.f_code.co_name == "__call__" else None
+        if isinstance(op, torch._ops.OpOverload) and op.namespace not in _TORCH_NAMESPACES:
+            found = op.name()
+    return found
+
+
+#: operator namespaces of torch itself
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d", "higher_order", "profiler"})
+
+
+def user_frame(exc: BaseException) -> str | None:
+    return cite([(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_tb(exc.__traceback__)])
+
+
+def source_from_stack(stack_trace: str | None) -> str:
+    if not stack_trace:
+        return ""
+    return cite(re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', stack_trace)) or ""
