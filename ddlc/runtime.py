@@ -197,12 +197,17 @@ def _take_rank0_state(model: nn.Module) -> None:
     would differ between ranks."""
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.is_contiguous():
-                dist.broadcast(tensor, src=0)
-            else:
-                dense = tensor.contiguous()
-                dist.broadcast(dense, src=0)
-                tensor.copy_(dense)
+            _broadcast_from_rank0(tensor)
+
+
+def _broadcast_from_rank0(tensor: torch.Tensor) -> None:
+    """Rank 0's values into ``tensor`` on every rank, in place (collective)."""
+    if tensor.is_contiguous():
+        dist.broadcast(tensor, src=0)
+    else:
+        dense = tensor.contiguous()
+        dist.broadcast(dense, src=0)
+        tensor.copy_(dense)
 
 
 def _take_rank0_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
@@ -1099,9 +1104,10 @@ class CompiledStep:
         """Put this step's training state into the model and optimizer it was compiled from
         (collective): the full parameters and buffers (non-persistent ones too) into the
         model's own tensors, except those written in the model since compile (eager would train on
-        those values: they stay), the optimizer state into ``optimizer.state`` as
-        torch.optim keeps it (unless that changed since compile: ``optimizer.load_state_dict``
-        of a checkpoint, which then stays), and the program generator's state into the default generator
+        those values: they stay, and this step goes on from them), the optimizer state into
+        ``optimizer.state`` as torch.optim keeps it (unless that changed since compile:
+        ``optimizer.load_state_dict`` of a checkpoint, which then stays, and this step goes on
+        from it; :meth:`_take_users_changes`), and the program generator's state into the default generator
         (CPU or CUDA, as the program's), so that an eager step, ``torch.save`` of the model or
         a ``ddlc.compile`` of it again continues from them (dropout goes on to new masks
         instead of replaying the compiled steps'). This step keeps running as it was. Again
@@ -1119,6 +1125,7 @@ class CompiledStep:
             return                                    # optimizer may have moved on eagerly
         self._written_back_at = self.steps_done
         written = self._watch.written()
+        superseded = self._optimizer is not None and self._optimizer_watch.changed()
         # a collective per tensor, alike on every rank; a frozen parameter stays as it is
         full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()
                 if k not in self._frozen}
@@ -1129,16 +1136,40 @@ class CompiledStep:
                     own[name].copy_(value)
         if self._optimizer is not None:
             params = dict(self._model.named_parameters())
-            superseded = self._optimizer_watch.changed()  # the user's since compile: it stays
             for key, value in self.optimizer_state().items():  # a collective: on every rank
                 name, state_name = key.rsplit(":", 1)
                 shape = () if state_name == "step" else params[name].shape
-                if not superseded:
+                if not superseded:  # the user's since compile: it stays
                     self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
+        self._take_users_changes(written, superseded)
+        if self._optimizer is not None:
             self._optimizer_watch.accept()
         self._accept_writes()
         if holding.holder(self._model) is self:
             holding.release(self._model)
+
+    def _take_users_changes(self, written: set[str], superseded: bool) -> None:
+        """After :meth:`write_back`: the step goes on from the parameters and buffers the
+        user wrote into the model (``written``: ``nn.init``, ``load_state_dict``, an average
+        copied in) and from an optimizer state the user replaced (``superseded``:
+        ``optimizer.load_state_dict``), as eager training would, instead of from its own
+        shards. Every rank takes rank 0's values (as compile does), for what any rank
+        changed: which that is, is agreed first (a collective)."""
+        changes = [None] * dist.get_world_size()
+        dist.all_gather_object(changes, (sorted(written), superseded))
+        written = sorted(set().union(*(names for names, _ in changes)))
+        own = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
+        with torch.no_grad():
+            for name in written:
+                _broadcast_from_rank0(own[name])
+                held = self.params if name in self.params else self.buffers if name in self.buffers else None
+                if held is not None:  # else a buffer the step does not read
+                    held[name] = self._shard(name, own[name])
+        if any(replaced for _, replaced in changes):
+            _take_rank0_optimizer_state(self._optimizer)
+            params = dict(self._model.named_parameters())
+            self.opt_state = {k: self._initial_opt_state(k, params, self._optimizer)
+                              for k in self.signature.keys("opt_state")}
 
     def _hand_back_stream(self) -> None:
         """The random stream's latest state (another program's draws too) into the default

@@ -1,5 +1,6 @@
 """Inputs that would give silently wrong results are refused with a ddlc.errors error that
 names the cause (the rest of the reliability catalogue grows here)."""
+import copy
 import pickle
 
 import pytest
@@ -623,6 +624,72 @@ def test_every_rank_continues_from_rank_0s_optimizer_state():
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.allclose(state[f"{name}:{key}"].reshape(opt.state[p][key].shape),
                                       opt.state[p][key], rtol=1e-5, atol=1e-7), (name, key)
+
+
+def _adamw_mlp():
+    """A 8-16-4 MLP, its AdamW optimizer and five cross-entropy batches."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(5)]
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches
+
+
+def _train_with_changes(train_step, model, opt, batches, write_back, rank=0) -> list[float]:
+    """Steps on ``batches``, changing the model and optimizer between them as a training
+    loop does, each change followed by ``write_back()`` (a no-op in eager)."""
+    losses = []
+    for i, batch in enumerate(batches):
+        losses.append(train_step(*batch))
+        if i == 0:
+            write_back()
+            kept = copy.deepcopy(opt.state_dict())
+        if i == 1:  # weights overwritten (a re-initialised layer, weights loaded)
+            with torch.no_grad():
+                torch.nn.init.zeros_(model[0].bias)
+                model[2].weight.copy_(torch.full_like(model[2].weight, 0.05))
+                if rank == 1:  # one rank's own change: every rank goes on from rank 0's values
+                    torch.nn.init.ones_(model[2].bias)
+            write_back()
+        if i == 2:  # the optimizer rolled back to its state after the first step
+            opt.load_state_dict(kept)
+            write_back()
+    return losses
+
+
+def _eager_step(model, opt):
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return train_step
+
+
+def _compiled_with_changes(rank):
+    model, opt, batches = _adamw_mlp()
+    step = ddlc.compile(model, (2,), batches[0], F.cross_entropy, opt,
+                        placements={"input0": "(S0)", "input1": "(S0)", "0.weight": "(S0)"})
+    losses = _train_with_changes(lambda *b: float(step.step(*b)), model, opt, batches, step.write_back, rank)
+    step.write_back()
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_step_goes_on_from_weights_and_optimizer_state_the_user_wrote_before_write_back():
+    # write_back kept the user's writes in the model (and a loaded optimizer state in the
+    # optimizer) but the step went on from its own shards: losses 6e-3 off, silently
+    model, opt, batches = _adamw_mlp()
+    want = _train_with_changes(_eager_step(model, opt), model, opt, batches, lambda: None)
+    for losses, state, opt_state in spawn(_compiled_with_changes, 2, timeout=300, deadline=100):
+        assert losses == pytest.approx(want, rel=1e-5), (losses, want)
+        for name, value in model.state_dict().items():
+            assert torch.allclose(state[name], value, rtol=1e-5, atol=1e-6), name
+        for index, values in opt.state_dict()["state"].items():
+            for key, value in values.items():
+                assert torch.allclose(opt_state["state"][index][key], value, rtol=1e-5, atol=1e-7), (index, key)
 
 
 def _sharing_models():
