@@ -629,7 +629,12 @@ class _ForwardRewrites(TorchFunctionMode):
       respect to the parameters whatever the flags of the tensors in between. Hugging
       Face's ``enable_input_require_grads`` (which ``gradient_checkpointing_enable`` turns
       on) calls it on the input embeddings' output, so that reentrant checkpointing sees an
-      input that requires a gradient."""
+      input that requires a gradient.
+    - ``F.one_hot(labels, num_classes)`` as torch traces it on symbolic values, the classes
+      compared with ``arange(num_classes)``: eager's kernel first checks every label's
+      range, which reads the values (the trace fails there; a label out of range then gives
+      a row of zeros where eager raises). Without ``num_classes`` it is refused: the count
+      would come from the values."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -662,10 +667,21 @@ def _requires_grad(tensor, requires_grad=True):
     return tensor if requires_grad else _AS_IS
 
 
+def _one_hot(tensor, num_classes=-1):
+    if tensor.dtype != torch.int64:
+        return _AS_IS  # eager refuses it: so does the trace
+    if num_classes < 0:
+        raise UnsupportedInputError(
+            "F.one_hot without num_classes takes the number of classes from the largest value, "
+            "which one static graph cannot: pass num_classes",
+            where=sources.cite([(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_stack()]))
+    return (tensor.unsqueeze(-1) == torch.arange(num_classes, device=tensor.device)).to(torch.int64)
+
+
 _BATCH_NORM = inspect.signature(F.batch_norm)
 _INSTANCE_NORM = inspect.signature(F.instance_norm)
 _REWRITES = {F.batch_norm: _batch_norm, F.instance_norm: _instance_norm,
-             torch.Tensor.requires_grad_: _requires_grad}
+             torch.Tensor.requires_grad_: _requires_grad, F.one_hot: _one_hot}
 
 
 def _instance_norm_by_reductions(input, running_mean, running_var, weight, bias, use_input_stats,
@@ -880,7 +896,9 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
                 "differentiate: write it with plain tensor operations, or, where a library picks "
                 "it, configure another implementation (transformers' mixture-of-experts layers "
                 "pick transformers::grouped_mm_fallback while compiling: "
-                f"experts_implementation='batched_mm' traces) ({text})", where=line) from e
+                "model.set_experts_implementation('batched_mm'), or experts_implementation="
+                f"'batched_mm' given to the config's constructor or from_pretrained, traces) ({text})",
+                where=line) from e
         for pattern, error, cause in _CAUSES:
             if pattern.search(f"{type(e).__name__} {e}"):
                 inputs = graph_checks.describe_tensors(batch)

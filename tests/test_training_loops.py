@@ -608,3 +608,32 @@ def test_a_float64_model_with_float32_norms_runs_its_views():
     want, _ = eager(reference, F.cross_entropy, sgd, data)
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())})
+
+
+def _one_hot_loss(logits, labels):
+    """Binary cross-entropy against one-hot targets (F.one_hot with the class count)."""
+    return F.binary_cross_entropy_with_logits(logits, F.one_hot(labels, logits.shape[-1]).float())
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_one_hot_targets_on_a_split_batch(mesh_shape):
+    """``F.one_hot(labels, num_classes)`` traces (eager's kernel reads every label to check
+    its range, which the trace cannot: it was refused as data-dependent control flow) and
+    trains like single device with the labels split."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(3)]
+    _matches_eager(model, _one_hot_loss, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), data, mesh_shape)
+
+
+def test_one_hot_without_the_class_count_is_refused():
+    """Without ``num_classes`` the count comes from the labels' values: refused at the
+    user's line."""
+    from ddlc.errors import UnsupportedInputError
+    model = nn.Linear(8, 5)
+    loss_fn = lambda out, y: F.binary_cross_entropy_with_logits(out, F.one_hot(y).float())  # noqa: E731
+    with pytest.raises(UnsupportedInputError, match="num_classes") as caught:
+        ddlc.trace(model, (torch.randn(4, 8), torch.tensor([0, 1, 2, 4])), loss_fn,
+                   torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "test_training_loops.py" in str(caught.value) and "F.one_hot(y)" in str(caught.value)
