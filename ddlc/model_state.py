@@ -302,8 +302,24 @@ class OptimizerStateWatch:
 
     def changed(self) -> bool:
         """Whether the optimizer's state changed since the snapshot."""
-        (state, values), (then_state, then_values) = self._take(), self._snapshot
-        return state is not then_state or len(values) != len(then_values) or any(
-            p is not q or k != l or version != then_version
-            or (v is not w and (isinstance(w, torch.Tensor) or not same_plain(v, w)))
-            for (p, k, v, version), (q, l, w, then_version) in zip(values, then_values))
+        return self._optimizer.state is not self._snapshot[0] or bool(self.changed_params())
+
+    def changed_params(self) -> set[int]:
+        """The ids of the parameters whose state changed since the snapshot: an entry
+        added, removed, replaced or written in place (every parameter with state, after
+        ``optimizer.load_state_dict``)."""
+        def by_param(values) -> dict[int, list]:
+            found: dict[int, list] = {}
+            for p, k, v, version in values:
+                found.setdefault(id(p), []).append((k, v, version))
+            return found
+        now, then = by_param(self._take()[1]), by_param(self._snapshot[1])
+        return {p for p in now.keys() | then.keys() if not _same_entries(now.get(p, []), then.get(p, []))}
+
+
+def _same_entries(now: list, then: list) -> bool:
+    """Whether one parameter's state entries ``(name, value, version)`` are as they were."""
+    return len(now) == len(then) and all(
+        k == l and version == then_version
+        and (v is w or (not isinstance(w, torch.Tensor) and same_plain(v, w)))
+        for (k, v, version), (l, w, then_version) in zip(now, then))

@@ -257,6 +257,17 @@ def _take_rank0_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None
                 dist.broadcast(mine, src=0)
 
 
+def _take_rank0_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
+    """Give every rank's ``optimizer`` rank 0's param-group settings (learning rate,
+    betas, ...: every entry but the parameters), as an ``optimizer.load_state_dict`` on rank
+    0 alone sets them there."""
+    message = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+               if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(message, src=0)
+    for group, settings in zip(optimizer.param_groups, message[0]):
+        group.update(settings)
+
+
 def _trace_on_ranks01(model: nn.Module, example_inputs, loss_fn, optimizer, options: CompileOptions,
                       ndim: int) -> tuple[fx.GraphModule | None, dict[str, NdSBP]]:
     """Ranks 0 and 1 trace the step and resolve the user's placements on it (each on its
@@ -844,8 +855,6 @@ class CompiledStep:
         self._structure = optimizer_structure(optimizer) if optimizer is not None else None
         self._members = _group_members(optimizer) if optimizer is not None else None
         self._groups = dict(self.signature.param_groups)
-        #: ``steps_done`` at the last :meth:`write_back` (None: not since compile or a load)
-        self._written_back_at: int | None = None
         #: the hyper-parameter values of the last step and their tensors on the device
         self._hyperparameter_values: dict[str, float] | None = None
         self._hyperparameter_inputs: dict[str, torch.Tensor] = {}
@@ -1105,71 +1114,80 @@ class CompiledStep:
         (collective): the full parameters and buffers (non-persistent ones too) into the
         model's own tensors, except those written in the model since compile (eager would train on
         those values: they stay, and this step goes on from them), the optimizer state into
-        ``optimizer.state`` as torch.optim keeps it (unless that changed since compile:
-        ``optimizer.load_state_dict`` of a checkpoint, which then stays, and this step goes on
-        from it; :meth:`_take_users_changes`), and the program generator's state into the default generator
+        ``optimizer.state`` as torch.optim keeps it (except a parameter's state the user
+        changed since: ``optimizer.load_state_dict`` of a checkpoint, a reset, which stays, and
+        this step goes on from it; :meth:`_take_users_changes`), and the program generator's
+        state into the default generator
         (CPU or CUDA, as the program's), so that an eager step, ``torch.save`` of the model or
         a ``ddlc.compile`` of it again continues from them (dropout goes on to new masks
         instead of replaying the compiled steps'). This step keeps running as it was. Again
         with no step in between, it does nothing: the model and optimizer are the user's,
-        and may have been trained eagerly since. Under ``torch.inference_mode()`` (an
+        and may have been trained eagerly since; so does a step that holds no training of the
+        model (not trained since compile, or another step of it trained since). Under ``torch.inference_mode()`` (an
         inference program called there writes a training step back) the optimizer's state
         is still made of normal tensors, which eager steps can update."""
         with torch.inference_mode(False):
             self._write_back()
 
     def _write_back(self) -> None:
-        """:meth:`write_back`, outside inference mode."""
+        """:meth:`write_back`, outside inference mode. Only the step that holds the model's
+        training writes back: another one's values are older than the model's (it has not
+        trained, or was written back, or another step of the model trained since), and
+        copying them in would also look like the user's writes to the step that holds it."""
         self._hand_back_stream()
-        if self._written_back_at == self.steps_done:  # nothing trained since: the model and the
-            return                                    # optimizer may have moved on eagerly
-        self._written_back_at = self.steps_done
+        if holding.holder(self._model) is not self:
+            return
         written = self._watch.written()
-        superseded = self._optimizer is not None and self._optimizer_watch.changed()
+        params = dict(self._model.named_parameters())
+        changed = {name for name, p in params.items() if id(p) in self._optimizer_watch.changed_params()} \
+            if self._optimizer is not None else set()
         # a collective per tensor, alike on every rank; a frozen parameter stays as it is
         full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()
                 if k not in self._frozen}
-        own = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
+        own = {**params, **dict(self._model.named_buffers())}
         with torch.no_grad():
             for name, value in full.items():
                 if name not in written:
                     own[name].copy_(value)
         if self._optimizer is not None:
-            params = dict(self._model.named_parameters())
             for key, value in self.optimizer_state().items():  # a collective: on every rank
                 name, state_name = key.rsplit(":", 1)
                 shape = () if state_name == "step" else params[name].shape
-                if not superseded:  # the user's since compile: it stays
+                if name not in changed:  # else the user's since compile: it stays
                     self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
-        self._take_users_changes(written, superseded)
+        self._take_users_changes(written, changed)
         if self._optimizer is not None:
             self._optimizer_watch.accept()
         self._accept_writes()
-        if holding.holder(self._model) is self:
-            holding.release(self._model)
+        holding.release(self._model)
 
-    def _take_users_changes(self, written: set[str], superseded: bool) -> None:
+    def _take_users_changes(self, written: set[str], changed: set[str]) -> None:
         """After :meth:`write_back`: the step goes on from the parameters and buffers the
         user wrote into the model (``written``: ``nn.init``, ``load_state_dict``, an average
-        copied in) and from an optimizer state the user replaced (``superseded``:
-        ``optimizer.load_state_dict``), as eager training would, instead of from its own
-        shards. Every rank takes rank 0's values (as compile does), for what any rank
-        changed: which that is, is agreed first (a collective)."""
-        changes = [None] * dist.get_world_size()
-        dist.all_gather_object(changes, (sorted(written), superseded))
-        written = sorted(set().union(*(names for names, _ in changes)))
+        copied in) and from the optimizer state of the parameters whose state the user
+        changed (``changed``: ``optimizer.load_state_dict``, a reset of one parameter's
+        moments), as eager training would, instead of from its own shards. Every rank
+        takes rank 0's values (as compile does), the optimizer's hyper-parameters too, for
+        what any rank changed: which that is, is agreed first (one small collective)."""
         own = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
+        names = sorted(own)
+        mask = torch.tensor([name in written for name in names] + [name in changed for name in names],
+                            dtype=torch.int32, device=self.device)
+        dist.all_reduce(mask, op=dist.ReduceOp.MAX)
+        written = [name for name, bit in zip(names, mask[:len(names)].tolist()) if bit]
+        changed = {name for name, bit in zip(names, mask[len(names):].tolist()) if bit}
         with torch.no_grad():
             for name in written:
                 _broadcast_from_rank0(own[name])
                 held = self.params if name in self.params else self.buffers if name in self.buffers else None
                 if held is not None:  # else a buffer the step does not read
                     held[name] = self._shard(name, own[name])
-        if any(replaced for _, replaced in changes):
+        if changed:
             _take_rank0_optimizer_state(self._optimizer)
+            _take_rank0_hyperparameters(self._optimizer)
             params = dict(self._model.named_parameters())
-            self.opt_state = {k: self._initial_opt_state(k, params, self._optimizer)
-                              for k in self.signature.keys("opt_state")}
+            self.opt_state.update({k: self._initial_opt_state(k, params, self._optimizer)
+                                   for k in self.signature.keys("opt_state") if k.rsplit(":", 1)[0] in changed})
 
     def _hand_back_stream(self) -> None:
         """The random stream's latest state (another program's draws too) into the default
@@ -1381,7 +1399,6 @@ class CompiledStep:
         self._accept_writes()  # the model's weights written since compile are superseded
         if self._optimizer_watch is not None:  # and so is the optimizer's state
             self._optimizer_watch.accept()
-        self._written_back_at = None
         # newer than the model's: compiling it again, or an inference program of it,
         # writes it back first
         holding.hold(self, self._model, self._optimizer)

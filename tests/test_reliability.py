@@ -651,8 +651,14 @@ def _train_with_changes(train_step, model, opt, batches, write_back, rank=0) -> 
                 if rank == 1:  # one rank's own change: every rank goes on from rank 0's values
                     torch.nn.init.ones_(model[2].bias)
             write_back()
-        if i == 2:  # the optimizer rolled back to its state after the first step
-            opt.load_state_dict(kept)
+        if i == 2:  # the optimizer rolled back to its state after the first step, with another
+            # learning rate, from a checkpoint loaded on rank 0 alone: every rank takes rank 0's
+            kept["param_groups"][0]["lr"] = 3e-2
+            if rank == 0:
+                opt.load_state_dict(kept)
+            write_back()
+        if i == 3:  # one parameter's moments reset: the others' stay as the step trained them
+            opt.state[model[2].weight].clear()
             write_back()
     return losses
 
@@ -665,6 +671,34 @@ def _eager_step(model, opt):
         opt.step()
         return loss.item()
     return train_step
+
+
+def _two_steps_of_one_model(rank):
+    """A step for full batches and one for a short last batch that never ran: writing the
+    short one back (it holds no training) leaves the model and the other step as they are."""
+    model, opt, batches = _adamw_mlp()
+    full = ddlc.compile(model, (2,), batches[0], F.cross_entropy, opt,
+                        placements={"input0": "(S0)", "input1": "(S0)", "0.weight": "(S0)"})
+    short = ddlc.compile(model, (2,), tuple(t[:4] for t in batches[0]), F.cross_entropy, opt)
+    losses = [float(full.step(*b)) for b in batches[:3]]
+    short.write_back()
+    full.write_back()
+    losses += [float(full.step(*b)) for b in batches[3:]]
+    full.write_back()
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_writing_back_a_step_that_holds_no_training_changes_nothing():
+    # the short step copied its compile-time weights into the model, which the full step
+    # then took as the user's writes: it went back to them (parameters 0.066 off)
+    model, opt, batches = _adamw_mlp()
+    want = [_eager_step(model, opt)(*b) for b in batches]
+    for losses, state in spawn(_two_steps_of_one_model, 2, timeout=300, deadline=100):
+        assert losses == pytest.approx(want, rel=1e-5), (losses, want)
+        for name, value in model.state_dict().items():
+            assert torch.allclose(state[name], value, rtol=1e-5, atol=1e-6), name
 
 
 def _compiled_with_changes(rank):
@@ -680,7 +714,9 @@ def _compiled_with_changes(rank):
 @pytest.mark.timeout(120)
 def test_a_step_goes_on_from_weights_and_optimizer_state_the_user_wrote_before_write_back():
     # write_back kept the user's writes in the model (and a loaded optimizer state in the
-    # optimizer) but the step went on from its own shards: losses 6e-3 off, silently
+    # optimizer) but the step went on from its own shards: losses 6e-3 off, silently; then
+    # a rank-0 load set the learning rate on rank 0 alone, and resetting one parameter's
+    # moments rolled every parameter's back to the last write-back
     model, opt, batches = _adamw_mlp()
     want = _train_with_changes(_eager_step(model, opt), model, opt, batches, lambda: None)
     for losses, state, opt_state in spawn(_compiled_with_changes, 2, timeout=300, deadline=100):
