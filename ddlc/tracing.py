@@ -634,7 +634,10 @@ class _ForwardRewrites(TorchFunctionMode):
       compared with ``arange(num_classes)``: eager's kernel first checks every label's
       range, which reads the values (the trace fails there; a label out of range then gives
       a row of zeros where eager raises). Without ``num_classes`` it is refused: the count
-      would come from the values."""
+      would come from the values.
+    - ``F.gaussian_nll_loss`` with a variance tensor: torch's formula (the variance clamped
+      to ``eps`` without a gradient through the clamp, ``0.5 * (log var + (x - y)^2 / var)``)
+      without its check that no variance is negative, which reads the values."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -678,10 +681,29 @@ def _one_hot(tensor, num_classes=-1):
     return (tensor.unsqueeze(-1) == torch.arange(num_classes, device=tensor.device)).to(torch.int64)
 
 
+def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+    if not isinstance(var, torch.Tensor) or reduction not in ("none", "mean", "sum"):
+        return _AS_IS
+    if var.shape != input.shape:
+        if input.shape[:-1] == var.shape:  # one variance per row (homoscedastic)
+            var = var.unsqueeze(-1)
+        elif not (input.ndim == var.ndim and
+                  sum(v for i, v in zip(input.shape, var.shape) if i != v) == 1):
+            return _AS_IS  # torch's error for a variance of another size
+    var = var.clone()
+    with torch.no_grad():  # the gradient passes the clamp as it is (torch's formula)
+        var.clamp_(min=eps)
+    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
+
+
 _BATCH_NORM = inspect.signature(F.batch_norm)
 _INSTANCE_NORM = inspect.signature(F.instance_norm)
 _REWRITES = {F.batch_norm: _batch_norm, F.instance_norm: _instance_norm,
-             torch.Tensor.requires_grad_: _requires_grad, F.one_hot: _one_hot}
+             torch.Tensor.requires_grad_: _requires_grad, F.one_hot: _one_hot,
+             F.gaussian_nll_loss: _gaussian_nll_loss}
 
 
 def _instance_norm_by_reductions(input, running_mean, running_var, weight, bias, use_input_stats,

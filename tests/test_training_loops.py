@@ -637,3 +637,33 @@ def test_one_hot_without_the_class_count_is_refused():
         ddlc.trace(model, (torch.randn(4, 8), torch.tensor([0, 1, 2, 4])), loss_fn,
                    torch.optim.SGD(model.parameters(), lr=0.1))
     assert "test_training_loops.py" in str(caught.value) and "F.one_hot(y)" in str(caught.value)
+
+
+class _MeanAndVariance(nn.Module):
+    """A regression head predicting a mean and a variance (softplus) per output."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.mean, self.var = nn.Linear(16, 3), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.mean(h), F.softplus(self.var(h))
+
+
+def _gaussian_nll(out, target):
+    mean, var = out
+    return F.gaussian_nll_loss(mean, target, var, full=True)
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_gaussian_nll_loss_with_predicted_variances(mesh_shape):
+    """``F.gaussian_nll_loss`` checks that no variance is negative by reading them (it was
+    refused as data-dependent control flow); traced without the check, it trains like
+    single device with the batch split."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)) for _ in range(3)]
+    _matches_eager(_MeanAndVariance(), _gaussian_nll, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                   data, mesh_shape)
