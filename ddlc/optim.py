@@ -15,8 +15,8 @@ import torch
 
 from .errors import UnsupportedInputError
 
-__all__ = ["OptimizerSpec", "SGDSpec", "AdamWSpec", "AdamSpec", "optimizer_spec", "hyperparameter_key",
-           "hyperparameter_values", "structure"]
+__all__ = ["OptimizerSpec", "SGDSpec", "AdamWSpec", "AdamSpec", "RMSpropSpec", "AdagradSpec", "optimizer_spec",
+           "hyperparameter_key", "hyperparameter_values", "structure"]
 
 
 class OptimizerSpec:
@@ -34,9 +34,14 @@ class OptimizerSpec:
     gates: tuple[str, ...] = ()
 
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The state of a parameter that has not stepped: every tensor zeros (so each rank
-        of a compiled step makes its own pieces as zeros, without the whole)."""
+        """The state of a parameter that has not stepped: every tensor filled with its
+        :meth:`initial_value` (so each rank of a compiled step makes its own pieces, without
+        the whole)."""
         raise NotImplementedError
+
+    def initial_value(self, state_name: str) -> float:
+        """The value every element of state ``state_name`` starts at."""
+        return 0.0
 
     def derived(self, hp: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The scalars the update reads, from the hyper-parameter inputs ``hp`` (0-d tensors
@@ -54,7 +59,14 @@ class OptimizerSpec:
         floats, and a 0-d tensor does not promote a tensor with dimensions but does promote
         another 0-d one: a 0-d float32 parameter (a learnable temperature) would come out
         float64. So a 0-d parameter, its gradient and its :attr:`per_element` state are
-        updated as one-element vectors and given back their shape."""
+        updated as one-element vectors and given back their shape. A complex parameter is
+        updated as its real and imaginary parts (``view_as_real``), as torch.optim does (Adam's
+        second moment is then per part, not ``|g|^2``)."""
+        if param.is_complex():
+            parts = {k: torch.view_as_real(v) if k in self.per_element else v for k, v in state.items()}
+            new_param, new_state = self.apply(torch.view_as_real(param), torch.view_as_real(grad), parts, hp)
+            return torch.view_as_complex(new_param), {
+                k: torch.view_as_complex(v) if k in self.per_element else v for k, v in new_state.items()}
         if param.dim() != 0:
             return self.update(param, grad, state, hp)
         vector = {k: v.reshape(1) if k in self.per_element else v for k, v in state.items()}
@@ -194,6 +206,105 @@ class AdamSpec(AdamWSpec):
         return self._moments_step(param, grad, state, hp)
 
 
+@dataclass(frozen=True)
+class RMSpropSpec(OptimizerSpec):
+    """``torch.optim.RMSprop``: the average of squared gradients (centered: minus the
+    squared average gradient), optional momentum on the scaled gradient, L2 weight decay."""
+
+    lr: float
+    alpha: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    centered: bool = False
+
+    per_element = ("square_avg", "momentum_buffer", "grad_avg")
+    inputs = ("lr", "alpha", "eps", "weight_decay", "momentum")
+    gates = ("weight_decay", "momentum")
+
+    @staticmethod
+    def from_group(group: dict) -> "RMSpropSpec":
+        return RMSpropSpec(**{k: float(group[k]) for k in RMSpropSpec.inputs}, centered=bool(group["centered"]))
+
+    @staticmethod
+    def group_values(group: dict) -> dict[str, float]:
+        return {k: group[k] for k in RMSpropSpec.inputs}
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return ("step", "square_avg", *(("momentum_buffer",) if self.momentum else ()),
+                *(("grad_avg",) if self.centered else ()))
+
+    def init_state(self, param):
+        return {name: torch.zeros((), dtype=torch.float32) if name == "step" else torch.zeros_like(param)
+                for name in self.state_names}
+
+    def derived(self, hp):
+        return {**hp, "one_minus_alpha": 1 - hp["alpha"], "neg_lr": -hp["lr"]}
+
+    def update(self, param, grad, state, hp):
+        # each product in torch.optim's order: addcmul_(a, b, value=s) computes (s * a) * b,
+        # addcdiv_(a, b, value=s) computes (s * a) / b
+        if self.weight_decay:
+            grad = torch.addcmul(grad, param, hp["weight_decay"])
+        square_avg = torch.addcmul(state["square_avg"] * hp["alpha"], grad * hp["one_minus_alpha"], grad)
+        new_state = {"step": state["step"] + 1, "square_avg": square_avg}
+        if self.centered:
+            grad_avg = new_state["grad_avg"] = state["grad_avg"].lerp(grad, hp["one_minus_alpha"])
+            avg = torch.addcmul(square_avg, grad_avg, grad_avg, value=-1).sqrt()
+        else:
+            avg = square_avg.sqrt()
+        avg = avg + hp["eps"]
+        if self.momentum:
+            buf = new_state["momentum_buffer"] = torch.addcdiv(state["momentum_buffer"] * hp["momentum"], grad, avg)
+            return torch.addcmul(param, buf, hp["neg_lr"]), new_state
+        return torch.addcdiv(param, grad * hp["neg_lr"], avg), new_state
+
+
+@dataclass(frozen=True)
+class AdagradSpec(OptimizerSpec):
+    """``torch.optim.Adagrad`` (dense gradients): the sum of squared gradients, a step
+    size decayed as ``lr / (1 + (step - 1) * lr_decay)``, L2 weight decay. The sum starts
+    at ``initial_accumulator_value`` (torch.optim makes the state when the optimizer is
+    made; compile takes it from there)."""
+
+    lr: float
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    eps: float = 1e-10
+    initial_accumulator_value: float = 0.0
+
+    state_names = ("step", "sum")
+    per_element = ("sum",)
+    inputs = ("lr", "lr_decay", "weight_decay", "eps")
+    gates = ("weight_decay",)
+
+    @staticmethod
+    def from_group(group: dict) -> "AdagradSpec":
+        return AdagradSpec(**{k: float(group[k]) for k in AdagradSpec.inputs},
+                           initial_accumulator_value=float(group["initial_accumulator_value"]))
+
+    @staticmethod
+    def group_values(group: dict) -> dict[str, float]:
+        return {k: group[k] for k in AdagradSpec.inputs}
+
+    def init_state(self, param):
+        return {"step": torch.zeros((), dtype=torch.float32),
+                "sum": torch.full_like(param, self.initial_accumulator_value)}
+
+    def initial_value(self, state_name: str) -> float:
+        return self.initial_accumulator_value if state_name == "sum" else 0.0
+
+    def update(self, param, grad, state, hp):
+        step = state["step"] + 1
+        if self.weight_decay:
+            grad = torch.addcmul(grad, param, hp["weight_decay"])
+        # 0-d tensors: computed in float64, as torch.optim computes it in Python floats
+        neg_clr = -hp["lr"] / (1 + (step - 1) * hp["lr_decay"])
+        total = torch.addcmul(state["sum"], grad, grad)
+        return torch.addcdiv(param, grad * neg_clr, total.sqrt() + hp["eps"]), {"step": step, "sum": total}
+
+
 _UNSUPPORTED_FLAGS = ("maximize", "amsgrad", "differentiable", "capturable")
 
 
@@ -202,7 +313,8 @@ def _spec_for_group(optimizer: torch.optim.Optimizer, group: dict) -> OptimizerS
     bad = [f for f in _UNSUPPORTED_FLAGS if group.get(f)]
     if bad:
         raise UnsupportedInputError(f"{name} option(s) {', '.join(bad)}=True are not supported")
-    base = next((b for b in (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adam) if isinstance(optimizer, b)), None)
+    base = next((b for b in (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adam, torch.optim.RMSprop,
+                             torch.optim.Adagrad) if isinstance(optimizer, b)), None)
     if base is not None and inspect.unwrap(type(optimizer).step) is not inspect.unwrap(base.step):
         raise UnsupportedInputError(
             f"optimizer {name} subclasses torch.optim.{base.__name__} with a step() of its own, "
@@ -218,8 +330,12 @@ def _spec_for_group(optimizer: torch.optim.Optimizer, group: dict) -> OptimizerS
         return AdamWSpec.from_group(group)
     if isinstance(optimizer, torch.optim.Adam):
         return AdamSpec.from_group(group)
-    raise UnsupportedInputError(f"optimizer {name} is not supported; use torch.optim.SGD, "
-                                "torch.optim.Adam or torch.optim.AdamW")
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return RMSpropSpec.from_group(group)
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return AdagradSpec.from_group(group)
+    raise UnsupportedInputError(f"optimizer {name} is not supported; use torch.optim.SGD, Adam, AdamW, "
+                                "RMSprop or Adagrad")
 
 
 def optimizer_spec(optimizer: torch.optim.Optimizer,

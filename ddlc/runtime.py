@@ -888,16 +888,18 @@ class CompiledStep:
                            optimizer: torch.optim.Optimizer | None) -> torch.Tensor:
         """This rank's piece of the optimizer state ``key`` (``"<param>:<state>"``): the
         piece of the optimizer's own where it has stepped already (continue from it; torch
-        names its state as ddlc.optim does), else zeros, as every state of ddlc.optim
-        starts, made at the piece's shape alone (the whole state of every parameter at once,
-        zeroed and then cut, took 24 s a rank for GPT-2 small's AdamW on 8 ranks of 2 cores)."""
+        names its state as ddlc.optim does), else filled with the value the spec starts it
+        at (zeros, Adagrad's initial sum), made at the piece's shape alone (the whole state of
+        every parameter at once, zeroed and then cut, took 24 s a rank for GPT-2 small's
+        AdamW on 8 ranks of 2 cores)."""
         name, state_name = key.rsplit(":", 1)
         dtype = GLOBAL_VAL(self._placeholders[self._spec[key].name]).dtype
         given = optimizer.state.get(params[name], {}).get(state_name) if optimizer is not None else None
         if given is not None:
             return self._shard(key, given.detach().to(dtype))
         shape = local_shape(self._global_shape(key), self._sbp(key), self.mesh.shape, self.coord)
-        return torch.zeros(shape, dtype=dtype, device=self._device_for(key))
+        value = dict(self.signature.optimizer)[name].initial_value(state_name)
+        return torch.full(shape, value, dtype=dtype, device=self._device_for(key))
 
     def _device_for(self, key: str) -> torch.device:
         """Where this rank keeps ``key``: on the program's device, except, on a GPU, an

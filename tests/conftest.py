@@ -43,11 +43,18 @@ GLOO_ALONE = dataclasses.replace(ddlc.mesh.load_profile("cpu-gloo"), contention=
 
 #: Optimizers by name. The attention key bias has a gradient that is zero up to rounding
 #: noise, and Adam with a tiny eps turns that noise into a full-size step; eps=1e-4 keeps
-#: comparisons about the update rule, not about float summation order.
+#: comparisons about the update rule, not about float summation order. RMSprop divides the
+#: gradient by sqrt(its average) + eps, so a noise-sized gradient's rounding comes out
+#: multiplied by 1 / eps (1e-3 here); its momentum buffer keeps that ratio unscaled by the
+#: learning rate, so momentum and the centered variant are compared on an MLP on their own
+#: (tests/test_training_loops.py), where no gradient is noise-sized.
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3),
     "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, eps=1e-4),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, weight_decay=1e-3, eps=1e-3),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=5e-2, lr_decay=1e-2, weight_decay=1e-3,
+                                              initial_accumulator_value=0.1),
 }
 
 

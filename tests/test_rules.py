@@ -142,6 +142,8 @@ SYNTHETIC = {
     "permute_copy": lambda: (aten.permute_copy.default, (_r(2, 4, 6), [2, 0, 1]), {}),
     "expand_copy": lambda: (aten.expand_copy.default, (_r(4, 1), [2, 4, 6]), {}),
     "unsqueeze_copy": lambda: (aten.unsqueeze_copy.default, (_r(4, 6), 1), {}),
+    "view_as_real_copy": lambda: (aten.view_as_real_copy.default, (torch.complex(_r(4, 6), _r(4, 6, seed=1)),), {}),
+    "view_as_complex_copy": lambda: (aten.view_as_complex_copy.default, (_r(4, 6, 2),), {}),
     "squeeze_copy": lambda: (aten.squeeze_copy.dim, (_r(4, 1, 6), 1), {}),
     "split_with_sizes_copy": lambda: (aten.split_with_sizes_copy.default, (_r(4, 6), [2, 4], 1), {}),
     "slice_step": lambda: (aten.slice_copy.Tensor, (_r(4, 8), 1, 1, 7, 2), {}),

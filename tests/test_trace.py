@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import ddlc
 from conftest import MODELS, OPTIMIZERS, assert_matches_reference, batches, model_and_loss, optimizer, train
 from ddlc.errors import TraceError, UnsupportedInputError
-from ddlc.optim import AdamSpec, AdamWSpec, SGDSpec
+from ddlc.optim import AdagradSpec, AdamSpec, AdamWSpec, RMSpropSpec, SGDSpec, optimizer_spec
 from ddlc.zoo import GPT, MLP, lm_loss
 
 
@@ -145,8 +145,8 @@ def test_another_modules_trainable_parameters_read_by_the_loss_are_refused(train
 def test_unsupported_optimizer_and_options():
     model = MLP()
     x, y = torch.randn(8, 32), torch.randn(8, 16)
-    with pytest.raises(UnsupportedInputError, match="Adagrad"):
-        ddlc.trace(model, (x, y), F.mse_loss, torch.optim.Adagrad(model.parameters()))
+    with pytest.raises(UnsupportedInputError, match="Adamax"):
+        ddlc.trace(model, (x, y), F.mse_loss, torch.optim.Adamax(model.parameters()))
     with pytest.raises(UnsupportedInputError, match="dampening"):
         ddlc.trace(model, (x, y), F.mse_loss,
                    torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5))
@@ -215,15 +215,17 @@ def test_optimizer_state_inputs_keep_their_metadata():
             (t.shape, t.stride(), t.dtype, t.device)
 
 
-@pytest.mark.parametrize("spec", [SGDSpec(lr=0.1, momentum=0.9), AdamSpec(lr=0.1), AdamWSpec(lr=0.1)],
+@pytest.mark.parametrize("spec", [SGDSpec(lr=0.1, momentum=0.9), AdamSpec(lr=0.1), AdamWSpec(lr=0.1),
+                                  RMSpropSpec(lr=0.1, momentum=0.9, centered=True),
+                                  AdagradSpec(lr=0.1, initial_accumulator_value=0.5)],
                          ids=lambda s: type(s).__name__)
-def test_every_optimizer_state_starts_at_zero(spec):
+def test_every_optimizer_state_starts_at_its_initial_value(spec):
     """The contract CompiledStep relies on to make each rank's pieces of a fresh optimizer
-    state as zeros, without the whole: every state tensor of a parameter that has not
-    stepped is zeros."""
+    state without the whole: every state tensor of a parameter that has not stepped is
+    filled with the spec's ``initial_value`` (zeros; Adagrad's sum its initial value)."""
     state = spec.init_state(torch.randn(3, 4))
     assert list(state) == list(spec.state_names) and state
-    assert all(torch.count_nonzero(t) == 0 for t in state.values())
+    assert all(torch.all(t == spec.initial_value(name)) for name, t in state.items())
 
 
 def test_passes_generate_no_code_until_the_program_runs():
@@ -249,7 +251,10 @@ def test_passes_generate_no_code_until_the_program_runs():
 
 @pytest.mark.parametrize("spec", [SGDSpec(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
                                   AdamSpec(lr=0.1, weight_decay=0.01),
-                                  AdamWSpec(lr=0.1)], ids=lambda s: type(s).__name__)
+                                  AdamWSpec(lr=0.1),
+                                  RMSpropSpec(lr=0.1, momentum=0.9, centered=True, weight_decay=0.01),
+                                  AdagradSpec(lr=0.1, lr_decay=0.01, weight_decay=0.01)],
+                         ids=lambda s: type(s).__name__)
 def test_updates_stamped_per_kind_equal_a_trace_of_each_parameters_update(spec):
     """ddlc.updates traces one update per kind of parameter and copies it: the graph is
     node for node (names, targets, arguments, values' metadata, phase) the one tracing
@@ -684,3 +689,41 @@ def test_a_gradient_penalty_on_the_input_is_refused_with_the_cause():
         ddlc.trace(model, (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss,
                    torch.optim.SGD(model.parameters(), lr=0.1))
     assert "test_trace.py" in str(info.value)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2, nesterov=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.9)),
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9, centered=True, weight_decay=0.1),
+    lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
+], ids=["sgd-nesterov", "adam-l2", "adamw", "rmsprop", "rmsprop-centered-momentum", "adagrad", "adagrad-decay"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64], ids=["real", "complex"])
+def test_each_update_equals_torch_optims(make, dtype):
+    """Every spec's update (:meth:`OptimizerSpec.apply`, the hyper-parameters as float64
+    0-d tensors, as the step takes them) gives torch.optim's single-tensor update,
+    parameter and state, over ten steps: within a rounding step for SGD and Adam (whose
+    graphs fuse some products otherwise), bit for bit for RMSprop and Adagrad on real
+    parameters. A complex parameter is updated as its real and imaginary parts, as
+    torch.optim updates it (its weight decay in complex arithmetic: within a rounding step)."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(5, 3, dtype=dtype))
+    opt = make([param])
+    spec = optimizer_spec(opt, {"p": param})["p"][1]
+    mine = param.detach().clone()
+    state = {k: v.clone() for k, v in opt.state[param].items()} or spec.init_state(mine)
+    hp = spec.derived({k: torch.tensor(float(v), dtype=torch.float64)
+                       for k, v in type(spec).group_values(opt.param_groups[0]).items()})
+    for _ in range(10):
+        grad = torch.randn(5, 3, dtype=dtype)
+        param.grad = grad.clone()
+        opt.step()
+        mine, state = spec.apply(mine, grad, state, hp)
+        exact = isinstance(spec, (RMSpropSpec, AdagradSpec)) and not dtype.is_complex
+        tolerance = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mine, param.detach(), **tolerance)
+        assert set(state) == set(opt.state[param])
+        for name, value in opt.state[param].items():
+            torch.testing.assert_close(state[name].to(value.dtype), value, **tolerance, msg=name)

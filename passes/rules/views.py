@@ -229,8 +229,22 @@ def moved_in_place(call: Call) -> Labels:
     return Labels({"self": labels}, [labels], linear=SELF)
 
 
+def view_as_real(call: Call) -> Labels:
+    """complex ``(...)`` -> real ``(..., 2)``: the new last dim (real, imaginary) never splits."""
+    labels = letters(call["self"].ndim)
+    return Labels({"self": labels}, [labels + UNSPLIT], linear=SELF)
+
+
+def view_as_complex(call: Call) -> Labels:
+    """real ``(..., 2)`` -> complex ``(...)``: the last dim (real, imaginary) never splits."""
+    labels = letters(call["self"].ndim - 1)
+    return Labels({"self": labels + UNSPLIT}, [labels], linear=SELF)
+
+
 RULES = {
     **dict.fromkeys([aten.roll.default, aten.flip.default], moved_in_place),
+    **dict.fromkeys([aten.view_as_real.default, aten.view_as_real_copy.default], view_as_real),
+    **dict.fromkeys([aten.view_as_complex.default, aten.view_as_complex_copy.default], view_as_complex),
     **dict.fromkeys([aten.view.default, aten.view_copy.default, aten._unsafe_view.default,
                      aten.reshape.default, aten._reshape_copy.default], reshape),
     **dict.fromkeys([aten.t.default, aten.t_copy.default, aten.transpose.int,
