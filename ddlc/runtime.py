@@ -605,6 +605,17 @@ def _default_rng_state(device: torch.device) -> torch.Tensor:
     return torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
 
 
+def _marked_rng_state(device: torch.device) -> torch.Tensor:
+    """Move the default generator of ``device``'s type on by one draw, and return its state:
+    what a new program (seeded from the state before) records as the state it agreed on.
+    Left as it was, that state is the one ``torch.manual_seed`` of the same seed gives again
+    (a sweep's second run in one process, a notebook cell run twice), which would then be
+    taken for a generator nobody moved, and the earlier program's stream handed back over
+    the user's seed."""
+    torch.empty((), device=device).random_()
+    return _default_rng_state(device)
+
+
 class _ProgramDraws:
     """A program's ``generator`` and the state of the default generator (CPU or CUDA, as the
     program's) when the two last agreed (``synced``: the step was made, or handed its own
@@ -612,7 +623,7 @@ class _ProgramDraws:
 
     def __init__(self, generator: torch.Generator):
         self.generator = generator
-        self.synced = _default_rng_state(generator.device)
+        self.synced = _marked_rng_state(generator.device)
 
     def continue_from(self, other: "_ProgramDraws | None") -> None:
         """Where another program drew since this one (a training step and an inference
