@@ -27,6 +27,7 @@ key               holds                  written by               read by
 ``PIECE_BYTES``   ``float`` (bytes)      partition (on the graph) pipeline (leader choices)
 ``UPDATES``       ``str`` (schedule's)   schedule (on the graph) tests, bench
 ``RANK_ARG``      :class:`RankArg`       collectives, random      retarget
+``DRAW_ORDER``    ``tuple`` (dims)       trace                    random
 ================  =====================  =======================  =============================
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run 
 __all__ = ["MetaKey", "Origin", "InputSpec", "OutputSpec", "StepSignature", "Signature",
            "NdSignature", "CollectiveInfo", "Piece", "ROLES", "ORIGIN", "ROLE", "SHARDING",
            "COLLECTIVE", "PIECE", "FUSED", "GLOBAL_VAL", "STEP", "BUCKET_CAP", "PIECE_BYTES",
-           "RECOMPUTE", "RECOMPUTED", "UPDATES", "RankArg", "RANK_ARG", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait", "is_mutating", "in_update",
+           "RECOMPUTE", "RECOMPUTED", "UPDATES", "RankArg", "RANK_ARG", "DRAW_ORDER", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait", "is_mutating", "in_update",
            "collective_kind", "collective_sequence", "is_scalar_valued", "output_scalars"]
 
 T = TypeVar("T")
@@ -460,6 +461,9 @@ RECOMPUTED: MetaKey[int] = MetaKey("ddlc_recomputed", int)
 #: where the schedule put the optimizer updates: "end", "early" (inside backward) or "mixed" (per group)
 UPDATES: MetaKey[str] = MetaKey("ddlc_updates", str)
 RANK_ARG: MetaKey[RankArg] = MetaKey("ddlc_rank_arg", RankArg)
+#: a random draw that eager makes in another memory order than row-major (dropout's mask of
+#: a permuted activation): its dims from outermost to innermost in eager's memory
+DRAW_ORDER: MetaKey[tuple] = MetaKey("ddlc_draw_order", tuple)
 
 
 def in_update(node: fx.Node) -> bool:

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
-__all__ = ["DRAWS", "draw", "draws_random_numbers", "supported"]
+__all__ = ["DRAWS", "draw", "draws_random_numbers", "eager_orders", "supported"]
 
 aten = torch.ops.aten
 
@@ -105,16 +105,77 @@ def scalars(node: fx.Node) -> tuple:
     return tuple(values[name] for name in names)
 
 
+def eager_orders(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callable | None]) -> dict[fx.Node, tuple]:
+    """Per dropout mask (a ``bernoulli`` that a ``mul`` applies to an activation of its
+    shape) whose activation eager lays out permuted, the activation's dims from outermost
+    to innermost in eager's memory: eager's mask takes that layout (``empty_like``) and its
+    numbers fill it in memory order. The traced graph runs every view as a contiguous copy
+    (``view_form(node)``: the view a ``*_copy`` node stands for), so eager's layouts are
+    worked out again, on meta tensors with the views as views: each view up to the last
+    mask runs there, and each operator that reads a tensor laid out otherwise than
+    row-major (the others' outputs are row-major as traced); one that fails there is taken
+    as row-major."""
+    masks = {}
+    for node in gm.graph.find_nodes(op="call_function", target=aten.bernoulli.p):
+        for user in [u for d in node.users for u in (d, *d.users)]:
+            if user.target is aten.mul.Tensor and len(user.args) == 2:
+                other = next((a for a in user.args if isinstance(a, fx.Node) and a is not node
+                              and a not in node.users), None)
+                if other is not None and tuple(other.meta["val"].shape) == tuple(node.meta["val"].shape):
+                    masks[node] = other
+                    break
+    if not masks:
+        return {}
+    last = max(list(gm.graph.nodes).index(n) for n in masks.values())
+    metas: dict[fx.Node, object] = {}  # the nodes laid out otherwise than row-major
+
+    def meta(x):
+        if isinstance(x, fx.Node):
+            if x in metas:
+                return metas[x]
+            val = x.meta.get("val")
+            return torch.empty(val.shape, dtype=val.dtype, device="meta") if isinstance(val, torch.Tensor) else val
+        if isinstance(x, (list, tuple)):
+            return type(x)(meta(i) for i in x)
+        return x
+
+    for index, node in enumerate(gm.graph.nodes):
+        if index > last:
+            break
+        view = view_form(node)
+        if node.op != "call_function" or (view is None and not any(a in metas for a in node.all_input_nodes)):
+            continue
+        try:
+            out = (view or node.target)(*meta(node.args), **{k: meta(v) for k, v in node.kwargs.items()})
+        except Exception:  # an op meta tensors do not run (or an input that is none): row-major
+            continue
+        if isinstance(out, torch.Tensor) and out.shape == node.meta["val"].shape and not out.is_contiguous():
+            metas[node] = out
+    orders = {}
+    for mask, activation in masks.items():
+        value = metas.get(activation)
+        if isinstance(value, torch.Tensor) and value.dim() > 1:
+            order = tuple(sorted(range(value.dim()), key=lambda d: (-value.stride(d), d)))
+            if order != tuple(range(value.dim())) and all(value.shape[d] > 1 for d in order):
+                orders[mask] = order
+    return orders
+
+
 @fx.node.has_side_effect  # it advances the generator: dead code elimination keeps it
 def draw(generator: torch.Generator, after, op: str, shape: Sequence[int], dtype: torch.dtype,
-         params: tuple, piece: tuple[slice, ...]) -> torch.Tensor:
+         params: tuple, piece: tuple[slice, ...], order: tuple[int, ...] | None = None) -> torch.Tensor:
     """The numbers random operator ``op`` (``str`` of an entry of :data:`DRAWS`) draws for
     its global ``shape``, from ``generator``; this rank's ``piece`` of them. ``after`` is
     the previous draw of the step (unused: it orders the draws for any scheduler). A draw
     nothing reads still runs, as eager's does: the draws after it, and the next step's,
-    take the numbers that follow it."""
+    take the numbers that follow it. ``order``: the dims from outermost to innermost in
+    the memory order eager fills (:func:`eager_orders`), where it is not row-major."""
     _, fn = _BY_NAME[op]
-    whole = fn(generator, list(shape), dtype, generator.device, *params)
+    if order is None:
+        whole = fn(generator, list(shape), dtype, generator.device, *params)
+    else:
+        laid_out = fn(generator, [shape[d] for d in order], dtype, generator.device, *params)
+        whole = laid_out.permute([order.index(d) for d in range(len(shape))])
     return whole[piece].contiguous()
 
 

@@ -27,7 +27,7 @@ from torch._ops import OpOverload
 
 from .errors import TraceError
 
-__all__ = ["needs_repair", "repair"]
+__all__ = ["needs_repair", "repair", "view_form"]
 
 aten = torch.ops.aten
 #: the replays, as the trace without views has them -> the op in the trace with views
@@ -44,7 +44,7 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, OpOverload) and node.target.is_view
 
 
-def _view_form(node: fx.Node):
+def view_form(node: fx.Node):
     """The view op whose ``*_copy`` form ``node`` runs (``view_copy`` -> ``view``), else None."""
     target = node.target if node.op == "call_function" else None
     name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
@@ -80,9 +80,9 @@ def repair(without_views: fx.GraphModule, with_views: fx.GraphModule, where) -> 
                          "check its in-place updates of views; write them out of place",
                          where=where(ours[0]) if ours else None)
     for node, counterpart in zip(ours, theirs):
-        our_chain, their_chain = _chain(node.args[0], _view_form), _chain(counterpart.args[0], _is_view)
+        our_chain, their_chain = _chain(node.args[0], view_form), _chain(counterpart.args[0], _is_view)
         alike = len(our_chain) == len(their_chain) and _layout(our_chain[-1]) == _layout(their_chain[-1]) \
-            and all(_view_form(a) is b.target for a, b in zip(our_chain[:-1], their_chain[:-1]))
+            and all(view_form(a) is b.target for a, b in zip(our_chain[:-1], their_chain[:-1]))
         if not alike or (node.target is aten.as_strided_scatter.default and len(our_chain) > 1):
             raise TraceError("the step updates a view of a tensor in place where ddlc cannot replay "
                              "that view exactly (its base is laid out otherwise once views are "

@@ -37,9 +37,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from . import graph_checks, sources, strided_views
+from . import graph_checks, rng, sources, strided_views
 from .errors import TraceError, UnsupportedInputError
-from .ir import (ORIGIN, RECOMPUTE, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
+from .ir import (DRAW_ORDER, ORIGIN, RECOMPUTE, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
                  dataclasses_as_nodes, hyperparameter_tensors)
 from .model_state import PLAIN, ModelWatch, describe, same_plain as _same_plain
 from .optim import hyperparameter_key, optimizer_spec
@@ -204,6 +204,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     graph_checks.random_ops(gm)
     graph_checks.checkpointed_draws(gm, annotator.fresh_draws)
     graph_checks.hidden_mutations(gm)
+    for mask, order in rng.eager_orders(gm, strided_views.view_form).items():
+        DRAW_ORDER.set(mask, order)
     graph_checks.static_shapes(gm)
     graph_checks.operand_dtypes(gm, batch.tensors)
     gm.recompile()

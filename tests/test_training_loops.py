@@ -711,3 +711,38 @@ def test_a_complex_parameter_trains_with_adamw_like_single_device(mesh_shape):
     data = [(torch.randn(8, 8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(3)]
     _matches_eager(_SpectralFilter(), F.cross_entropy, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
                    data, mesh_shape)
+
+
+class _PermutedDropout(nn.Module):
+    """Dropout of activations eager lays out permuted: torch's batch-first transformer layer
+    (its attention output is a transposed view) and a convolution's output read as a
+    sequence (Whisper's encoder: ``conv(x).permute(0, 2, 1) + positions``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 16, 3, padding=1)
+        self.positions = nn.Parameter(torch.randn(6, 16) * 0.1)
+        self.layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.3, batch_first=True)
+
+    def forward(self, x):
+        h = F.dropout(self.conv(x).permute(0, 2, 1) + self.positions, 0.2, self.training)
+        return self.layer(h)
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_dropout_of_permuted_activations_draws_eagers_masks(mesh_shape):
+    """Eager fills a dropout mask in its activation's memory order (``empty_like``); the
+    traced graph, whose views are contiguous copies, drew it row-major: other masks (losses
+    2e-2 off on the batch-first layer). The draw now follows eager's layout."""
+    from ddlc.ir import DRAW_ORDER
+    torch.manual_seed(0)
+    model = _PermutedDropout()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 4, 6, generator=g), torch.randn(8, 6, 16, generator=g)) for _ in range(3)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)  # noqa: E731
+    losses, params, _, gm = simulated(model, F.mse_loss, sgd, data, mesh_shape)
+    assert sum(DRAW_ORDER.has(n) for n in gm.graph.nodes) == 2  # the conv's and the attention output's
+    want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)  # the simulated program's seed
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
