@@ -570,16 +570,19 @@ def _from_rank0(value):
     return message[0]
 
 
-def _share_generator(gm: fx.GraphModule, device: torch.device, cpu_state: torch.Tensor) -> None:
+def _share_generator(gm: fx.GraphModule, device: torch.device, cpu_state: torch.Tensor,
+                     stream: torch.Tensor | None = None) -> None:
     """Give the program's generator (``gm.rng``, present when the step draws random
-    numbers) rank 0's default generator state as ``compile`` found it (after handing it
-    the state of the program that holds the random stream, :data:`_STREAM`): on the CPU its
-    full state (``cpu_state``), so a single-device run seeded alike draws the same
-    numbers; on a GPU, that of its default CUDA generator."""
+    numbers) rank 0's random stream: the state of the program that holds it
+    (:data:`_STREAM`) where the default generator has not moved since (``stream``), else
+    the default generator's as ``compile`` found it: on the CPU its full state
+    (``cpu_state``), so a single-device run seeded alike draws the same numbers; on a GPU,
+    that of its default CUDA generator."""
     if not hasattr(gm, "rng"):
         return
+    state = stream if stream is not None else cpu_state if device.type == "cpu" else torch.cuda.get_rng_state(device)
     gm.rng = torch.Generator(device=device)
-    gm.rng.set_state(_from_rank0(cpu_state if device.type == "cpu" else torch.cuda.get_rng_state(device)))
+    gm.rng.set_state(_from_rank0(state))
 
 
 def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh, str]:
@@ -606,23 +609,30 @@ def _default_rng_state(device: torch.device) -> torch.Tensor:
 
 
 def _marked_rng_state(device: torch.device) -> torch.Tensor:
-    """Move the default generator of ``device``'s type on by one draw, and return its state:
-    what a new program (seeded from the state before) records as the state it agreed on.
-    Left as it was, that state is the one ``torch.manual_seed`` of the same seed gives again
-    (a sweep's second run in one process, a notebook cell run twice), which would then be
-    taken for a generator nobody moved, and the earlier program's stream handed back over
-    the user's seed."""
-    torch.empty((), device=device).random_()
+    """Reseed the default generator of ``device``'s type from a hash of its state, and
+    return the new state: what a new program (seeded from the state before) records as the
+    state the two agreed on. Left as it was, that state is the one ``torch.manual_seed`` of
+    the same seed gives again (a sweep's second run in one process, a notebook cell run
+    twice), which would then be taken for a generator nobody moved, and the earlier
+    program's stream handed back over the user's seed; a state some draws away from it
+    (one draw) is the one the user's own draws after that seed can reach. Only a
+    ``manual_seed`` of the hash reaches this one."""
+    digest = hashlib.blake2b(_default_rng_state(device).cpu().numpy().tobytes(), digest_size=8).digest()
+    seed = int.from_bytes(digest, "little") >> 1
+    generator = torch.default_generator if device.type == "cpu" else \
+        torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    generator.manual_seed(seed)
     return _default_rng_state(device)
 
 
 class _ProgramDraws:
-    """A program's ``generator`` and the state of the default generator (CPU or CUDA, as the
+    """A program's ``generator``, the state of the default generator (CPU or CUDA, as the
     program's) when the two last agreed (``synced``: the step was made, or handed its own
-    state back)."""
+    state back) and the generator's own state then (``handed``)."""
 
     def __init__(self, generator: torch.Generator):
         self.generator = generator
+        self.handed = generator.get_state()
         self.synced = _marked_rng_state(generator.device)
 
     def continue_from(self, other: "_ProgramDraws | None") -> None:
@@ -631,7 +641,7 @@ class _ProgramDraws:
         state, as eager's one default generator would."""
         if other is not None and other is not self and other.generator.device == self.generator.device:
             self.generator.set_state(other.generator.get_state())
-            self.synced = other.synced
+            self.synced, self.handed = other.synced, other.handed
 
     def hold(self) -> None:
         """Hold the random stream (:data:`_STREAM`): this program draws next, or was seeded
@@ -644,20 +654,31 @@ class _ProgramDraws:
         self.continue_from(_STREAM.get(self.generator.device))
         self.hold()
 
+    def unmoved_stream(self) -> torch.Tensor | None:
+        """The stream's latest state (this program generator's), where the default
+        generator has not moved since the two agreed; else None (the user's state goes
+        first)."""
+        if torch.equal(_default_rng_state(self.generator.device), self.synced):
+            return self.generator.get_state()
+        return None
+
     def hand_back(self) -> None:
         """The program generator's state into the default generator, where the steps after
         it, eager or compiled, continue the stream; unless the default generator moved
         since the two agreed (the user reseeded it with ``torch.manual_seed`` for a new
         phase, or eager steps drew from it): that state is the user's, and stays (this time
-        and after)."""
+        and after); and unless the program has not drawn since they agreed (its state then
+        is where a seed put it, which the same seed would give again: the marked default
+        state stays, see :func:`_marked_rng_state`)."""
         device = self.generator.device
-        if not torch.equal(_default_rng_state(device), self.synced):
+        state = self.generator.get_state()
+        if not torch.equal(_default_rng_state(device), self.synced) or torch.equal(state, self.handed):
             return
         if device.type == "cpu":
-            torch.set_rng_state(self.generator.get_state())
+            torch.set_rng_state(state)
         else:
-            torch.cuda.set_rng_state(self.generator.get_state(), device)
-        self.synced = _default_rng_state(device)
+            torch.cuda.set_rng_state(state, device)
+        self.synced, self.handed = _default_rng_state(device), state
 
 
 #: per device (the CPU, each GPU), the draws of the compiled program that holds the latest
@@ -717,7 +738,9 @@ def _compile(model: nn.Module, mesh, example_inputs, loss_fn, optimizer,
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
     owner = _STREAM.get(device)
-    if owner is not None:  # an inference program's draws too: the new program goes on after them
+    stream = None  # the new program goes on from the stream (an inference program's draws too)
+    if owner is not None:
+        stream = owner.unmoved_stream()
         owner.hand_back()
         rng_state = torch.get_rng_state()
     _take_rank0_state(model)
@@ -734,7 +757,7 @@ def _compile(model: nn.Module, mesh, example_inputs, loss_fn, optimizer,
     if dist.get_backend() == "gloo":  # one collective in flight at a time: see passes/waits.py
         pipeline.run_pass("waits", pipeline.wait_at_once, gm)
     fingerprint = _check_fingerprint(gm)
-    _share_generator(gm, device, rng_state)
+    _share_generator(gm, device, rng_state, stream)
     step = CompiledStep(model, gm, plan, mesh, coord, options.batch, fingerprint, device, optimizer,
                         device_mesh, host_scalars=options.backend == "eager", loss_fn=loss_fn)
     if options.backend == "inductor":

@@ -1209,34 +1209,47 @@ def test_a_model_or_input_off_the_process_groups_device_is_refused(where, first)
     assert "move the model and the example inputs to the CPU before ddlc.compile" in messages[0]
 
 
-def _seeded_dropout_run():
-    """Seed 1234, then a dropout MLP, its SGD optimizer and three batches (made after the
-    seed, so they draw from it as the model's initialisation does)."""
+def _seeded_dropout_run(one_more_draw: bool = False):
+    """Seed 1234 (then one draw, a random hyper-parameter, if ``one_more_draw``), then a
+    dropout MLP, a dropout-free probe, the MLP's SGD optimizer and three batches (made
+    after the seed, so they draw from it as the models' initialisation does)."""
     torch.manual_seed(1234)
+    if one_more_draw:
+        torch.rand(1)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5),
                                 torch.nn.Linear(16, 4))
+    probe = torch.nn.Linear(4, 2)
     batches = [(torch.randn(8, 8), torch.randint(0, 4, (8,))) for _ in range(3)]
-    return model, torch.optim.SGD(model.parameters(), lr=0.1), batches
+    return model, probe, torch.optim.SGD(model.parameters(), lr=0.1), batches
 
 
-def _compiled_twice_from_one_seed(rank):
+def _compiled_twice_from_one_seed(rank, variant):
     runs = []
-    for _ in range(2):  # a sweep's runs in one process, or a notebook cell run twice
-        model, opt, batches = _seeded_dropout_run()
+    for run in range(2):  # a sweep's runs in one process, or a notebook cell run twice
+        model, probe, opt, batches = _seeded_dropout_run(variant == "one_more_draw" and run == 1)
         step = ddlc.compile(model, (2,), batches[0], F.cross_entropy, opt,
                             placements={"input0": "(S0)", "input1": "(S0)"})
+        if variant == "probe":  # a second program that draws nothing, compiled after
+            ddlc.compile(probe, (2,), (torch.zeros(8, 4), torch.zeros(8, 2)), F.mse_loss,
+                         torch.optim.SGD(probe.parameters(), lr=0.1))
+        if variant == "early_write_back":
+            step.write_back()
         runs.append([float(step.step(*b)) for b in batches])
     return runs
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_seeding_again_before_compiling_again_draws_the_seeds_numbers():
-    # the second run's seed restored the very state the first program was seeded from, so
-    # compile took it for an unmoved generator and went on from the first run's stream:
-    # other dropout masks than eager's (losses 0.18 off)
-    model, opt, batches = _seeded_dropout_run()
-    want = [_eager_step(model, opt)(*b) for b in batches]
-    for runs in spawn(_compiled_twice_from_one_seed, 2, timeout=300, deadline=100):
-        for losses in runs:
-            assert losses == pytest.approx(want, rel=1e-5), (runs, want)
+@pytest.mark.parametrize("variant", ["plain", "probe", "early_write_back", "one_more_draw"])
+def test_seeding_again_before_compiling_again_draws_the_seeds_numbers(variant):
+    # the second run's seed restored the very state the first program was seeded from (or,
+    # after a hand-back of a program that had not drawn, the state it had agreed on; or one
+    # draw after a one-draw mark), so compile took it for an unmoved generator and went on
+    # from the first run's stream: other dropout masks than eager's (losses 0.14-0.18 off)
+    want = []
+    for run in range(2):
+        model, _, opt, batches = _seeded_dropout_run(variant == "one_more_draw" and run == 1)
+        want.append([_eager_step(model, opt)(*b) for b in batches])
+    for runs in spawn(_compiled_twice_from_one_seed, 2, variant, timeout=300, deadline=100):
+        for losses, expected in zip(runs, want):
+            assert losses == pytest.approx(expected, rel=1e-5), (runs, want)
