@@ -599,9 +599,14 @@ def _flatten_output(out) -> tuple[list[torch.Tensor], OutputTree]:
 
 def _clip_by_global_norm(grads: Mapping[str, torch.Tensor], max_norm: float):
     """``torch.nn.utils.clip_grad_norm_`` as pure ops: the 2-norm over all gradients
-    (one sum of squares: on a sharded gradient a partial sum, reduced across the mesh),
-    and every gradient scaled by ``min(1, max_norm / (norm + 1e-6))``."""
-    total = torch.stack([(g.float() * g.float()).sum() for g in grads.values()]).sum().sqrt()
+    (one sum of squares: on a sharded gradient a partial sum, reduced across the mesh; a
+    complex gradient's real and imaginary parts, float64 gradients' in float64, the others'
+    in float32), and every gradient scaled by ``min(1, max_norm / (norm + 1e-6))``."""
+    def squares(g: torch.Tensor) -> torch.Tensor:
+        parts = torch.view_as_real(g) if g.is_complex() else g
+        parts = parts.to(torch.float64 if parts.dtype == torch.float64 else torch.float32)
+        return (parts * parts).sum()
+    total = torch.stack([squares(g) for g in grads.values()]).sum().sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     return total, {k: g * scale.to(g.dtype) for k, g in grads.items()}
 
@@ -637,6 +642,8 @@ class _ForwardRewrites(TorchFunctionMode):
       range, which reads the values (the trace fails there; a label out of range then gives
       a row of zeros where eager raises). Without ``num_classes`` it is refused: the count
       would come from the values.
+    - ``F.embedding(..., sparse=True)`` (not through an ``nn.Embedding``, which
+      :func:`_check_modules` refuses before tracing) is refused: a sparse gradient.
     - ``F.gaussian_nll_loss`` with a variance tensor: torch's formula (the variance clamped
       to ``eps`` without a gradient through the clamp, ``0.5 * (log var + (x - y)^2 / var)``)
       without its check that no variance is negative, which reads the values."""
@@ -683,6 +690,16 @@ def _one_hot(tensor, num_classes=-1):
     return (tensor.unsqueeze(-1) == torch.arange(num_classes, device=tensor.device)).to(torch.int64)
 
 
+def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+               sparse=False):
+    if sparse:
+        raise UnsupportedInputError(
+            "F.embedding(..., sparse=True) gives its weight a sparse gradient; ddlc trains with dense "
+            "gradients only: pass sparse=False",
+            where=sources.cite([(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_stack()]))
+    return _AS_IS
+
+
 def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
     if not isinstance(var, torch.Tensor) or reduction not in ("none", "mean", "sum"):
         return _AS_IS
@@ -705,7 +722,7 @@ _BATCH_NORM = inspect.signature(F.batch_norm)
 _INSTANCE_NORM = inspect.signature(F.instance_norm)
 _REWRITES = {F.batch_norm: _batch_norm, F.instance_norm: _instance_norm,
              torch.Tensor.requires_grad_: _requires_grad, F.one_hot: _one_hot,
-             F.gaussian_nll_loss: _gaussian_nll_loss}
+             F.gaussian_nll_loss: _gaussian_nll_loss, F.embedding: _embedding}
 
 
 def _instance_norm_by_reductions(input, running_mean, running_var, weight, bias, use_input_stats,
