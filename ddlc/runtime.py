@@ -1117,6 +1117,13 @@ class CompiledStep:
                                         "loss_fn or optimizer; call it for inference instead")
         self._check_model()
         newer = next((step for step in holding.trainers(self._model) if step is not self), None)
+        if newer is not None and newer._model is self._model and not newer.signature.has_loss:
+            # an inference program of the model updated buffers since (BatchNorm's statistics,
+            # called in train mode), which eager's next step reads: take them
+            newer.write_back()
+            self._take_model_state(self._model)
+            self._accept_writes()
+            newer = next((step for step in holding.trainers(self._model) if step is not self), None)
         if newer is not None and newer._model is self._model:
             raise UnsupportedInputError(
                 "another compiled step of this model has trained it since this one last ran (its "
@@ -1158,8 +1165,9 @@ class CompiledStep:
         a ``ddlc.compile`` of it again continues from them (dropout goes on to new masks
         instead of replaying the compiled steps'). This step keeps running as it was. Again
         with no step in between, it does nothing: the model and optimizer are the user's,
-        and may have been trained eagerly since; so does a step that holds no training of the
-        model (not trained since compile, or another step of it trained since). Under ``torch.inference_mode()`` (an
+        and may have been trained eagerly since; a step that holds no training of the model
+        (not trained since compile, or another step of it trained since) writes back the one
+        that holds it. Under ``torch.inference_mode()`` (an
         inference program called there writes a training step back) the optimizer's state
         is still made of normal tensors, which eager steps can update."""
         with torch.inference_mode(False):
@@ -1169,9 +1177,14 @@ class CompiledStep:
         """:meth:`write_back`, outside inference mode. Only the step that holds the model's
         training writes back: another one's values are older than the model's (it has not
         trained, or was written back, or another step of the model trained since), and
-        copying them in would also look like the user's writes to the step that holds it."""
+        copying them in would also look like the user's writes to the step that holds it;
+        it writes back the one that holds it, if any (an inference program called since
+        in train mode, whose statistics are the newest)."""
         self._hand_back_stream()
-        if holding.holder(self._model) is not self:
+        holder = holding.holder(self._model)
+        if holder is not self:
+            if holder is not None:
+                holder.write_back()
             return
         written = self._watch.written()
         params = dict(self._model.named_parameters())

@@ -1253,3 +1253,42 @@ def test_seeding_again_before_compiling_again_draws_the_seeds_numbers(variant):
     for runs in spawn(_compiled_twice_from_one_seed, 2, variant, timeout=300, deadline=100):
         for losses, expected in zip(runs, want):
             assert losses == pytest.approx(expected, rel=1e-5), (runs, want)
+
+
+def _batch_norm_mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(3)]
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), batches
+
+
+def _steps_with_train_mode_inference(rank):
+    model, opt, batches = _batch_norm_mlp()
+    forward = ddlc.compile(model, (2,), (batches[0][0],))  # train mode: it updates the statistics
+    step = ddlc.compile(model, (2,), batches[0], F.cross_entropy, opt,
+                        placements={"input0": "(S0)", "input1": "(S0)"})
+    losses = []
+    for x, y in batches:
+        losses.append(float(step.step(x, y)))
+        forward(x * 2)
+    step.write_back()
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_step_after_a_train_mode_inference_call_takes_its_statistics():
+    # the step refused ("another compiled step of this model has trained it") where eager's
+    # next step reads the statistics the forward pass moved
+    model, opt, batches = _batch_norm_mlp()
+    train_step, want = _eager_step(model, opt), []
+    for x, y in batches:
+        want.append(train_step(x, y))
+        with torch.no_grad():
+            model(x * 2)
+    for losses, state in spawn(_steps_with_train_mode_inference, 2, timeout=300, deadline=100):
+        assert losses == pytest.approx(want, rel=1e-5), (losses, want)
+        for name, value in model.state_dict().items():
+            assert torch.allclose(state[name].to(value.dtype), value, rtol=1e-5, atol=1e-6), name
