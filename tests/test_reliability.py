@@ -675,7 +675,7 @@ def _eager_step(model, opt):
 
 def _two_steps_of_one_model(rank):
     """A step for full batches and one for a short last batch that never ran: writing the
-    short one back (it holds no training) leaves the model and the other step as they are."""
+    short one back (it holds no training) writes back the other's, which goes on from it."""
     model, opt, batches = _adamw_mlp()
     full = ddlc.compile(model, (2,), batches[0], F.cross_entropy, opt,
                         placements={"input0": "(S0)", "input1": "(S0)", "0.weight": "(S0)"})
@@ -690,15 +690,20 @@ def _two_steps_of_one_model(rank):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_writing_back_a_step_that_holds_no_training_changes_nothing():
+def test_writing_back_a_step_that_holds_no_training_keeps_the_others_training():
     # the short step copied its compile-time weights into the model, which the full step
     # then took as the user's writes: it went back to them (parameters 0.066 off)
     model, opt, batches = _adamw_mlp()
     want = [_eager_step(model, opt)(*b) for b in batches]
-    for losses, state in spawn(_two_steps_of_one_model, 2, timeout=300, deadline=100):
+    _assert_every_rank_matches(spawn(_two_steps_of_one_model, 2, timeout=300, deadline=100), want, model)
+
+
+def _assert_every_rank_matches(results, want: list[float], model) -> None:
+    """Each rank's (losses, model state) equals eager's ``want`` and ``model``'s state."""
+    for losses, state in results:
         assert losses == pytest.approx(want, rel=1e-5), (losses, want)
         for name, value in model.state_dict().items():
-            assert torch.allclose(state[name], value, rtol=1e-5, atol=1e-6), name
+            assert torch.allclose(state[name].to(value.dtype), value, rtol=1e-5, atol=1e-6), name
 
 
 def _compiled_with_changes(rank):
@@ -1288,7 +1293,4 @@ def test_a_step_after_a_train_mode_inference_call_takes_its_statistics():
         want.append(train_step(x, y))
         with torch.no_grad():
             model(x * 2)
-    for losses, state in spawn(_steps_with_train_mode_inference, 2, timeout=300, deadline=100):
-        assert losses == pytest.approx(want, rel=1e-5), (losses, want)
-        for name, value in model.state_dict().items():
-            assert torch.allclose(state[name].to(value.dtype), value, rtol=1e-5, atol=1e-6), name
+    _assert_every_rank_matches(spawn(_steps_with_train_mode_inference, 2, timeout=300, deadline=100), want, model)
