@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
-__all__ = ["DRAWS", "draw", "draws_random_numbers", "eager_orders", "supported"]
+__all__ = ["DRAWS", "draw", "draws_random_numbers", "eager_orders", "may_draw_permuted", "supported"]
 
 aten = torch.ops.aten
 
@@ -105,28 +105,36 @@ def scalars(node: fx.Node) -> tuple:
     return tuple(values[name] for name in names)
 
 
-def eager_orders(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callable | None]) -> dict[fx.Node, tuple]:
-    """Per dropout mask (a ``bernoulli`` that a ``mul`` applies to an activation of its
-    shape) whose activation eager lays out permuted, the activation's dims from outermost
-    to innermost in eager's memory: eager's mask takes that layout (``empty_like``) and its
-    numbers fill it in memory order. The traced graph runs every view as a contiguous copy
-    (``view_form(node)``: the view a ``*_copy`` node stands for), so eager's layouts are
-    worked out again, on meta tensors with the views as views: each view up to the last
-    mask runs there, and each operator that reads a tensor laid out otherwise than
-    row-major (the others' outputs are row-major as traced); one that fails there is taken
-    as row-major."""
-    masks = {}
-    for node in gm.graph.find_nodes(op="call_function", target=aten.bernoulli.p):
+def _masks(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node | None]]:
+    """The dropout masks of ``graph`` in order: each ``bernoulli`` and the activation of its
+    shape that a ``mul`` applies it to (through its scaling), None where there is none."""
+    found = []
+    for node in graph.find_nodes(op="call_function", target=aten.bernoulli.p):
+        activation = None
         for user in [u for d in node.users for u in (d, *d.users)]:
             if user.target is aten.mul.Tensor and len(user.args) == 2:
                 other = next((a for a in user.args if isinstance(a, fx.Node) and a is not node
                               and a not in node.users), None)
                 if other is not None and tuple(other.meta["val"].shape) == tuple(node.meta["val"].shape):
-                    masks[node] = other
+                    activation = other
                     break
+        found.append((node, activation))
+    return found
+
+
+def may_draw_permuted(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callable | None]) -> bool:
+    """Whether a dropout mask's activation may be laid out otherwise than row-major in
+    eager, which fills the mask in that memory order (``empty_like``): a cheap look that
+    decides whether :func:`eager_orders` needs the trace with views. The traced graph runs
+    every view as a contiguous copy (``view_form(node)``: the view a ``*_copy`` node stands
+    for), so the layouts are worked out on meta tensors: a tensor traced otherwise than
+    row-major as traced (an input, a convolution of channels-last weights), each view as a
+    view, and each operator that reads a tensor laid out otherwise (the others' outputs are
+    row-major as traced; one that fails there counts as row-major)."""
+    masks = [activation for _, activation in _masks(gm.graph) if activation is not None]
     if not masks:
-        return {}
-    last = max(list(gm.graph.nodes).index(n) for n in masks.values())
+        return False
+    last = max(list(gm.graph.nodes).index(n) for n in masks)
     metas: dict[fx.Node, object] = {}  # the nodes laid out otherwise than row-major
 
     def meta(x):
@@ -142,6 +150,10 @@ def eager_orders(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callable | N
     for index, node in enumerate(gm.graph.nodes):
         if index > last:
             break
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not val.is_contiguous():  # as traced (an input, a conv of
+            metas[node] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+            continue                                                   # channels-last weights)
         view = view_form(node)
         if node.op != "call_function" or (view is None and not any(a in metas for a in node.all_input_nodes)):
             continue
@@ -149,15 +161,34 @@ def eager_orders(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callable | N
             out = (view or node.target)(*meta(node.args), **{k: meta(v) for k, v in node.kwargs.items()})
         except Exception:  # an op meta tensors do not run (or an input that is none): row-major
             continue
-        if isinstance(out, torch.Tensor) and out.shape == node.meta["val"].shape and not out.is_contiguous():
+        if isinstance(out, torch.Tensor) and node.target is aten.convolution.default and out.dim() in (4, 5):
+            # on the CPU a convolution of a channels-last input is channels-last, which the
+            # meta kernel does not say (the trace with views, on fake CPU tensors, does)
+            out = out.contiguous(memory_format=torch.channels_last if out.dim() == 4 else torch.channels_last_3d)
+        if isinstance(out, torch.Tensor) and out.shape == val.shape and not out.is_contiguous():
             metas[node] = out
+    return any(activation in metas for activation in masks)
+
+
+def eager_orders(gm: fx.GraphModule, with_views: fx.GraphModule) -> dict[fx.Node, tuple]:
+    """Per dropout mask of ``gm`` that eager fills in another order than row-major, the
+    dims from outermost to innermost in eager's memory: the layout ``empty_like`` gives
+    the mask's activation in ``with_views`` (the same step traced with its views as views,
+    so with eager's layouts: a permuted view, an expanded one, ``.contiguous()``), whose
+    masks pair with ``gm``'s in order."""
+    ours, theirs = _masks(gm.graph), _masks(with_views.graph)
+    if len(ours) != len(theirs):
+        return {}
     orders = {}
-    for mask, activation in masks.items():
-        value = metas.get(activation)
-        if isinstance(value, torch.Tensor) and value.dim() > 1:
-            order = tuple(sorted(range(value.dim()), key=lambda d: (-value.stride(d), d)))
-            if order != tuple(range(value.dim())) and all(value.shape[d] > 1 for d in order):
-                orders[mask] = order
+    for (mask, _), (_, activation) in zip(ours, theirs):
+        if activation is None:
+            continue
+        val = activation.meta["val"]
+        laid_out = torch.empty_like(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta"))
+        order = tuple(sorted(range(val.dim()), key=lambda d: (-laid_out.stride(d), d)))
+        sized = [d for d in order if val.shape[d] > 1]
+        if tuple(mask.meta["val"].shape) == tuple(val.shape) and sized != sorted(sized):
+            orders[mask] = order
     return orders
 
 

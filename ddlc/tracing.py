@@ -183,6 +183,10 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
             with_views = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn, remove="mutations")
             strided_views.repair(gm, with_views,
                                  lambda n: sources.source_from_stack(n.meta.get("stack_trace")) or None)
+        if rng.may_draw_permuted(gm, strided_views.view_form):  # dropout masks: eager's memory order
+            with_views = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn, remove="mutations")
+            for mask, order in rng.eager_orders(gm, with_views).items():
+                DRAW_ORDER.set(mask, order)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     untrained = ()
     if training and optimizer is not None:
@@ -204,8 +208,6 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     graph_checks.random_ops(gm)
     graph_checks.checkpointed_draws(gm, annotator.fresh_draws)
     graph_checks.hidden_mutations(gm)
-    for mask, order in rng.eager_orders(gm, strided_views.view_form).items():
-        DRAW_ORDER.set(mask, order)
     graph_checks.static_shapes(gm)
     graph_checks.operand_dtypes(gm, batch.tensors)
     gm.recompile()

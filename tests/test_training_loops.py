@@ -783,3 +783,54 @@ def test_a_functional_sparse_embedding_is_refused():
         ddlc.trace(model, (torch.randint(0, 10, (4, 3)), torch.randn(4, 4)), F.mse_loss,
                    torch.optim.Adagrad(model.parameters()))
     assert "test_training_loops.py" in str(caught.value)
+
+
+class _DropoutLayouts(nn.Module):
+    """Dropout of activations laid out as eager lays them out in other ways: a permuted
+    one made contiguous (row-major again), an expanded one (eager's mask is row-major
+    there), a convolution's output of channels-last weights, and a transposed input."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.conv, self.conv2d = nn.Conv1d(4, 16, 3, padding=1), nn.Conv2d(3, 6, 3, padding=1)
+        self.head, self.head2d = nn.Linear(16, 4), nn.Linear(6, 4)
+
+    def forward(self, x):
+        if self.variant == "contiguous":
+            return self.head(F.dropout(self.conv(x).permute(0, 2, 1).contiguous(), 0.3, self.training))
+        if self.variant == "expanded":
+            return self.head(F.dropout(self.conv(x)[:, :1].expand(-1, 16, -1), 0.3, self.training).transpose(1, 2))
+        if self.variant == "channels_last":
+            return self.head2d(F.dropout(self.conv2d(x), 0.3, self.training).mean((2, 3)))
+        return self.head(F.dropout(x, 0.3, self.training))  # "transposed_input"
+
+
+def _layout_data(variant: str):
+    g = torch.Generator().manual_seed(1)
+    if variant == "channels_last":
+        return [(torch.randn(8, 3, 5, 5, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+    if variant == "transposed_input":
+        return [(torch.randn(8, 16, 6, generator=g).transpose(1, 2), torch.randn(8, 6, 4, generator=g))
+                for _ in range(3)]
+    return [(torch.randn(8, 4, 6, generator=g), torch.randn(8, 6, 4, generator=g)) for _ in range(3)]
+
+
+@pytest.mark.parametrize("variant", ["contiguous", "expanded", "channels_last", "transposed_input"])
+def test_dropout_masks_follow_eagers_layout_in_every_form(variant):
+    """A helper found these after the permuted case was fixed: ``.contiguous()`` leaves no
+    node in the traced graph and an expanded dim has stride 0 (both drawn permuted:
+    losses 4e-2 and 0.13 off), a channels-last convolution's output and a transposed batch
+    were drawn row-major (4e-2, 0.1 off). The layouts now come from the step traced with
+    its views, where a first look finds a mask that may be laid out otherwise."""
+    torch.manual_seed(0)
+    model = _DropoutLayouts(variant)
+    if variant == "channels_last":
+        model = model.to(memory_format=torch.channels_last)
+    reference = copy.deepcopy(model)
+    data = _layout_data(variant)
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    losses, params, _, _ = simulated(model, F.mse_loss, sgd, data, (2, 2))
+    want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
