@@ -32,6 +32,9 @@ class OptimizerSpec:
     per_element: tuple[str, ...] = ()
     inputs: tuple[str, ...] = ()
     gates: tuple[str, ...] = ()
+    #: fields that only set the state's start (:meth:`initial_value`): torch.optim reads
+    #: them once, when it makes the state, so a later edit changes nothing
+    initial_only: tuple[str, ...] = ()
 
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """The state of a parameter that has not stepped: every tensor filled with its
@@ -82,7 +85,7 @@ class OptimizerSpec:
         """What the traced graph depends on: the update (this spec's kind), every other
         field, and which gates are zero."""
         fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
-                  if f.name not in self.inputs]
+                  if f.name not in self.inputs and f.name not in self.initial_only]
         return (("update", type(self).__name__), *fields,
                 *((name, getattr(self, name) != 0) for name in self.gates))
 
@@ -278,6 +281,7 @@ class AdagradSpec(OptimizerSpec):
     per_element = ("sum",)
     inputs = ("lr", "lr_decay", "weight_decay", "eps")
     gates = ("weight_decay",)
+    initial_only = ("initial_accumulator_value",)
 
     @staticmethod
     def from_group(group: dict) -> "AdagradSpec":

@@ -180,6 +180,19 @@ def test_an_optimizers_structure_names_its_update():
     assert structure(opt) != before
 
 
+def test_an_initial_value_edited_after_the_state_exists_is_no_change():
+    """Adagrad reads ``initial_accumulator_value`` once, when the optimizer makes its state:
+    an edit after compile changes nothing torch does (it was refused as a change), while
+    its weight decay turned on is another update."""
+    from ddlc.optim import structure
+    opt = torch.optim.Adagrad(MLP().parameters(), lr=0.1, initial_accumulator_value=0.1)
+    before = structure(opt)
+    opt.param_groups[0]["initial_accumulator_value"] = 0.5
+    assert structure(opt) == before
+    opt.param_groups[0]["weight_decay"] = 0.1
+    assert structure(opt) != before
+
+
 def test_node_stack_traces_match_torchs_own_capture(monkeypatch):
     """ddlc records node stack traces through a cheap stand-in for torch's capture
     (tracing._ForwardFrames): the text on every node, and so each node's user source line,
