@@ -179,12 +179,14 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
 
     with _no_state_kept_across_calls(model, forward_again):
         gm = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn)
+        with_views = None  # the step traced with its views as views, where a check needs it
         if strided_views.needs_repair(gm):  # an in-place update of a view: see ddlc.strided_views
             with_views = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn, remove="mutations")
             strided_views.repair(gm, with_views,
                                  lambda n: sources.source_from_stack(n.meta.get("stack_trace")) or None)
         if rng.may_draw_permuted(gm, strided_views.view_form):  # dropout masks: eager's memory order
-            with_views = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn, remove="mutations")
+            if with_views is None:
+                with_views = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn, remove="mutations")
             for mask, order in rng.eager_orders(gm, with_views).items():
                 DRAW_ORDER.set(mask, order)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
