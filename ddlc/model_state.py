@@ -198,6 +198,17 @@ class ModelWatch:
                                    tuple((r, v_now, *hooks) for (r, _, *hooks), (_, v_now, *_) in zip(numbers[2], now[2])),
                                    now[3], now[4])
 
+    def accept_writes_of(self, names: set[str]) -> None:
+        """:meth:`accept_writes` for the parameters and buffers ``names`` alone (another
+        program's statistics, taken by the step)."""
+        objects, numbers = self._snapshot
+        now = self._take()[1]
+        params = tuple((r, v_now if name in names else v, *hooks) for (name, _), (r, v, *hooks), (_, v_now, *_)
+                       in zip(self._params, numbers[2], now[2]))
+        buffers = tuple(after if name in names else before
+                        for (name, _), before, after in zip(self._buffers, numbers[3], now[3]))
+        self._snapshot = objects, (*numbers[:2], params, buffers, *numbers[4:])
+
     def restore_attributes(self) -> None:
         """Give every module back the plain attributes it had at the snapshot (those that
         are not parameters, buffers, submodules or hooks)."""

@@ -151,23 +151,47 @@ def may_draw_permuted(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callabl
         if index > last:
             break
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and not val.is_contiguous():  # as traced (an input, a conv of
-            metas[node] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-            continue                                                   # channels-last weights)
         view = view_form(node)
         if node.op != "call_function" or (view is None and not any(a in metas for a in node.all_input_nodes)):
+            if any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in _tensors(val)):
+                metas[node] = _as_meta(val)  # as traced: an input, a convolution of channels-last weights
             continue
+        attention = "scaled_dot_product" in str(node.target)
         try:
             out = (view or node.target)(*meta(node.args), **{k: meta(v) for k, v in node.kwargs.items()})
         except Exception:  # an op meta tensors do not run (or an input that is none): row-major
-            continue
+            if not attention:
+                continue
+            out = _as_meta(val)  # attention's CPU kernels have no meta form
         if isinstance(out, torch.Tensor) and node.target is aten.convolution.default and out.dim() in (4, 5):
             # on the CPU a convolution of a channels-last input is channels-last, which the
             # meta kernel does not say (the trace with views, on fake CPU tensors, does)
             out = out.contiguous(memory_format=torch.channels_last if out.dim() == 4 else torch.channels_last_3d)
+        if attention and isinstance(out, (tuple, list)) and out:
+            # on the CPU attention's output takes its query's layout, which the meta kernel
+            # does not say (the trace with views, on fake CPU tensors, does)
+            query = meta(node.args[0])
+            if isinstance(query, torch.Tensor) and query.shape == out[0].shape:
+                out = (torch.empty_like(query), *out[1:])
         if isinstance(out, torch.Tensor) and out.shape == val.shape and not out.is_contiguous():
             metas[node] = out
+        elif isinstance(out, (tuple, list)) and any(not t.is_contiguous() for t in _tensors(out)):
+            metas[node] = out  # its getitems follow
     return any(activation in metas for activation in masks)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors of a node's value (one, or a tuple's)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [v for v in value if isinstance(v, torch.Tensor)] if isinstance(value, (tuple, list)) else []
+
+
+def _as_meta(value):
+    """A traced value as meta tensors of its layouts (a tuple's too)."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return type(value)(_as_meta(v) for v in value) if isinstance(value, (tuple, list)) else value
 
 
 def eager_orders(gm: fx.GraphModule, with_views: fx.GraphModule) -> dict[fx.Node, tuple]:

@@ -1115,15 +1115,9 @@ class CompiledStep:
         if not self.signature.has_loss:
             raise UnsupportedInputError("this program has no loss: it was compiled without "
                                         "loss_fn or optimizer; call it for inference instead")
+        self._take_inference_statistics()
         self._check_model()
         newer = next((step for step in holding.trainers(self._model) if step is not self), None)
-        if newer is not None and newer._model is self._model and not newer.signature.has_loss:
-            # an inference program of the model updated buffers since (BatchNorm's statistics,
-            # called in train mode), which eager's next step reads: take them
-            newer.write_back()
-            self._take_model_state(self._model)
-            self._accept_writes()
-            newer = next((step for step in holding.trainers(self._model) if step is not self), None)
         if newer is not None and newer._model is self._model:
             raise UnsupportedInputError(
                 "another compiled step of this model has trained it since this one last ran (its "
@@ -1151,6 +1145,19 @@ class CompiledStep:
         self.steps_done += 1
         holding.hold(self, self._model, self._optimizer)
         return out["loss"]["loss"].detach()
+
+    def _take_inference_statistics(self) -> None:
+        """Where an inference program of this model updated buffers since this step last ran
+        (BatchNorm's statistics, called in train mode) and holds them, write it back and take
+        its buffers (rank 0's; a collective), which eager's next step, and this step's
+        ``state_dict``, read."""
+        holder = holding.holder(self._model)
+        if holder is None or holder is self or holder.signature.has_loss:
+            return
+        holder.write_back()
+        written = self._watch.written() & set(self.buffers)
+        self._take_users_changes(written, set())
+        self._watch.accept_writes_of(written)
 
     def write_back(self) -> None:
         """Put this step's training state into the model and optimizer it was compiled from
@@ -1190,9 +1197,10 @@ class CompiledStep:
         params = dict(self._model.named_parameters())
         changed = {name for name, p in params.items() if id(p) in self._optimizer_watch.changed_params()} \
             if self._optimizer is not None else set()
-        # a collective per tensor, alike on every rank; a frozen parameter stays as it is
-        full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()
-                if k not in self._frozen}
+        # a collective per tensor, alike on every rank; a frozen parameter stays as it is, and
+        # an inference program's parameters (the model's, as it took them)
+        held = {**self.params, **self.buffers} if self.signature.has_loss else self.buffers
+        full = {k: self._gather(k, v) for k, v in held.items() if k not in self._frozen}
         own = {**params, **dict(self._model.named_buffers())}
         with torch.no_grad():
             for name, value in full.items():
@@ -1393,6 +1401,7 @@ class CompiledStep:
         """Full parameters and persistent buffers under exactly the keys of the model's own
         ``state_dict()`` (a tied parameter under each of its names), so that
         ``model.load_state_dict(step.state_dict(), strict=True)`` works (collective)."""
+        self._take_inference_statistics()
         full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()}
         state = {key: full[name] for key, name in self._state_dict_names.items()}
         return {key: state[key] if key in state else self._extra_state[key]
@@ -1424,6 +1433,7 @@ class CompiledStep:
         ``path`` with ``torch.distributed.checkpoint``, each rank writing its own pieces
         (collective). Load it with :meth:`load_checkpoint`, on any mesh shape or world size."""
         self._take_stream()  # the stream's latest state, another program's draws too
+        self._take_inference_statistics()
         dcp.save(self._sharded_state(), checkpoint_id=path)
 
     def load_checkpoint(self, path: str) -> None:

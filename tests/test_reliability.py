@@ -1274,23 +1274,30 @@ def _steps_with_train_mode_inference(rank):
     forward = ddlc.compile(model, (2,), (batches[0][0],))  # train mode: it updates the statistics
     step = ddlc.compile(model, (2,), batches[0], F.cross_entropy, opt,
                         placements={"input0": "(S0)", "input1": "(S0)"})
+    again = ddlc.compile(model, (2,), (batches[0][0],))  # a second one, called after the first
     losses = []
     for x, y in batches:
         losses.append(float(step.step(x, y)))
         forward(x * 2)
+        again(x - 1)
+    from_step = {k: v.clone() for k, v in step.state_dict().items()}
     step.write_back()
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}, from_step
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_step_after_a_train_mode_inference_call_takes_its_statistics():
     # the step refused ("another compiled step of this model has trained it") where eager's
-    # next step reads the statistics the forward pass moved
+    # next step reads the statistics the forward passes moved (a second pass in a row: "was
+    # written in place"), and step.state_dict() left them out
     model, opt, batches = _batch_norm_mlp()
     train_step, want = _eager_step(model, opt), []
     for x, y in batches:
         want.append(train_step(x, y))
         with torch.no_grad():
             model(x * 2)
-    _assert_every_rank_matches(spawn(_steps_with_train_mode_inference, 2, timeout=300, deadline=100), want, model)
+            model(x - 1)
+    results = spawn(_steps_with_train_mode_inference, 2, timeout=300, deadline=100)
+    _assert_every_rank_matches([(losses, state) for losses, state, _ in results], want, model)
+    _assert_every_rank_matches([(losses, from_step) for losses, _, from_step in results], want, model)

@@ -794,7 +794,7 @@ class _DropoutLayouts(nn.Module):
         super().__init__()
         self.variant = variant
         self.conv, self.conv2d = nn.Conv1d(4, 16, 3, padding=1), nn.Conv2d(3, 6, 3, padding=1)
-        self.head, self.head2d = nn.Linear(16, 4), nn.Linear(6, 4)
+        self.head, self.head2d, self.head_qkv = nn.Linear(16, 4), nn.Linear(6, 4), nn.Linear(16, 48)
 
     def forward(self, x):
         if self.variant == "contiguous":
@@ -803,6 +803,10 @@ class _DropoutLayouts(nn.Module):
             return self.head(F.dropout(self.conv(x)[:, :1].expand(-1, 16, -1), 0.3, self.training).transpose(1, 2))
         if self.variant == "channels_last":
             return self.head2d(F.dropout(self.conv2d(x), 0.3, self.training).mean((2, 3)))
+        if self.variant == "attention_output":  # on the CPU laid out as its (batch, time, head) query
+            q, k, v = self.head_qkv(self.conv(x).permute(0, 2, 1)).view(8, 6, 4, 12).transpose(1, 2).chunk(3, -1)
+            attended = F.dropout(F.scaled_dot_product_attention(q, k, v), 0.3, self.training)
+            return self.head(attended.transpose(1, 2).reshape(8, 6, 16))
         return self.head(F.dropout(x, 0.3, self.training))  # "transposed_input"
 
 
@@ -816,12 +820,13 @@ def _layout_data(variant: str):
     return [(torch.randn(8, 4, 6, generator=g), torch.randn(8, 6, 4, generator=g)) for _ in range(3)]
 
 
-@pytest.mark.parametrize("variant", ["contiguous", "expanded", "channels_last", "transposed_input"])
+@pytest.mark.parametrize("variant", ["contiguous", "expanded", "channels_last", "transposed_input",
+                                     "attention_output"])
 def test_dropout_masks_follow_eagers_layout_in_every_form(variant):
     """A helper found these after the permuted case was fixed: ``.contiguous()`` leaves no
     node in the traced graph and an expanded dim has stride 0 (both drawn permuted:
-    losses 4e-2 and 0.13 off), a channels-last convolution's output and a transposed batch
-    were drawn row-major (4e-2, 0.1 off). The layouts now come from the step traced with
+    losses 4e-2 and 0.13 off), a channels-last convolution's output, a transposed batch and
+    attention's output (laid out as its query) were drawn row-major (4e-2, 0.1, 3e-2 off). The layouts now come from the step traced with
     its views, where a first look finds a mask that may be laid out otherwise."""
     torch.manual_seed(0)
     model = _DropoutLayouts(variant)
