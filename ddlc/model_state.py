@@ -186,28 +186,21 @@ class ModelWatch:
                 if before != after} | \
             {name for (name, _), before, after in zip(self._buffers, then[3], now[3]) if before != after}
 
-    def accept_writes(self) -> None:
+    def accept_writes(self, names: set[str] | None = None) -> None:
         """Take the parameters' and buffers' values as they are now (version counters):
         the step's own weights were just replaced (a checkpoint loaded), so earlier writes
         into the model's are not ignored any more; or the step wrote its own into the model
         (which moves the versions of tensor attributes that view them too). Nothing else is
-        accepted."""
+        accepted. ``names``: those parameters and buffers alone (another program's
+        statistics, taken by the step), tensor attributes left as they were."""
         objects, numbers = self._snapshot
         now = self._take()[1]
-        self._snapshot = objects, (*numbers[:2],
-                                   tuple((r, v_now, *hooks) for (r, _, *hooks), (_, v_now, *_) in zip(numbers[2], now[2])),
-                                   now[3], now[4])
-
-    def accept_writes_of(self, names: set[str]) -> None:
-        """:meth:`accept_writes` for the parameters and buffers ``names`` alone (another
-        program's statistics, taken by the step)."""
-        objects, numbers = self._snapshot
-        now = self._take()[1]
-        params = tuple((r, v_now if name in names else v, *hooks) for (name, _), (r, v, *hooks), (_, v_now, *_)
+        taken = (lambda name: True) if names is None else names.__contains__
+        params = tuple((r, v_now if taken(name) else v, *hooks) for (name, _), (r, v, *hooks), (_, v_now, *_)
                        in zip(self._params, numbers[2], now[2]))
-        buffers = tuple(after if name in names else before
+        buffers = tuple(after if taken(name) else before
                         for (name, _), before, after in zip(self._buffers, numbers[3], now[3]))
-        self._snapshot = objects, (*numbers[:2], params, buffers, *numbers[4:])
+        self._snapshot = objects, (*numbers[:2], params, buffers, now[4] if names is None else numbers[4])
 
     def restore_attributes(self) -> None:
         """Give every module back the plain attributes it had at the snapshot (those that

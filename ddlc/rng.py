@@ -23,6 +23,8 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
+from .ir import leaves, map_leaves
+
 __all__ = ["DRAWS", "draw", "draws_random_numbers", "eager_orders", "may_draw_permuted", "supported"]
 
 aten = torch.ops.aten
@@ -134,7 +136,8 @@ def may_draw_permuted(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callabl
     masks = [activation for _, activation in _masks(gm.graph) if activation is not None]
     if not masks:
         return False
-    last = max(list(gm.graph.nodes).index(n) for n in masks)
+    position = {node: index for index, node in enumerate(gm.graph.nodes)}
+    last = max(position[n] for n in masks)
     metas: dict[fx.Node, object] = {}  # the nodes laid out otherwise than row-major
 
     def meta(x):
@@ -182,16 +185,13 @@ def may_draw_permuted(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callabl
 
 def _tensors(value) -> list[torch.Tensor]:
     """The tensors of a node's value (one, or a tuple's)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [v for v in value if isinstance(v, torch.Tensor)] if isinstance(value, (tuple, list)) else []
+    return [v for v in leaves(value) if isinstance(v, torch.Tensor)]
 
 
 def _as_meta(value):
     """A traced value as meta tensors of its layouts (a tuple's too)."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-    return type(value)(_as_meta(v) for v in value) if isinstance(value, (tuple, list)) else value
+    return map_leaves(lambda v: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                      if isinstance(v, torch.Tensor) else v, value)
 
 
 def eager_orders(gm: fx.GraphModule, with_views: fx.GraphModule) -> dict[fx.Node, tuple]:

@@ -1157,7 +1157,7 @@ class CompiledStep:
         holder.write_back()
         written = self._watch.written() & set(self.buffers)
         self._take_users_changes(written, set())
-        self._watch.accept_writes_of(written)
+        self._watch.accept_writes(written)
 
     def write_back(self) -> None:
         """Put this step's training state into the model and optimizer it was compiled from
@@ -1195,8 +1195,8 @@ class CompiledStep:
             return
         written = self._watch.written()
         params = dict(self._model.named_parameters())
-        changed = {name for name, p in params.items() if id(p) in self._optimizer_watch.changed_params()} \
-            if self._optimizer is not None else set()
+        changed_ids = self._optimizer_watch.changed_params() if self._optimizer is not None else set()
+        changed = {name for name, p in params.items() if id(p) in changed_ids}
         # a collective per tensor, alike on every rank; a frozen parameter stays as it is, and
         # an inference program's parameters (the model's, as it took them)
         held = {**self.params, **self.buffers} if self.signature.has_loss else self.buffers

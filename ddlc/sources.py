@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["cite", "custom_operator", "source_from_stack", "user_frame"]
+__all__ = ["caller", "cite", "custom_operator", "source_from_stack", "user_frame"]
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
                   os.path.dirname(os.__file__))
@@ -66,6 +66,11 @@ _TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d", "hig
 
 def user_frame(exc: BaseException) -> str | None:
     return cite([(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_tb(exc.__traceback__)])
+
+
+def caller() -> str | None:
+    """:func:`cite` of the stack that calls this (a refusal raised while the forward runs)."""
+    return cite([(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_stack()[:-1]])
 
 
 def source_from_stack(stack_trace: str | None) -> str:

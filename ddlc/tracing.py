@@ -690,7 +690,7 @@ def _one_hot(tensor, num_classes=-1):
         raise UnsupportedInputError(
             "F.one_hot without num_classes takes the number of classes from the largest value, "
             "which one static graph cannot: pass num_classes",
-            where=sources.cite([(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_stack()]))
+            where=sources.caller())
     return (tensor.unsqueeze(-1) == torch.arange(num_classes, device=tensor.device)).to(torch.int64)
 
 
@@ -700,7 +700,7 @@ def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sc
         raise UnsupportedInputError(
             "F.embedding(..., sparse=True) gives its weight a sparse gradient; ddlc trains with dense "
             "gradients only: pass sparse=False",
-            where=sources.cite([(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_stack()]))
+            where=sources.caller())
     return _AS_IS
 
 
@@ -986,13 +986,12 @@ def _checkpoints_as_regions(annotator: _ModuleAnnotator):
     class Reentrant:
         @staticmethod
         def apply(*args):
-            frames = traceback.extract_stack()[:-1]
             raise UnsupportedInputError(
                 "the model calls torch.utils.checkpoint with use_reentrant=True, which runs "
                 "the block in an old-style autograd Function that ddlc cannot trace; pass "
                 "use_reentrant=False (Hugging Face's gradient_checkpointing_enable does by "
                 "default): ddlc then recomputes the block's activations in backward",
-                where=sources.cite([(f.filename, f.lineno, f.name, f.line or "") for f in frames]))
+                where=sources.caller())
 
     saved = checkpoint_module._checkpoint_without_reentrant_generator, checkpoint_module.CheckpointFunction
     checkpoint_module._checkpoint_without_reentrant_generator = without_reentrant
