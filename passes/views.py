@@ -40,6 +40,7 @@ left as it is.
 from __future__ import annotations
 
 import operator
+from typing import Callable
 
 import torch
 from torch import fx
@@ -89,6 +90,15 @@ _CONTIGUOUS_READERS = (_aten.native_layer_norm_backward.default, _aten.softplus_
 #: buffers whatever their strides (an LSTM's ``mkldnn_rnn_layer`` given its transposed
 #: input as a view computed another sequence: wrong losses, even on one device)
 _VENDOR_KERNELS = ("mkldnn_", "_mkldnn", "cudnn_", "_cudnn", "miopen_", "_miopen", "_thnn_fused")
+#: operator name prefixes of the fused attention kernels, which read their inputs' last
+#: dimension as dense rows: torch's SDPA dispatch chooses them only for inputs whose last
+#: stride is 1 (``sdp_utils``; eager runs the math kernel otherwise), and the CPU flash
+#: kernel given another stride returns wrong values (a query that is a convolution's
+#: output permuted, reshaped into heads and transposed: NaN losses). Such an input gets a
+#: contiguous clone.
+_ROW_READERS = ("_scaled_dot_product_flash", "_scaled_dot_product_efficient",
+                "_scaled_dot_product_cudnn", "_scaled_dot_product_fused", "_flash_attention",
+                "_efficient_attention")
 
 
 def views_as_views(gm: fx.GraphModule) -> fx.GraphModule:
@@ -129,6 +139,8 @@ class _Walk:
             return
         if _needs_contiguous(node):
             self.give_contiguous(node, owned=False)
+        elif _reads_rows(node):
+            self.give_contiguous(node, owned=False, fine=_dense_rows)
         moved = node.target in VIEW_FORMS.values() or any(
             a in self.layout for a in node.all_input_nodes)
         if moved:
@@ -174,16 +186,18 @@ class _Walk:
         except Exception:  # noqa: BLE001 - no meta kernel, a collective, a draw, bad strides
             return None
 
-    def give_contiguous(self, reader: fx.Node, owned: bool) -> None:
-        """Replace each strided tensor input of ``reader`` (with ``owned``, also each alias)
-        by its contiguous clone, made once before the first reader that needs it."""
+    def give_contiguous(self, reader: fx.Node, owned: bool,
+                        fine: Callable[[torch.Tensor], bool] = torch.Tensor.is_contiguous) -> None:
+        """Replace each tensor input of ``reader`` whose run-time layout is not ``fine``
+        (with ``owned``, also each alias) by its contiguous clone, made once before the
+        first reader that needs it."""
         def fix(arg):
             if not isinstance(arg, fx.Node):
                 return arg
             value = self.value(arg)
             if not isinstance(value, torch.Tensor):
                 return arg
-            if value.is_contiguous() and not (owned and arg in self.aliases):
+            if fine(value) and not (owned and arg in self.aliases):
                 return arg
             if arg not in self.contiguous:
                 with self.graph.inserting_before(reader):
@@ -233,6 +247,15 @@ def _needs_contiguous(node: fx.Node) -> bool:
     # AccumulateGrad makes it: a transposed weight gradient read by the ten or so
     # elementwise operators of an AdamW update costs each of them 15x (1M floats on CPU)
     return in_update(node) and not target.is_view
+
+
+def _reads_rows(node: fx.Node) -> bool:
+    return isinstance(node.target, OpOverload) and node.target.__name__.startswith(_ROW_READERS)
+
+
+def _dense_rows(value: torch.Tensor) -> bool:
+    """Whether ``value``'s last dimension is dense (stride 1, or at most one element)."""
+    return value.dim() == 0 or value.shape[-1] <= 1 or value.stride(-1) == 1
 
 
 def _same_layout(a, b) -> bool:

@@ -19,7 +19,7 @@ from ddlc.errors import ShardingError
 from ddlc.ir import SHARDING, output_scalars
 from ddlc.zoo import CNN, GPT, MLP, lm_loss
 from passes.canonicalize import canonicalize
-from passes.rules import NdSignature, selected_leaf, tensor_inputs
+from passes.rules import NdSignature, selected_leaf, signatures_nd, tensor_inputs
 from passes.sharding import build_problem, compute_seconds, mesh_shapes, search_mesh_shapes, shard
 
 
@@ -129,6 +129,36 @@ def _flops_and_bytes_mesh():
         "memory_bandwidth": math.inf, "memory_capacity": 1e12,
         "links": {"intra_node": link, "inter_node": link}})
     return ddlc.Mesh((4,), profile=profile)
+
+
+class _SelfAttention(nn.Module):
+    """Attention of one tensor with itself (``sdpa(q, q, q)``), or of copies of it."""
+
+    def __init__(self, copies: bool):
+        super().__init__()
+        self.proj, self.copies = nn.Linear(16, 16), copies
+
+    def forward(self, x):
+        q = self.proj(x).view(4, 8, 4, 4).transpose(1, 2)
+        k, v = (q.clone(), q.clone()) if self.copies else (q, q)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_a_tensor_read_as_several_arguments_is_priced_per_argument():
+    """The attention backward reads one tensor as query, key and value; a candidate may
+    place each argument differently (the query split by sequence, key and value whole).
+    Each is priced at its own local shape, as for three copies (pricing them by tensor
+    gave the query's shape to all three: an assertion inside torch's flop counter)."""
+    mesh = ddlc.Mesh((2, 2))
+
+    def prices(copies):
+        torch.manual_seed(0)
+        gm = _step(_SelfAttention(copies), (torch.randn(4, 8, 16), torch.randn(4, 4, 8, 4)), F.mse_loss)
+        node = next(n for n in gm.graph.nodes if "attention_for_cpu_backward" in str(n.target))
+        return [compute_seconds(node, sig, mesh) for sig in signatures_nd(node, mesh.shape)]
+
+    once, copied = prices(copies=False), prices(copies=True)
+    assert len(once) > 10 and once == copied
 
 
 def test_objective_equals_closed_form():

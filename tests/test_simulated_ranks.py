@@ -272,3 +272,53 @@ def test_view_replays_read_eagers_layout_after_a_collective(mesh_shape):
         torch.testing.assert_close(got, loss.detach(), rtol=1e-10, atol=1e-12)
     for name, p in model.named_parameters():
         torch.testing.assert_close(params[name], p.detach(), rtol=1e-9, atol=1e-12, msg=name)
+
+
+class _ConvolvedSelfAttention(nn.Module):
+    """Attention of one tensor with itself whose query is a convolution's channels
+    permuted, reshaped into heads and transposed: its last dimension is strided."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv1d(4, 16, 3, padding=1), nn.Linear(16, 4)
+
+    def forward(self, x):
+        q = self.conv(x).permute(0, 2, 1).reshape(8, 6, 4, 4).transpose(1, 2)
+        return self.head(F.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(8, 6, 16))
+
+
+@pytest.mark.parametrize("profile", ["default", "slow-compute"])
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["4", "2x2"])
+def test_attention_of_a_strided_tensor_with_itself_matches_single_device(mesh_shape, profile):
+    """Once NaN losses on every rank: the per-rank program ran the CPU flash kernel on
+    the strided query as a view (passes/views.py gives it dense rows now); and the plan
+    search, pricing the one tensor read as query, key and value by tensor rather than by
+    argument, failed inside torch's flop counter. On a batch-split plan and on one that
+    slow compute over fast links makes split other dimensions."""
+    from ddlc import pipeline
+    from ddlc.mesh import HardwareProfile
+    from ddlc.options import CompileOptions
+    torch.manual_seed(0)
+    model = _ConvolvedSelfAttention()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 4, 6, generator=g), torch.randn(8, 6, 4, generator=g)) for _ in range(3)]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    make_opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    gm = canonicalize(ddlc.trace(model, data[0], F.mse_loss, make_opt(model)))
+    options = {} if profile == "default" else {"profile": HardwareProfile.from_dict({
+        "name": "slow-compute", "devices_per_node": 8, "flops": {"float32": 1e8},
+        "memory_bandwidth": 1e9, "memory_capacity": 8e10,
+        "links": {"intra_node": {"latency": 1e-7, "bandwidth": 1e12},
+                  "inter_node": {"latency": 1e-7, "bandwidth": 1e12}}})}
+    mesh = ddlc.Mesh(mesh_shape, **options)
+    pipeline.plan(gm, mesh, CompileOptions.from_kwargs(**options), {})
+    losses, params, _, _ = simulate_steps(gm, mesh, params, {}, data)
+    opt = make_opt(model)
+    for (x, y), got in zip(data, losses):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(got, loss.detach())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), msg=name)

@@ -132,6 +132,29 @@ def test_activation_backwards_whose_meta_strides_differ_from_cpus_get_contiguous
     torch.testing.assert_close(gm(g, x), want)
 
 
+def test_fused_attention_reads_dense_rows_and_no_more():
+    """A query whose last dimension is strided (a convolution's channels permuted,
+    reshaped into heads and transposed) gets a contiguous clone before the CPU flash
+    kernel, which reads rows as dense and returns NaN otherwise; heads transposed out of
+    a (batch, sequence, heads, dim) tensor keep their dense rows and stay views."""
+    def step(c, x):
+        strided = c.permute(0, 2, 1).reshape(2, 6, 4, 4).transpose(1, 2)  # last stride 6
+        heads = x.view(2, 6, 4, 4).transpose(1, 2)                          # last stride 1
+        out, _ = aten._scaled_dot_product_flash_attention_for_cpu.default(strided, heads, heads)
+        return out
+
+    c, x = torch.randn(2, 16, 6), torch.randn(2, 6, 16)
+    gm = functional(step, c, x)
+    want = gm(c, x)
+    views_as_views(gm)
+    attention = next(n for n in gm.graph.nodes
+                     if n.target is aten._scaled_dot_product_flash_attention_for_cpu.default)
+    query, key, value = attention.args
+    assert query.target is aten.clone.default
+    assert key is value and key.target is aten.transpose.int
+    torch.testing.assert_close(gm(c, x), want)
+
+
 def test_a_graph_that_mutates_is_left_alone():
     def fn(x):
         y = x.t()

@@ -48,7 +48,7 @@ from ddlc.errors import ShardingError
 from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, is_scalar_valued, leaves, map_leaves, output_scalars, where
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, local_shape, plannable, why_not_plannable
-from passes.rules import NdSignature, call_key, selected_leaf, signatures_nd, tensor_inputs
+from passes.rules import NdSignature, call_key, is_tensor_node, selected_leaf, signatures_nd, tensor_inputs
 
 __all__ = ["Edge", "ShardingProblem", "build_problem", "lone_scalar_axes", "gradient_only_rides", "compute_seconds", "fold_block", "reduce_problem",
            "reduce_costs", "FORBIDDEN"]
@@ -185,15 +185,15 @@ def compute_seconds(node: fx.Node, sig: NdSignature, mesh: Mesh) -> float:
     """Roofline time of ``node`` at the local shapes ``sig`` gives it."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
-    in_sbp = dict(zip(tensor_inputs(node), sig.inputs))
     out_leaves, out_spec = tree_flatten(node.meta.get("val"))
     local_out = [_local(v, x, mesh) if isinstance(v, torch.Tensor) else v
                  for v, x in zip(out_leaves, sig.outputs)]
+    in_sbps = iter(sig.inputs)  # by position: one tensor may be read as several arguments
 
     def to_local(a):
         if not isinstance(a, fx.Node):
             return a
-        return _local(a.meta["val"], in_sbp[a], mesh) if a in in_sbp else a.meta.get("val")
+        return _local(a.meta["val"], next(in_sbps), mesh) if is_tensor_node(a) else a.meta.get("val")
 
     args, kwargs = map_leaves(to_local, (node.args, node.kwargs))
     return op_time(node.target, args, kwargs, out_spec.unflatten(local_out), mesh.profile)
@@ -226,8 +226,7 @@ class _NodeSeconds:
     def __call__(self, sig: NdSignature) -> float:
         if not self.priced:
             return 0.0
-        in_sbp = dict(zip(self.inputs, sig.inputs))
-        key = (tuple(self._local(self.in_shapes[a], x) for a, x in in_sbp.items()),
+        key = (tuple(self._local(self.in_shapes[a], x) for a, x in zip(self.inputs, sig.inputs)),
                tuple(self._local(s, x) for s, x in zip(self.out_shapes, sig.outputs)))
         if key not in self.seconds:
             self.seconds[key] = compute_seconds(self.node, sig, self.mesh)
