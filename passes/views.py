@@ -25,13 +25,16 @@ cannot run there, a collective or a random draw, makes a fresh contiguous tensor
   NCCL send contiguous buffers), every call of a Python function (``ddlc.comm``'s
   boxing pieces, ``ddlc.rng`` draws), ``native_layer_norm_backward`` (wrong values on
   CPU from strided ``mean``/``rstd``, see TORCH_NOTES.md), the activation backwards whose
-  meta kernels predict other strides than the CPU kernels (:data:`_CONTIGUOUS_READERS`),
-  every operator of the
+  meta kernels predict other strides than the CPU kernels and the kernels that refuse a
+  strided input (:data:`_CONTIGUOUS_READERS`), every operator of the
   optimizer update (a gradient that arrives as a transposed view is made contiguous
   once, as autograd's AccumulateGrad does, instead of slowing every elementwise operator
   of the update) and the graph's outputs,
   which become the step's new parameters, buffers and optimizer state and so must own
-  their memory (an output that is a view is cloned too).
+  their memory (an output that is a view is cloned too); a reader that needs less gets
+  the clone only where its input's layout falls short: group norm's kernels a tensor
+  dense in its suggested memory format (:data:`_FORMAT_READERS`), the fused attention
+  kernels dense last-dimension rows (:data:`_ROW_READERS`) (:func:`_layout_needed`).
 
 Values are unchanged (each alias reads what its copy held); the collective sequence and
 the node order are those of the scheduled program. A graph with a mutating operator is
@@ -79,23 +82,35 @@ _STRIDE_BOUND = (_aten.view.default, _aten._unsafe_view.default)
 #: what a contiguous clone keeps of its input's meta (the value, where it comes from)
 _COPIED_META = ("val", "tensor_meta", ORIGIN.name)
 #: operators given contiguous inputs: ``native_layer_norm_backward`` reads them as
-#: contiguous buffers; the others' meta kernels give a strided input's strides to the
-#: output where the CPU kernel makes it contiguous (Mamba's ``softplus_backward`` of a
-#: transposed input), so a view after them would fail at run time
-_CONTIGUOUS_READERS = (_aten.native_layer_norm_backward.default, _aten.softplus_backward.default,
-                       _aten.elu_backward.default, _aten.hardtanh_backward.default,
-                       _aten.hardsigmoid_backward.default, _aten.hardswish_backward.default,
-                       _aten.logit_backward.default)
+#: contiguous buffers; the activation backwards' meta kernels give a strided input's
+#: strides to the output where the CPU kernel makes it contiguous (Mamba's
+#: ``softplus_backward`` of a transposed input), so a view after them would fail at run
+#: time; the others need contiguous inputs where eager's composites and backward formulas
+#: call ``.contiguous()`` first (which tracing, seeing the contiguous ``*_copy`` values,
+#: does not record): ``_embedding_bag`` reads strided indices (a DLRM's ``idx[:, k]``) as
+#: dense, wrong values, and its backward refuses them, as do ``_pdist_*`` (``F.pdist`` of a
+#: transposed tensor) and ``view_as_complex`` (the backward of ``view_as_real`` given an
+#: expanded gradient)
+_CONTIGUOUS_READERS = frozenset({
+    _aten.native_layer_norm_backward.default, _aten.softplus_backward.default,
+    _aten.elu_backward.default, _aten.hardtanh_backward.default, _aten.hardsigmoid_backward.default,
+    _aten.hardswish_backward.default, _aten.logit_backward.default,
+    _aten._embedding_bag.default, _aten._embedding_bag_forward_only.default,
+    _aten._embedding_bag_backward.default, _aten._embedding_bag_per_sample_weights_backward.default,
+    _aten._pdist_forward.default, _aten._pdist_backward.default, _aten.view_as_complex_copy.default})
 #: operator name prefixes of fused vendor kernels, which read their inputs as contiguous
 #: buffers whatever their strides (an LSTM's ``mkldnn_rnn_layer`` given its transposed
 #: input as a view computed another sequence: wrong losses, even on one device)
 _VENDOR_KERNELS = ("mkldnn_", "_mkldnn", "cudnn_", "_cudnn", "miopen_", "_miopen", "_thnn_fused")
+#: operators that read their inputs as dense in their suggested memory format (contiguous
+#: or channels-last): ``native_group_norm`` raises on another layout (a GroupNorm of a
+#: transposed Linear output), and its backward returns wrong values on CPU
+_FORMAT_READERS = frozenset({_aten.native_group_norm.default, _aten.native_group_norm_backward.default})
 #: operator name prefixes of the fused attention kernels, which read their inputs' last
 #: dimension as dense rows: torch's SDPA dispatch chooses them only for inputs whose last
 #: stride is 1 (``sdp_utils``; eager runs the math kernel otherwise), and the CPU flash
 #: kernel given another stride returns wrong values (a query that is a convolution's
-#: output permuted, reshaped into heads and transposed: NaN losses). Such an input gets a
-#: contiguous clone.
+#: output permuted, reshaped into heads and transposed: NaN losses)
 _ROW_READERS = ("_scaled_dot_product_flash", "_scaled_dot_product_efficient",
                 "_scaled_dot_product_cudnn", "_scaled_dot_product_fused", "_flash_attention",
                 "_efficient_attention")
@@ -137,10 +152,9 @@ class _Walk:
         if _transposes_a_product(node):
             self.transpose_operands(node)
             return
-        if _needs_contiguous(node):
-            self.give_contiguous(node, owned=False)
-        elif _reads_rows(node):
-            self.give_contiguous(node, owned=False, fine=_dense_rows)
+        needed = _layout_needed(node)
+        if needed is not None:
+            self.give_contiguous(node, owned=False, fine=needed)
         moved = node.target in VIEW_FORMS.values() or any(
             a in self.layout for a in node.all_input_nodes)
         if moved:
@@ -234,28 +248,37 @@ def _is_view(node: fx.Node) -> bool:
         node.target.is_view or node.target is _aten.reshape.default)
 
 
-def _needs_contiguous(node: fx.Node) -> bool:
+def _layout_needed(node: fx.Node) -> Callable[[torch.Tensor], bool] | None:
+    """What the run-time layout of each tensor input of ``node`` must satisfy (an input
+    that does not is given a contiguous clone), or None: any layout does."""
     target = node.target
     if target is operator.getitem:
-        return False
+        return None
     if not isinstance(target, OpOverload):
-        return True   # a Python function: ddlc.comm's boxing pieces, ddlc.rng's draws
+        return torch.Tensor.is_contiguous  # a Python function: ddlc.comm's boxing pieces, ddlc.rng's draws
     if target.namespace == "_c10d_functional" or target in _CONTIGUOUS_READERS \
             or target.__name__.startswith(_VENDOR_KERNELS):
-        return True
+        return torch.Tensor.is_contiguous
+    if target in _FORMAT_READERS:
+        return _dense_in_its_format
+    if target.__name__.startswith(_ROW_READERS):
+        return _dense_rows
     # the update reads each gradient in its parameter's (contiguous) layout, as autograd's
     # AccumulateGrad makes it: a transposed weight gradient read by the ten or so
     # elementwise operators of an AdamW update costs each of them 15x (1M floats on CPU)
-    return in_update(node) and not target.is_view
-
-
-def _reads_rows(node: fx.Node) -> bool:
-    return isinstance(node.target, OpOverload) and node.target.__name__.startswith(_ROW_READERS)
+    return torch.Tensor.is_contiguous if in_update(node) and not target.is_view else None
 
 
 def _dense_rows(value: torch.Tensor) -> bool:
     """Whether ``value``'s last dimension is dense (stride 1, or at most one element)."""
     return value.dim() == 0 or value.shape[-1] <= 1 or value.stride(-1) == 1
+
+
+def _dense_in_its_format(value: torch.Tensor) -> bool:
+    """Whether ``value`` is contiguous, or channels-last contiguous (4-D and 5-D)."""
+    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(value.dim())
+    return value.is_contiguous() or (channels_last is not None
+                                     and value.is_contiguous(memory_format=channels_last))
 
 
 def _same_layout(a, b) -> bool:

@@ -155,6 +155,88 @@ def test_fused_attention_reads_dense_rows_and_no_more():
     torch.testing.assert_close(gm(c, x), want)
 
 
+def _embedding_bag_of_a_column(weight, idx):
+    return aten._embedding_bag.default(weight, idx[:, 0], torch.arange(4), False, 0)[0]
+
+
+def _embedding_bag_backward_of_a_column(grad, weight, idx):
+    column, offsets = idx[:, 0], torch.arange(4)
+    _, offset2bag, bag_size, max_indices = aten._embedding_bag.default(weight, column, offsets, False, 0)
+    return aten._embedding_bag_backward.default(grad, column, offsets, offset2bag, bag_size,
+                                                max_indices, 10, False, 0, False, None)
+
+
+def _pdist_of_a_transpose(x):
+    return aten._pdist_forward.default(x.t(), 2.0)
+
+
+def _pdist_backward_of_a_transpose(grad, x):
+    return aten._pdist_backward.default(grad, x.t(), 2.0, aten._pdist_forward.default(x.t(), 2.0))
+
+
+def _complex_of_an_expanded_gradient(grad):
+    return aten.view_as_complex.default(grad.unsqueeze(-1).expand(4, 6, 2))
+
+
+def _group_norm_of_a_transpose(x):
+    return aten.native_group_norm.default(x.transpose(1, 2), None, None, 2, 16, 6, 4, 1e-5)[0]
+
+
+def _group_norm_backward_of_transposes(grad, x):
+    xt = x.transpose(1, 2)
+    _, mean, rstd = aten.native_group_norm.default(xt, torch.ones(16), None, 2, 16, 6, 4, 1e-5)
+    return aten.native_group_norm_backward.default(grad.transpose(1, 2), xt, mean, rstd, torch.ones(16),
+                                                   2, 16, 6, 4, [True, True, False])[:2]
+
+
+_LAYOUT_CASES = {  # kernel given a view eager's composites or backward formulas make contiguous
+    "embedding_bag": (_embedding_bag_of_a_column,                 # wrong values
+                      lambda: (torch.randn(10, 3), torch.randint(0, 10, (8, 2)))),
+    "embedding_bag_backward": (_embedding_bag_backward_of_a_column,  # raises
+                               lambda: (torch.randn(4, 3), torch.randn(10, 3), torch.randint(0, 10, (8, 2)))),
+    "pdist": (_pdist_of_a_transpose, lambda: (torch.randn(6, 8),)),  # raises
+    "pdist_backward": (_pdist_backward_of_a_transpose, lambda: (torch.randn(28), torch.randn(6, 8))),
+    "view_as_complex": (_complex_of_an_expanded_gradient, lambda: (torch.randn(4, 6),)),  # raises
+    "group_norm": (_group_norm_of_a_transpose, lambda: (torch.randn(2, 6, 16),)),  # raises
+    "group_norm_backward": (_group_norm_backward_of_transposes,   # wrong values
+                            lambda: (torch.randn(2, 6, 16), torch.randn(2, 6, 16))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_LAYOUT_CASES))
+def test_kernels_that_need_a_layout_get_it(case):
+    """Each kernel here, given as a view the strided tensor eager would have made
+    contiguous first, raises or returns other values on CPU (checked: the values of the
+    views themselves differ or raise); views_as_views gives it a contiguous clone, and the
+    program gives the functional graph's values."""
+    fn, make = _LAYOUT_CASES[case]
+    torch.manual_seed(0)
+    args = make()
+    gm = functional(fn, *args)
+    want = gm(*args)
+    try:
+        unfixed = fn(*args)
+    except RuntimeError:
+        unfixed = None
+    assert unfixed is None or any(not torch.equal(a, b) for a, b in
+                                  zip(torch.utils._pytree.tree_leaves(unfixed), torch.utils._pytree.tree_leaves(want)))
+    views_as_views(gm)
+    torch.testing.assert_close(gm(*args), want)
+
+
+def test_group_norm_reads_a_channels_last_input_as_it_is():
+    def step(x):
+        return aten.native_group_norm.default(x.permute(0, 3, 1, 2), None, None, 2, 8, 25, 4, 1e-5)[0]
+
+    x = torch.randn(2, 5, 5, 8)
+    gm = functional(step, x)
+    want = gm(x)
+    views_as_views(gm)
+    norm = next(n for n in gm.graph.nodes if n.target is aten.native_group_norm.default)
+    assert norm.args[0].target is aten.permute.default
+    torch.testing.assert_close(gm(x), want)
+
+
 def test_a_graph_that_mutates_is_left_alone():
     def fn(x):
         y = x.t()
