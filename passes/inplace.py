@@ -51,6 +51,7 @@ from torch._ops import OpOverload
 
 from ddlc.ir import ORIGIN, STEP, in_update, is_collective, is_mutating, is_wait
 from passes.fuse import pack, unpack
+from passes.views import UNANNOTATED_VIEWS
 
 __all__ = ["COLLECTIVES_IN_PLACE", "DONATED_ROLES", "inplace_form", "update_in_place"]
 
@@ -62,7 +63,8 @@ COLLECTIVES_IN_PLACE = {_c10d.all_reduce.default: _c10d.all_reduce_.default}
 
 #: Producers whose items are disjoint pieces of one buffer (they share its storage and
 #: never overlap).
-_SPLITTERS = frozenset({unpack, _aten.split.Tensor, _aten.split_with_sizes.default, _aten.unbind.int})
+_SPLITTERS = frozenset({unpack, _aten.split.Tensor, _aten.split_with_sizes.default, _aten.unbind.int,
+                        *UNANNOTATED_VIEWS})
 
 #: Python functions whose value is always memory of their own (``pack``: a ``torch.cat``).
 _FRESH = frozenset({pack})
@@ -233,7 +235,7 @@ def _aliases_first_input(node: fx.Node) -> bool:
     if target is operator.getitem or is_wait(node):
         return True
     return isinstance(target, OpOverload) and (
-        target.is_view or target._schema.is_mutable
+        target.is_view or target._schema.is_mutable or target in UNANNOTATED_VIEWS
         or target in (_aten.reshape.default, _aten._unsafe_view.default))
 
 

@@ -52,7 +52,7 @@ from torch._ops import OpOverload
 from ddlc.fake import as_meta
 from ddlc.ir import ORIGIN, in_update, is_mutating, leaves, map_leaves
 
-__all__ = ["VIEW_FORMS", "views_as_views"]
+__all__ = ["UNANNOTATED_VIEWS", "VIEW_FORMS", "views_as_views"]
 
 _aten = torch.ops.aten
 
@@ -77,6 +77,10 @@ VIEW_FORMS = {
     _aten.diagonal_copy.default: _aten.diagonal.default,
     _aten.unfold_copy.default: _aten.unfold.default,
 }
+#: operators whose items are views of their input though their schema does not say so
+#: (autograd treats them as new tensors; ``nn.LSTM``'s and ``nn.GRU``'s backward,
+#: ``torch.unsafe_chunk``): tracing keeps them, and writing into an item writes into the input
+UNANNOTATED_VIEWS = frozenset({_aten.unsafe_split.Tensor, _aten.unsafe_split_with_sizes.default})
 #: views that need view-compatible strides; a ``reshape`` where the input lacks them
 _STRIDE_BOUND = (_aten.view.default, _aten._unsafe_view.default)
 #: what a contiguous clone keeps of its input's meta (the value, where it comes from)
@@ -245,7 +249,7 @@ def _transposes_a_product(node: fx.Node) -> bool:
 
 def _is_view(node: fx.Node) -> bool:
     return isinstance(node.target, OpOverload) and (
-        node.target.is_view or node.target is _aten.reshape.default)
+        node.target.is_view or node.target is _aten.reshape.default or node.target in UNANNOTATED_VIEWS)
 
 
 def _layout_needed(node: fx.Node) -> Callable[[torch.Tensor], bool] | None:

@@ -271,3 +271,26 @@ def test_disjoint_pieces_of_one_buffer_keep_sharing_it():
     assert aten.clone.default not in [n.target for n in gm.graph.nodes]
     new_a, new_b = gm(torch.ones(4), torch.zeros(4))
     assert new_a.untyped_storage().data_ptr() == new_b.untyped_storage().data_ptr()
+
+
+def test_an_item_of_an_unsafe_split_is_a_view_of_its_input():
+    """``unsafe_split`` (``nn.LSTM``'s and ``nn.GRU``'s backward, ``torch.unsafe_chunk``)
+    returns views of its input though its schema says nothing of it: writing the update
+    into an item wrote into the input, which the program still returned (1.9 off)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.func import functionalize
+
+    def fn(x):
+        y = x.exp()
+        first, _ = torch.unsafe_split(y, 2)
+        return first * 2, y
+
+    x = torch.randn(4, 3)
+    gm = make_fx(functionalize(fn, remove="mutations_and_views"), tracing_mode="fake")(x)
+    assert aten.unsafe_split.Tensor in [n.target for n in gm.graph.nodes]
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            ORIGIN.set(node, Origin("optimizer", ""))
+    want = gm(x.clone())
+    update_in_place(gm)
+    torch.testing.assert_close(gm(x.clone()), want)

@@ -61,6 +61,16 @@ def test_an_output_that_is_a_view_gets_its_own_memory():
     torch.testing.assert_close(out, (x * 2).view(-1))
 
 
+def test_an_output_that_is_an_item_of_an_unsafe_split_gets_its_own_memory():
+    """``unsafe_split``'s items are views of its input (its schema does not say so)."""
+    gm = functional(lambda x: torch.unsafe_split(x * 2, 2)[0], torch.randn(4, 3))
+    views_as_views(gm)
+    x = torch.randn(4, 3)
+    out = gm(x)
+    assert aten.clone.default in targets(gm) and out._base is None
+    torch.testing.assert_close(out, (x * 2)[:2])
+
+
 def test_a_strided_tensor_is_made_contiguous_once_before_its_collective():
     graph = fx.Graph()
     x = graph.placeholder("x")
