@@ -31,10 +31,9 @@ cannot run there, a collective or a random draw, makes a fresh contiguous tensor
   once, as autograd's AccumulateGrad does, instead of slowing every elementwise operator
   of the update) and the graph's outputs,
   which become the step's new parameters, buffers and optimizer state and so must own
-  their memory (an output that is a view is cloned too); a reader that needs less gets
-  the clone only where its input's layout falls short: group norm's kernels a tensor
-  dense in its suggested memory format (:data:`_FORMAT_READERS`), the fused attention
-  kernels dense last-dimension rows (:data:`_ROW_READERS`) (:func:`_layout_needed`).
+  their memory (an output that is a view is cloned too); the fused attention kernels,
+  which need less, get the clone only where an input's last dimension is not dense
+  (:data:`_ROW_READERS`, :func:`_layout_needed`).
 
 Values are unchanged (each alias reads what its copy held); the collective sequence and
 the node order are those of the scheduled program. A graph with a mutating operator is
@@ -94,22 +93,26 @@ _COPIED_META = ("val", "tensor_meta", ORIGIN.name)
 #: does not record): ``_embedding_bag`` reads strided indices (a DLRM's ``idx[:, k]``) as
 #: dense, wrong values, and its backward refuses them, as do ``_pdist_*`` (``F.pdist`` of a
 #: transposed tensor) and ``view_as_complex`` (the backward of ``view_as_real`` given an
-#: expanded gradient)
+#: expanded gradient); ``native_group_norm`` refuses a tensor not dense in its suggested
+#: memory format and its backward reads the gradient in the input's format unchecked
+#: (wrong values: a transposed Linear output, or a channels-last input beside a
+#: contiguous gradient); ``_weight_norm_interface`` reads a strided ``v`` as dense (wrong
+#: values, and heap corruption on CPU)
 _CONTIGUOUS_READERS = frozenset({
     _aten.native_layer_norm_backward.default, _aten.softplus_backward.default,
     _aten.elu_backward.default, _aten.hardtanh_backward.default, _aten.hardsigmoid_backward.default,
     _aten.hardswish_backward.default, _aten.logit_backward.default,
     _aten._embedding_bag.default, _aten._embedding_bag_forward_only.default,
-    _aten._embedding_bag_backward.default, _aten._embedding_bag_per_sample_weights_backward.default,
-    _aten._pdist_forward.default, _aten._pdist_backward.default, _aten.view_as_complex_copy.default})
+    _aten._embedding_bag_backward.default, _aten._embedding_bag_dense_backward.default,
+    _aten._embedding_bag_per_sample_weights_backward.default,
+    _aten._pdist_forward.default, _aten._pdist_backward.default, _aten.view_as_complex_copy.default,
+    _aten.native_group_norm.default, _aten.native_group_norm_backward.default,
+    _aten._weight_norm_interface.default, _aten._weight_norm_interface_backward.default,
+    _aten.nll_loss2d_backward.default})
 #: operator name prefixes of fused vendor kernels, which read their inputs as contiguous
 #: buffers whatever their strides (an LSTM's ``mkldnn_rnn_layer`` given its transposed
 #: input as a view computed another sequence: wrong losses, even on one device)
 _VENDOR_KERNELS = ("mkldnn_", "_mkldnn", "cudnn_", "_cudnn", "miopen_", "_miopen", "_thnn_fused")
-#: operators that read their inputs as dense in their suggested memory format (contiguous
-#: or channels-last): ``native_group_norm`` raises on another layout (a GroupNorm of a
-#: transposed Linear output), and its backward returns wrong values on CPU
-_FORMAT_READERS = frozenset({_aten.native_group_norm.default, _aten.native_group_norm_backward.default})
 #: operator name prefixes of the fused attention kernels, which read their inputs' last
 #: dimension as dense rows: torch's SDPA dispatch chooses them only for inputs whose last
 #: stride is 1 (``sdp_utils``; eager runs the math kernel otherwise), and the CPU flash
@@ -263,8 +266,6 @@ def _layout_needed(node: fx.Node) -> Callable[[torch.Tensor], bool] | None:
     if target.namespace == "_c10d_functional" or target in _CONTIGUOUS_READERS \
             or target.__name__.startswith(_VENDOR_KERNELS):
         return torch.Tensor.is_contiguous
-    if target in _FORMAT_READERS:
-        return _dense_in_its_format
     if target.__name__.startswith(_ROW_READERS):
         return _dense_rows
     # the update reads each gradient in its parameter's (contiguous) layout, as autograd's
@@ -276,13 +277,6 @@ def _layout_needed(node: fx.Node) -> Callable[[torch.Tensor], bool] | None:
 def _dense_rows(value: torch.Tensor) -> bool:
     """Whether ``value``'s last dimension is dense (stride 1, or at most one element)."""
     return value.dim() == 0 or value.shape[-1] <= 1 or value.stride(-1) == 1
-
-
-def _dense_in_its_format(value: torch.Tensor) -> bool:
-    """Whether ``value`` is contiguous, or channels-last contiguous (4-D and 5-D)."""
-    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(value.dim())
-    return value.is_contiguous() or (channels_last is not None
-                                     and value.is_contiguous(memory_format=channels_last))
 
 
 def _same_layout(a, b) -> bool:
