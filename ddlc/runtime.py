@@ -1147,14 +1147,15 @@ class CompiledStep:
         return out["loss"]["loss"].detach()
 
     def _take_inference_statistics(self) -> None:
-        """Where an inference program of this model updated buffers since this step last ran
-        (BatchNorm's statistics, called in train mode) and holds them, write it back and take
-        its buffers (rank 0's; a collective), which eager's next step, and this step's
-        ``state_dict``, read."""
-        holder = holding.holder(self._model)
-        if holder is None or holder is self or holder.signature.has_loss:
+        """Where an inference program of this model, or of a model sharing a submodule with
+        it, updated buffers since this step last ran (BatchNorm's statistics, called in train
+        mode) and holds them, write it back and take its buffers (rank 0's; a collective),
+        which eager's next step, and this step's ``state_dict``, read."""
+        holders = [h for h in holding.statistics_holders(self._model) if h is not self]
+        if not holders:
             return
-        holder.write_back()
+        for holder in holders:
+            holder.write_back()
         written = self._watch.written() & set(self.buffers)
         self._take_users_changes(written, set())
         self._watch.accept_writes(written)
@@ -1192,6 +1193,9 @@ class CompiledStep:
         if holder is not self:
             if holder is not None:
                 holder.write_back()
+            for other in holding.statistics_holders(self._model):  # a submodule's, in train mode
+                if other is not self and other is not holder:
+                    other.write_back()
             return
         written = self._watch.written()
         params = dict(self._model.named_parameters())

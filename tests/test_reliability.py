@@ -1269,6 +1269,43 @@ def _batch_norm_mlp():
     return model, torch.optim.SGD(model.parameters(), lr=0.1), batches
 
 
+def _steps_with_train_mode_inference_of_a_submodule(rank):
+    model, opt, batches = _batch_norm_mlp()
+    backbone = model[:3]  # a Sequential of the model's own Linear, BatchNorm and ReLU
+    forward = ddlc.compile(backbone, (2,), (batches[0][0],))  # train mode: it moves the statistics
+    step = ddlc.compile(model, (2,), batches[0], F.cross_entropy, opt,
+                        placements={"input0": "(S0)", "input1": "(S0)"})
+    losses = []
+    for x, y in batches:
+        losses.append(float(step.step(x, y)))
+        forward(x * 2)
+    from_step = {k: v.clone() for k, v in step.state_dict().items()}
+    forward(batches[0][0] + 1)  # held by the inference program when the step is written back
+    step.write_back()
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}, from_step
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_step_takes_the_statistics_of_an_inference_program_of_its_submodule():
+    # the inference program of model[:3] kept the statistics it moved as its own: the next
+    # steps, step.state_dict() and the written-back model had the step's (running mean
+    # 0.10 off, variance 0.43)
+    model, opt, batches = _batch_norm_mlp()
+    train_step, want = _eager_step(model, opt), []
+    for x, y in batches:
+        want.append(train_step(x, y))
+        with torch.no_grad():
+            model[:3](x * 2)
+    at_state_dict = copy.deepcopy(model)
+    with torch.no_grad():
+        model[:3](batches[0][0] + 1)
+    results = spawn(_steps_with_train_mode_inference_of_a_submodule, 2, timeout=300, deadline=100)
+    _assert_every_rank_matches([(losses, state) for losses, state, _ in results], want, model)
+    _assert_every_rank_matches([(losses, from_step) for losses, _, from_step in results], want,
+                               at_state_dict)
+
+
 def _steps_with_train_mode_inference(rank):
     model, opt, batches = _batch_norm_mlp()
     forward = ddlc.compile(model, (2,), (batches[0][0],))  # train mode: it updates the statistics
