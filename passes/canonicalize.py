@@ -9,6 +9,8 @@ become their sum forms divided by the static element count. All are exact.
 that has the same (:func:`_rewrite_like_of_scalar`), so the loss's last arithmetic
 feeds only the output. Indexing by whole ranges (``arange``) in dim order is a view
 (:func:`_rewrite_index_by_aranges`: transformers' padding masks), so it shards.
+``squeeze`` names the dims it drops, those of size 1 in the whole tensor
+(:func:`_rewrite_squeeze_to_dims`), so a rank's piece keeps a split dim of one element.
 """
 from __future__ import annotations
 
@@ -190,6 +192,22 @@ def _rewrite_index_by_aranges(graph: fx.Graph, node: fx.Node) -> None:
     graph.erase_node(node)
 
 
+def _rewrite_squeeze_to_dims(graph: fx.Graph, node: fx.Node) -> None:
+    """``squeeze`` (all size-1 dims, or one given dim) names the dims it drops: those of
+    size 1 in the whole tensor. Run on a rank's piece, an implicit squeeze would also drop
+    a split dim whose piece has one element (a batch of 4 on 4 ranks)."""
+    x = node.args[0]
+    shape = x.meta["val"].shape
+    asked = range(len(shape)) if node.target in (aten.squeeze_copy.default, aten.squeeze.default) \
+        else node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    dims = sorted({d % max(len(shape), 1) for d in asked if len(shape) and shape[d] == 1})
+    node.target = aten.squeeze.dims if node.target in _SQUEEZE_VIEWS else aten.squeeze_copy.dims
+    node.args = (x, dims)
+
+
+_SQUEEZE_VIEWS = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+
+
 def _position(graph: fx.Graph, node: fx.Node) -> int:
     for i, n in enumerate(graph.nodes):
         if n is node:
@@ -206,6 +224,8 @@ REWRITES = {
     aten.ones_like.default: _rewrite_like_of_scalar,
     aten.zeros_like.default: _rewrite_like_of_scalar,
     aten.index.Tensor: _rewrite_index_by_aranges,
+    **dict.fromkeys([aten.squeeze_copy.default, aten.squeeze_copy.dim, aten.squeeze_copy.dims,
+                     *_SQUEEZE_VIEWS], _rewrite_squeeze_to_dims),
 }
 
 

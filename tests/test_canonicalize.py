@@ -106,3 +106,24 @@ def test_indexing_by_whole_aranges_in_dim_order_becomes_a_view():
         assert ("aten.index" not in op_summary(gm)) == views
         for a, b in zip(before, _run(gm, model, (x, mask, y))):
             torch.testing.assert_close(a, b)
+
+
+def test_squeeze_names_the_dims_of_size_one_in_the_whole_tensor():
+    """A rank's piece of ``(4, 1)`` split over 4 ranks is ``(1, 1)``: an implicit
+    ``squeeze()`` there would drop the split dim too (a LoweringError for ``model(x).squeeze()``
+    with a batch of one per rank; tests/test_simulated_ranks.py runs it)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.func import functionalize
+
+    def fn(x):
+        return x.squeeze() * 2, x.squeeze(1) + 1, x.squeeze(0) - 1, x.squeeze((0, -1)).sum()
+
+    x = torch.randn(4, 1)
+    gm = make_fx(functionalize(fn, remove="mutations_and_views"), tracing_mode="fake")(x)
+    want = gm(x)
+    canonicalize(gm)
+    squeezes = [n for n in gm.graph.nodes if "squeeze" in str(n.target)]
+    assert [(n.target, n.args[1]) for n in squeezes] == [(aten.squeeze_copy.dims, [1])] * 2 + \
+        [(aten.squeeze_copy.dims, [])] + [(aten.squeeze_copy.dims, [1])]
+    for got, expected in zip(gm(x), want):
+        torch.testing.assert_close(got, expected)

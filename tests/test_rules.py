@@ -376,6 +376,9 @@ SYNTHETIC.update({
     "scatter_value": lambda: (aten.scatter.value, (_r(4, 6), 1, _indices(4, 2, vocab=6), 0.5), {}),
     "index_select": lambda: (aten.index_select.default, (_r(4, 6), 1, _indices(4, vocab=6)), {}),
     "index_select_dim0": lambda: (aten.index_select.default, (_r(4, 6), 0, _indices(8, vocab=4)), {}),
+    # 0-d tensors (a cummax backward's scatter_add): the rules raised while planning
+    "index_select_0d": lambda: (aten.index_select.default, (_r(), 0, torch.tensor([0])), {}),
+    "scatter_add_0d": lambda: (aten.scatter_add.default, (_r(), 0, torch.tensor(0), _r()), {}),
     "index_broadcast_indices": lambda: (aten.index.Tensor, (_r(4, 8), [
         _indices(4, 1, 1, 1, vocab=4), _indices(1, 1, 1, 8, vocab=8)]), {}),
     "index_after_none": lambda: (aten.index.Tensor, (_r(4, 6, 2), [None, _indices(4, 2, vocab=6)]), {}),

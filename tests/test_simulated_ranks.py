@@ -324,6 +324,17 @@ def test_attention_of_a_strided_tensor_with_itself_matches_single_device(mesh_sh
         torch.testing.assert_close(params[name], p.detach(), msg=name)
 
 
+def _assert_simulated_matches_eager(model, make_opt, data, mesh_shape):
+    """Three steps of ``model`` (mean squared error) on simulated ranks of ``mesh_shape``,
+    its batches split, give eager's losses and parameters."""
+    reference_model = copy.deepcopy(model)
+    losses, params, _, _ = simulated(model, F.mse_loss, make_opt, data, mesh_shape)
+    want, _ = eager(reference_model, F.mse_loss, make_opt, data)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want))
+    for name, p in reference_model.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), msg=name)
+
+
 class _BagsOfColumns(nn.Module):
     """A DLRM's sparse features: one EmbeddingBag per column of the index batch, a
     GroupNorm of a transposed projection beside them."""
@@ -350,10 +361,26 @@ def test_embedding_bags_of_index_columns_match_single_device(mesh_shape):
     g = torch.Generator().manual_seed(1)
     data = [(torch.randint(0, 10, (8, 2), generator=g), torch.randn(8, 6, 3, generator=g),
              torch.randn(8, 3, generator=g)) for _ in range(3)]
-    make_opt = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)  # noqa: E731
-    reference_model = copy.deepcopy(model)
-    losses, params, _, _ = simulated(model, F.mse_loss, make_opt, data, mesh_shape)
-    want, _ = eager(reference_model, F.mse_loss, make_opt, data)
-    torch.testing.assert_close(torch.stack(losses), torch.stack(want))
-    for name, p in reference_model.named_parameters():
-        torch.testing.assert_close(params[name], p.detach(), msg=name)
+    _assert_simulated_matches_eager(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                                    data, mesh_shape)
+
+
+class _SqueezedScore(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.score(x).squeeze()
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["4", "2x2"])
+def test_a_squeezed_batch_of_one_per_rank_matches_single_device(mesh_shape):
+    """``model(x).squeeze()`` with one sample per rank: the rank's ``(1, 1)`` piece lost its
+    batch dim too (LoweringError); squeeze names its dims now (passes/canonicalize.py)."""
+    torch.manual_seed(0)
+    model = _SqueezedScore()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randn(4, generator=g)) for _ in range(3)]
+    _assert_simulated_matches_eager(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                                    data, mesh_shape)

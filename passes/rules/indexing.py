@@ -52,7 +52,7 @@ def _scatter_labels(call: Call, along_dim: bool) -> tuple[str, str, str]:
     meta, index = call["self"], call["index"]
     src = call.get("src")
     others = [m for m in (index, src) if isinstance(m, TensorMeta)]
-    if any(m.ndim != meta.ndim for m in others):
+    if meta.ndim == 0 or any(m.ndim != meta.ndim for m in others):  # nothing lines up
         return UNSPLIT * meta.ndim, UNSPLIT * index.ndim, UNSPLIT * getattr(src, "ndim", 0)
     d = call.dim("dim", meta.ndim)
     labels = letters(meta.ndim)
@@ -80,6 +80,8 @@ def scatter(call: Call) -> Labels:
 
 def index_select(call: Call) -> Labels:
     meta, index = call["self"], call["index"]
+    if meta.ndim == 0:  # a 0-d self: nothing to split
+        return Labels({"self": "", "index": UNSPLIT * index.ndim}, [""])
     d = call.dim("dim", meta.ndim)
     labels = letters(meta.ndim)
     src = labels[:d] + UNSPLIT + labels[d + 1:]
