@@ -1375,18 +1375,25 @@ class CompiledStep:
     def _take_current_state(self) -> None:
         """Before an inference call: where another compiled step has trained the model since,
         write that step back (collective; every rank runs the same calls); then reshard the
-        parameters and buffers written into the model since this program took them (an
-        inference program holds no state of its own to keep: eager inference would read
-        the model's)."""
+        parameters and buffers written into the model since this program took them, keeping
+        the statistics it moved itself that nothing wrote since (eager inference would read
+        the model's, which these are). Not taken: statistics another inference program of a
+        model sharing a buffer with this one moved and holds (README)."""
         for trainer in holding.trainers(self._model):
             if trainer is not self:
                 trainer.write_back()
-        if not self._watch.written():
+        written = self._watch.written()
+        if not written:
             return
-        self._take_model_state(self._model)
+        if holding.holder(self._model) is self:  # it holds statistics it moved: keep those not written
+            kept = {k: v for k, v in self.buffers.items() if k not in written}
+            self._take_model_state(self._model)
+            self.buffers.update(kept)
+            if not kept:  # the model's values are newer than all of this program's
+                holding.release(self._model)
+        else:
+            self._take_model_state(self._model)
         self._accept_writes()
-        if holding.holder(self._model) is self:  # the model's values are newer than this program's
-            holding.release(self._model)
 
     # -- random numbers ----------------------------------------------------------------
     @property
@@ -1462,6 +1469,11 @@ class CompiledStep:
         self._accept_writes()  # the model's weights written since compile are superseded
         if self._optimizer_watch is not None:  # and so is the optimizer's state
             self._optimizer_watch.accept()
+        # the statistics an inference program of a model sharing a submodule moved are
+        # superseded too (it takes the model's at its next call)
+        for other in holding.statistics_holders(self._model):
+            if other is not self:
+                holding.release(other._model)
         # newer than the model's: compiling it again, or an inference program of it,
         # writes it back first
         holding.hold(self, self._model, self._optimizer)

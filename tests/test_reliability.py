@@ -1306,6 +1306,61 @@ def test_a_step_takes_the_statistics_of_an_inference_program_of_its_submodule():
                                at_state_dict)
 
 
+def _statistics_after_a_checkpoint_and_of_a_program_of_its_own(rank, directory):
+    """(a) a step's checkpoint loaded after an inference program of its submodule moved
+    statistics; (b) an inference program sharing a Linear with the step and holding a
+    BatchNorm of its own, called between steps."""
+    model, opt, batches = _batch_norm_mlp()
+    forward = ddlc.compile(model[:3], (2,), (batches[0][0],))
+    step = ddlc.compile(model, (2,), batches[0], F.cross_entropy, opt,
+                        placements={"input0": "(S0)", "input1": "(S0)"})
+    losses = [float(step.step(*batches[0]))]
+    step.save_checkpoint(f"{directory}/a")
+    losses.append(float(step.step(*batches[1])))
+    forward(batches[1][0] * 3)
+    step.load_checkpoint(f"{directory}/a")
+    loaded = {k: v.clone() for k, v in step.state_dict().items()}
+    step.write_back()
+    torch.manual_seed(7)
+    probe = torch.nn.Sequential(model[0], torch.nn.BatchNorm1d(16))
+    probing = ddlc.compile(probe, (2,), (batches[0][0],))
+    for x, y in batches:
+        losses.append(float(step.step(x, y)))
+        probing(x * 2)
+    step.write_back()
+    probing.write_back()
+    return losses, loaded, {k: v.clone() for k, v in probe.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_statistics_after_a_checkpoint_and_of_an_inference_programs_own_batch_norm(tmp_path):
+    # (a) the inference program's statistics from before the load replaced the checkpoint's
+    # (running variance 0.67 off); (b) each call of the inference program, after writing
+    # the step back, reloaded its own BatchNorm's statistics from the model, losing those
+    # it had moved (num_batches_tracked 1 where eager has 3)
+    model, opt, batches = _batch_norm_mlp()
+    train_step = _eager_step(model, opt)
+    want = [train_step(*batches[0])]
+    checkpoint = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    want.append(train_step(*batches[1]))
+    with torch.no_grad():
+        model[:3](batches[1][0] * 3)
+    model.load_state_dict(checkpoint[0])
+    opt.load_state_dict(checkpoint[1])
+    loaded = copy.deepcopy(model)
+    torch.manual_seed(7)
+    probe = torch.nn.Sequential(model[0], torch.nn.BatchNorm1d(16))
+    for x, y in batches:
+        want.append(train_step(x, y))
+        with torch.no_grad():
+            probe(x * 2)
+    results = spawn(_statistics_after_a_checkpoint_and_of_a_program_of_its_own, 2, str(tmp_path),
+                    timeout=300, deadline=100)
+    _assert_every_rank_matches([(losses, at_load) for losses, at_load, _ in results], want, loaded)
+    _assert_every_rank_matches([(losses, probed) for losses, _, probed in results], want, probe)
+
+
 def _steps_with_train_mode_inference(rank):
     model, opt, batches = _batch_norm_mlp()
     forward = ddlc.compile(model, (2,), (batches[0][0],))  # train mode: it updates the statistics
