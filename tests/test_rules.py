@@ -498,6 +498,26 @@ def _claims(op, *args, **kwargs):
     return {str(s) for s in signatures_1d(node)}
 
 
+def test_a_tensor_read_twice_is_partial_at_both_readings_or_at_neither():
+    """``mul(g, g)`` (AdamW's squared gradient) as ``(B),(P)->(P)`` sums ``g * g_i`` over the
+    ranks: where ``g`` is rounding noise (a key bias's gradient, which softmax cancels) that
+    sum came out negative, and AdamW's ``sqrt`` of it made every loss NaN (a random plan of
+    an HF BERT on (3,)). ``mul(g, h)`` keeps those signatures."""
+    graph = torch.fx.Graph()
+    g, h = graph.placeholder("g"), graph.placeholder("h")
+    g.meta["val"], h.meta["val"] = torch.empty(4, 6), torch.empty(4, 6)
+    square = graph.call_function(aten.mul.Tensor, (g, g))
+    product = graph.call_function(aten.mul.Tensor, (g, h))
+    for node in (square, product):
+        node.meta["val"] = torch.empty(4, 6)
+    squares = {str(s) for s in signatures_nd(square, (2,))}
+    products = {str(s) for s in signatures_nd(product, (2,))}
+    mixed = {"(B),(P)->(P)", "(P),(B)->(P)"}
+    assert mixed <= products and squares == products - mixed
+    squares_2d = {str(s) for s in signatures_nd(square, (2, 2))}
+    assert squares_2d and not any("(B, P),(P, P)" in s or "(P, B),(B, B)" in s for s in squares_2d)
+
+
 def test_matmul_claims_the_six_signatures():
     assert _claims(aten.mm.default, _r(4, 6), _r(6, 8)) == {
         "S0,B->S0", "B,S1->S1", "S1,S0->P", "P,B->P", "B,P->P", "B,B->B"}

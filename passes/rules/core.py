@@ -372,7 +372,34 @@ def signatures_nd(node: fx.Node, mesh_shape: Sequence[int], key: tuple | None = 
         cached = _remember(_ND_CACHE, (key, mesh_shape),
                            tuple(_nd(combo) for combo in itertools.product(*per_axis)
                                  if _fits_nd(combo, metas, mesh_shape)))
+    repeated = repeated_inputs(node)
+    if repeated:
+        return [s for s in cached if _partial_alike(s, repeated)]
     return list(cached)
+
+
+def repeated_inputs(node: fx.Node) -> list[list[int]]:
+    """The groups of input positions of ``node`` that read one tensor (``mul(g, g)``)."""
+    positions: dict[fx.Node, list[int]] = {}
+    for j, a in enumerate(tensor_inputs(node)):
+        positions.setdefault(a, []).append(j)
+    return [js for js in positions.values() if len(js) > 1]
+
+
+def _partial_alike(sig: NdSignature, repeated: list[list[int]]) -> bool:
+    """Whether each tensor read at several positions is partial on a mesh axis at all of
+    them or at none. ``mul(g, g)`` as ``(B),(P)->(P)`` sums ``g * g_i`` over the ranks:
+    ``g * g`` in exact arithmetic, but where ``g`` is rounding noise (a gradient that
+    cancels) the sum can be negative, which a square never is (AdamW's ``sqrt`` of it:
+    NaN losses)."""
+    for js in repeated:
+        sbps = [sig.inputs[j] for j in js]
+        if any(x is None for x in sbps):
+            continue
+        for axis in range(len(sbps[0])):
+            if len({x[axis].is_partial for x in sbps}) > 1:
+                return False
+    return True
 
 
 def _entry_shapes(node: fx.Node) -> list[Optional[tuple[int, ...]]]:
