@@ -215,6 +215,23 @@ def _reannotate(node: fx.Node, shape, axis: int, d: int, mesh: Mesh, even: bool)
     return None
 
 
+def _redistributable(chain: list[fx.Node], new: dict[fx.Node, NdSignature]) -> bool:
+    """Whether every input of the re-annotated ``chain`` can be redistributed to what its
+    new signature reads (``new``: the chain's new signatures and its parameter's and
+    states' split placements): never a split to a partial sum (a chain node reading another's
+    output, or a state, as ``P``, which the re-annotation splits, keeps ``P`` where the
+    rules allow it)."""
+    for node in chain:
+        for a, dst in zip(tensor_inputs(node), new[node].inputs):
+            sig = new.get(a) or SHARDING.get(a)
+            if dst is None or sig is None or is_getitem(node):
+                continue
+            srcs = [x for x in sig.outputs if x is not None]
+            if len(srcs) == 1 and any(x.is_split and y.is_partial for x, y in zip(srcs[0], dst)):
+                return False
+    return True
+
+
 def _gradient_dim(chain: list[fx.Node], axis: int, shape) -> int | None | bool:
     """Whether the update is fed through a redistribution to ``B`` on ``axis`` (an edge into
     a chain node from a non-``B`` producer): False if not (nothing to decouple); else the
@@ -363,7 +380,9 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
             d = _split_dim(shape, placed, axis, mesh, prefer=arrives)
             even = d is not None and divides(shape, placed.replace(axis, S(d)), mesh.shape)
             new = {n: _reannotate(n, shape, axis, d, mesh, even) for n in chain} if d is not None else {}
-            if d is None or any(v is None for v in new.values()):
+            if d is None or any(v is None for v in new.values()) or not _redistributable(
+                    chain, {**new, **{x: NdSignature((), (_sbp(x).replace(axis, S(d)),))
+                                      for x in (param, *states) if tuple(x.meta["val"].shape) == shape}}):
                 log.debug("parameter %s keeps its all-reduce on axis %d (no shardable update)", key, axis)
                 kept = kept or arrives is None
                 continue

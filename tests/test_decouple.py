@@ -210,3 +210,28 @@ def test_clipping_keeps_each_update_to_its_own_parameter(opt_name):
     torch.testing.assert_close(torch.stack(list(losses)), torch.stack(want), rtol=1e-5, atol=1e-6)
     for k, p in eager.named_parameters():
         torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_chain_that_reads_a_partial_sum_is_not_split():
+    """A plan may keep an update's intermediate a partial sum (``lerp`` of a second moment
+    as ``(P),(P),(B)->(P)``, all-reduced before its ``sqrt``: valid, and found by fuzzing
+    random plans). Splitting the node that produces it, or the state it reads as ``P``,
+    would need a split turned into a partial sum, which no collective does (lowering
+    stopped with a LoweringError on about a third of such plans): that update keeps its
+    all-reduce."""
+    from ddlc.sbp import B, NdSBP, P, S
+    from ddlc.ir import NdSignature
+    from passes.decouple import _redistributable
+
+    graph = torch.fx.Graph()
+    grad = graph.placeholder("grad")
+    moment = graph.call_function(torch.ops.aten.mul.Tensor, (grad, grad))
+    mixed = graph.call_function(torch.ops.aten.lerp.Scalar, (moment, moment, 0.5))
+    partial, split, whole = NdSBP((P,)), NdSBP((S(0),)), NdSBP((B,))
+    as_partial = {grad: NdSignature((), (whole,)), moment: NdSignature((whole, whole), (split,)),
+                  mixed: NdSignature((partial, partial), (partial,))}
+    as_split = {**as_partial, mixed: NdSignature((split, split), (split,))}
+    for node in (grad, moment, mixed):
+        node.meta["val"] = torch.empty(4)
+    assert not _redistributable([moment, mixed], as_partial)
+    assert _redistributable([moment, mixed], as_split)
