@@ -165,7 +165,8 @@ def simulate_steps(gm: fx.GraphModule, mesh: Mesh, params: dict, buffers: dict, 
                   for c in coords]
         outs = run_ranks(graphs, mesh, pieces)
         if any(float(o[0]) != float(outs[0][0]) for o in outs):
-            raise AssertionError(f"ranks disagree on the loss: {[float(o[0]) for o in outs]}")
+            what = "every rank's loss is NaN" if all(o[0].isnan() for o in outs) else "ranks disagree on the loss"
+            raise AssertionError(f"{what}: {[float(o[0]) for o in outs]}")
         losses.append(outs[0][0])
         for k, spec in enumerate(sig.outputs):
             if spec.role in ("param", "opt_state", "buffer"):
