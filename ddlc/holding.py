@@ -29,7 +29,7 @@ from .errors import UnsupportedInputError
 if TYPE_CHECKING:
     from .runtime import CompiledStep
 
-__all__ = ["guard", "hold", "release", "holder", "statistics_holders", "trainers"]
+__all__ = ["buffer_holders", "guard", "hold", "release", "holder", "statistics_holders", "trainers"]
 
 #: per model, the compiled step whose steps trained it last and whose state was not written
 #: back: compiling the model again writes it back first
@@ -105,20 +105,24 @@ def trainers(model: nn.Module) -> "list[CompiledStep]":
     return sorted(found, key=lambda step: step.compiled_as)
 
 
-def statistics_holders(model: nn.Module) -> "list[CompiledStep]":
-    """The live inference programs holding buffers of ``model`` that they updated (called in
-    train mode: BatchNorm's statistics) and did not write back: the model's own
-    (:func:`holder`) and those of other models holding one of its buffers (a submodule both
-    hold, as ``model[:3]`` of an ``nn.Sequential`` does), in the order they were compiled
-    (the same on every rank)."""
+def buffer_holders(model: nn.Module) -> "list[CompiledStep]":
+    """The live compiled programs holding buffers of ``model`` they updated (BatchNorm's
+    statistics: a training step, or an inference program called in train mode) and did not
+    write back: the model's own (:func:`holder`) and those of other models holding one of
+    its buffers (a submodule both hold, as ``model[:3]`` of an ``nn.Sequential`` does), in
+    the order they were compiled (the same on every rank)."""
     mine = {id(b) for b in model.buffers()}
     found = []
     for other, ref in list(_HOLDER.items()):
         step = ref()
-        if step is not None and not step.signature.has_loss and (
-                other is model or not mine.isdisjoint(id(b) for b in other.buffers())):
+        if step is not None and (other is model or not mine.isdisjoint(id(b) for b in other.buffers())):
             found.append(step)
     return sorted(found, key=lambda step: step.compiled_as)
+
+
+def statistics_holders(model: nn.Module) -> "list[CompiledStep]":
+    """The inference programs among :func:`buffer_holders`."""
+    return [step for step in buffer_holders(model) if not step.signature.has_loss]
 
 
 def _refuse_stale(model: nn.Module | None, what: str) -> None:

@@ -1193,9 +1193,7 @@ class CompiledStep:
         if holder is not self:
             if holder is not None:
                 holder.write_back()
-            for other in holding.statistics_holders(self._model):  # a submodule's, in train mode
-                if other is not self and other is not holder:
-                    other.write_back()
+            self._take_inference_statistics()  # a submodule's program's, in train mode
             return
         written = self._watch.written()
         params = dict(self._model.named_parameters())
@@ -1379,9 +1377,12 @@ class CompiledStep:
         the statistics it moved itself that nothing wrote since (eager inference would read
         the model's, which these are). Not taken: statistics another inference program of a
         model sharing a buffer with this one moved and holds (README)."""
-        for trainer in holding.trainers(self._model):
-            if trainer is not self:
-                trainer.write_back()
+        # the steps that trained the model, or moved statistics of it (a frozen backbone's
+        # BatchNorm in train mode), in compile order
+        steps = [s for s in holding.buffer_holders(self._model) if s.signature.has_loss]
+        for step in sorted(set(holding.trainers(self._model) + steps), key=lambda s: s.compiled_as):
+            if step is not self:
+                step.write_back()
         written = self._watch.written()
         if not written:
             return
@@ -1454,6 +1455,11 @@ class CompiledStep:
         state yourself)."""
         state = self._sharded_state()
         _check_checkpoint(path, state)
+        # what an inference program of a model sharing a submodule moved goes into the model
+        # first (its own BatchNorm's statistics stay its own); the checkpoint supersedes the rest
+        for other in holding.statistics_holders(self._model):
+            if other is not self:
+                other.write_back()
         dcp.load(state, checkpoint_id=path)
         for key, value in state.items():
             if key == "steps_done":
@@ -1469,11 +1475,6 @@ class CompiledStep:
         self._accept_writes()  # the model's weights written since compile are superseded
         if self._optimizer_watch is not None:  # and so is the optimizer's state
             self._optimizer_watch.accept()
-        # the statistics an inference program of a model sharing a submodule moved are
-        # superseded too (it takes the model's at its next call)
-        for other in holding.statistics_holders(self._model):
-            if other is not self:
-                holding.release(other._model)
         # newer than the model's: compiling it again, or an inference program of it,
         # writes it back first
         holding.hold(self, self._model, self._optimizer)

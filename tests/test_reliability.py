@@ -1361,6 +1361,70 @@ def test_statistics_after_a_checkpoint_and_of_an_inference_programs_own_batch_no
     _assert_every_rank_matches([(losses, probed) for losses, _, probed in results], want, probe)
 
 
+def _statistics_of_a_frozen_backbone_and_of_a_program_s_own_after_a_checkpoint(rank, directory):
+    """(a) the step moves the statistics of a frozen backbone's BatchNorm, which an inference
+    program of the backbone reads; (b) a step's checkpoint loaded between calls of an
+    inference program of ``model[:3]`` plus a BatchNorm of its own."""
+    model, _, batches = _batch_norm_mlp()
+    for p in model[:3].parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    backbone = ddlc.compile(model[:3], (2,), (batches[0][0],))
+    step = ddlc.compile(model, (2,), batches[0], F.cross_entropy, opt,
+                        placements={"input0": "(S0)", "input1": "(S0)"})
+    outputs = []
+    for x, y in batches:
+        step.step(x, y)
+        outputs.append(backbone(x * 2))
+    step.write_back()
+    frozen = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(7)
+    extended = torch.nn.Sequential(*model[:3], torch.nn.BatchNorm1d(16))
+    forward = ddlc.compile(extended, (2,), (batches[0][0],))
+    step.save_checkpoint(f"{directory}/a")
+    forward(batches[0][0])
+    forward(batches[1][0])
+    step.load_checkpoint(f"{directory}/a")
+    forward(batches[2][0])
+    step.write_back()
+    forward.write_back()
+    return outputs, frozen, {k: v.clone() for k, v in extended.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_statistics_of_a_frozen_backbone_and_of_a_program_s_own_after_a_checkpoint(tmp_path):
+    # (a) an inference program of a frozen backbone wrote the step back only if the step
+    # trained one of its parameters, so it read the statistics compile took (mean 0.09 off);
+    # (b) load_checkpoint dropped the statistics of the inference program's own BatchNorm
+    # (num_batches_tracked 2 short)
+    model, _, batches = _batch_norm_mlp()
+    for p in model[:3].parameters():
+        p.requires_grad_(False)
+    train_step = _eager_step(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1))
+    outputs = []
+    for x, y in batches:
+        train_step(x, y)
+        with torch.no_grad():
+            outputs.append(model[:3](x * 2))
+    frozen = copy.deepcopy(model)
+    torch.manual_seed(7)
+    extended = torch.nn.Sequential(*model[:3], torch.nn.BatchNorm1d(16))
+    saved = copy.deepcopy(model.state_dict())
+    with torch.no_grad():
+        extended(batches[0][0])
+        extended(batches[1][0])
+        model.load_state_dict(saved)
+        extended(batches[2][0])
+    for got, state, extended_state in spawn(
+            _statistics_of_a_frozen_backbone_and_of_a_program_s_own_after_a_checkpoint, 2, str(tmp_path),
+            timeout=300, deadline=100):
+        for a, b in zip(got, outputs):
+            torch.testing.assert_close(a, b)
+        _assert_every_rank_matches([([], state)], [], frozen)
+        _assert_every_rank_matches([([], extended_state)], [], extended)
+
+
 def _steps_with_train_mode_inference(rank):
     model, opt, batches = _batch_norm_mlp()
     forward = ddlc.compile(model, (2,), (batches[0][0],))  # train mode: it updates the statistics
