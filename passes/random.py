@@ -18,7 +18,7 @@ from torch import fx
 
 from ddlc import rng
 from ddlc.errors import LoweringError
-from ddlc.ir import DRAW_ORDER, GLOBAL_VAL, ORIGIN, RANK_ARG, SHARDING, RankArg, where
+from ddlc.ir import DRAW_ORDER, GLOBAL_VAL, ORIGIN, RANK_ARG, SHARDING, RankArg, is_wait, where
 from ddlc.mesh import Mesh
 from ddlc.sbp import local_slices
 
@@ -44,7 +44,7 @@ def draw_globally(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.Gr
     generator.meta["val"] = None
     if ORIGIN.has(first):
         ORIGIN.set(generator, ORIGIN(first))
-    previous = None
+    previous, read = None, set()
     for node in draws:
         if not rng.supported(node):
             raise LoweringError(f"{node.name} ({node.target}) draws random numbers that depend on "
@@ -62,8 +62,13 @@ def draw_globally(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.Gr
         new.meta.update(node.meta)
         RANK_ARG.set(new, RankArg(6, "piece", shape=tuple(whole.shape), sbp=sbp))
         node.replace_all_uses_with(new)
+        read.update(node.all_input_nodes)
         gm.graph.erase_node(node)
         previous = new
+    # a draw needs no input's values (dropout's bernoulli read its template's shape only):
+    # a collective that brought an input only for it goes, with its wait (fx keeps a wait)
+    for unread in [n for n in gm.graph.nodes if n in read and is_wait(n) and not n.users]:
+        gm.graph.erase_node(unread)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm

@@ -10,7 +10,7 @@ from torch import nn
 
 import ddlc
 from conftest import assert_matches_reference, batches, eager, model_and_loss, optimizer, reference, simulated
-from ddlc.ir import COLLECTIVE, ROLE, SHARDING, collective_sequence
+from ddlc.ir import COLLECTIVE, ROLE, SHARDING, STEP, collective_sequence
 from ddlc.sbp import parse_sbp
 from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
 from passes.canonicalize import canonicalize
@@ -384,3 +384,24 @@ def test_a_squeezed_batch_of_one_per_rank_matches_single_device(mesh_shape):
     data = [(torch.randn(4, 8, generator=g), torch.randn(4, generator=g)) for _ in range(3)]
     _assert_simulated_matches_eager(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                                     data, mesh_shape)
+
+
+def test_a_collective_that_brought_only_a_random_draw_its_input_is_dropped():
+    """Dropout's ``bernoulli`` reads its template (``expand(empty)``) for the shape alone, so
+    the draw that replaces it (passes/random.py) leaves the template's redistribution
+    unread; fx keeps a wait, so the collective ran every step for nothing and fusion,
+    which takes every wait to have a reader, stopped with a ValueError (a random plan of
+    an HF GPT-2 with the template a partial sum)."""
+    from ddlc.ir import NdSignature, is_wait
+    from ddlc.sbp import NdSBP, P
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))
+    batch = (torch.randn(4, 8), torch.randn(4, 4))
+    gm = canonicalize(ddlc.trace(model, batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1)))
+    mesh = ddlc.Mesh((2,))
+    shard(gm, mesh, fixed={STEP(gm).input_name("input", k): parse_sbp("(S0)") for k in STEP(gm).keys("input")})
+    template = next(n for n in gm.graph.nodes if "bernoulli" in str(n.target)).args[0]
+    SHARDING.set(template, NdSignature((NdSBP((P,)),), (NdSBP((P,)),)))  # reduce-scattered for the draw
+    program = lower_rank(gm, mesh, (0,), fuse=True)
+    assert not [n for n in program.graph.nodes if is_wait(n) and not n.users]
+    assert [str(n.target) for n in program.graph.nodes if "reduce_scatter" in str(n.target)] == []
