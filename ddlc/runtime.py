@@ -1151,14 +1151,19 @@ class CompiledStep:
         it, updated buffers since this step last ran (BatchNorm's statistics, called in train
         mode) and holds them, write it back and take its buffers (rank 0's; a collective),
         which eager's next step, and this step's ``state_dict``, read."""
-        holders = [h for h in holding.statistics_holders(self._model) if h is not self]
-        if not holders:
+        if not self._write_back_inference_programs():
             return
-        for holder in holders:
-            holder.write_back()
         written = self._watch.written() & set(self.buffers)
         self._take_users_changes(written, set())
         self._watch.accept_writes(written)
+
+    def _write_back_inference_programs(self) -> bool:
+        """Write back the other inference programs holding statistics of this model
+        (:func:`holding.statistics_holders`; a collective); whether there were any."""
+        others = [h for h in holding.statistics_holders(self._model) if h is not self]
+        for other in others:
+            other.write_back()
+        return bool(others)
 
     def write_back(self) -> None:
         """Put this step's training state into the model and optimizer it was compiled from
@@ -1457,9 +1462,7 @@ class CompiledStep:
         _check_checkpoint(path, state)
         # what an inference program of a model sharing a submodule moved goes into the model
         # first (its own BatchNorm's statistics stay its own); the checkpoint supersedes the rest
-        for other in holding.statistics_holders(self._model):
-            if other is not self:
-                other.write_back()
+        self._write_back_inference_programs()
         dcp.load(state, checkpoint_id=path)
         for key, value in state.items():
             if key == "steps_done":

@@ -380,9 +380,10 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
             d = _split_dim(shape, placed, axis, mesh, prefer=arrives)
             even = d is not None and divides(shape, placed.replace(axis, S(d)), mesh.shape)
             new = {n: _reannotate(n, shape, axis, d, mesh, even) for n in chain} if d is not None else {}
-            if d is None or any(v is None for v in new.values()) or not _redistributable(
-                    chain, {**new, **{x: NdSignature((), (_sbp(x).replace(axis, S(d)),))
-                                      for x in (param, *states) if tuple(x.meta["val"].shape) == shape}}):
+            split_inputs = {x: NdSignature((), (_sbp(x).replace(axis, S(d)),)) for x in (param, *states)
+                            if d is not None and tuple(x.meta["val"].shape) == shape}
+            if d is None or any(v is None for v in new.values()) or \
+                    not _redistributable(chain, {**new, **split_inputs}):
                 log.debug("parameter %s keeps its all-reduce on axis %d (no shardable update)", key, axis)
                 kept = kept or arrives is None
                 continue

@@ -10,9 +10,8 @@ by ``fallback_ops``).
 from . import elementwise, factory, indexing, matmul, nn, reductions, views
 from .core import (LOCALIZERS, RULES, TAG_RULES, Call, Labels, NdSignature, Signature, TensorMeta,
                    bind, call_key, clear_caches, enumerate_signatures, fallback_ops, has_rule,
-                   is_functional, is_tensor_node, localize_args, repeated_inputs, rule_for,
-                   selected_leaf, signatures_1d,
-                   signatures_nd, tensor_inputs)
+                   is_functional, is_tensor_node, localize_args, rule_for, selected_leaf,
+                   signatures_1d, signatures_nd, tensor_inputs)
 
 for _family in (elementwise, matmul, views, indexing, reductions, nn, factory):
     RULES.update(_family.RULES)
@@ -21,5 +20,4 @@ for _family in (elementwise, matmul, views, indexing, reductions, nn, factory):
 
 __all__ = ["Call", "Labels", "NdSignature", "Signature", "TensorMeta", "bind", "call_key", "clear_caches",
            "enumerate_signatures", "fallback_ops", "has_rule", "is_functional", "is_tensor_node",
-           "localize_args", "repeated_inputs",
-           "rule_for", "selected_leaf", "signatures_1d", "signatures_nd", "tensor_inputs"]
+           "localize_args", "rule_for", "selected_leaf", "signatures_1d", "signatures_nd", "tensor_inputs"]

@@ -189,11 +189,13 @@ def _freeze(a: Any) -> Any:
 
 
 def call_key(node: fx.Node) -> tuple:
-    """What a node's signatures depend on: op, tensor shapes/dtypes, non-tensor args."""
+    """What a node's signatures depend on: op, tensor shapes/dtypes, non-tensor args, and
+    which arguments read one tensor (:func:`_partial_alike`)."""
     if node.target is operator.getitem:
         outputs = output_metas(_val(node))
         return (operator.getitem, outputs)
-    return (node.target, _freeze(node.args), _freeze(node.kwargs), output_metas(_val(node)))
+    return (node.target, _freeze(node.args), _freeze(node.kwargs), output_metas(_val(node)),
+            _repeated_inputs(node))
 
 
 def bind(node: fx.Node) -> Call:
@@ -369,24 +371,23 @@ def signatures_nd(node: fx.Node, mesh_shape: Sequence[int], key: tuple | None = 
         one_d = _signatures_1d(key, node)
         metas = _entry_shapes(node)
         per_axis = [[s for s in one_d if _fits(s.inputs + s.outputs, metas, p)] for p in mesh_shape]
+        repeated = _repeated_inputs(node)
         cached = _remember(_ND_CACHE, (key, mesh_shape),
-                           tuple(_nd(combo) for combo in itertools.product(*per_axis)
-                                 if _fits_nd(combo, metas, mesh_shape)))
-    repeated = repeated_inputs(node)
-    if repeated:
-        return [s for s in cached if _partial_alike(s, repeated)]
+                           tuple(sig for sig in (_nd(combo) for combo in itertools.product(*per_axis)
+                                                 if _fits_nd(combo, metas, mesh_shape))
+                                 if _partial_alike(sig, repeated)))
     return list(cached)
 
 
-def repeated_inputs(node: fx.Node) -> list[list[int]]:
+def _repeated_inputs(node: fx.Node) -> tuple[tuple[int, ...], ...]:
     """The groups of input positions of ``node`` that read one tensor (``mul(g, g)``)."""
     positions: dict[fx.Node, list[int]] = {}
     for j, a in enumerate(tensor_inputs(node)):
         positions.setdefault(a, []).append(j)
-    return [js for js in positions.values() if len(js) > 1]
+    return tuple(tuple(js) for js in positions.values() if len(js) > 1)
 
 
-def _partial_alike(sig: NdSignature, repeated: list[list[int]]) -> bool:
+def _partial_alike(sig: NdSignature, repeated) -> bool:
     """Whether each tensor read at several positions is partial on a mesh axis at all of
     them or at none. ``mul(g, g)`` as ``(B),(P)->(P)`` sums ``g * g_i`` over the ranks:
     ``g * g`` in exact arithmetic, but where ``g`` is rounding noise (a gradient that

@@ -48,8 +48,7 @@ from ddlc.errors import ShardingError
 from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, is_scalar_valued, leaves, map_leaves, output_scalars, where
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, local_shape, plannable, why_not_plannable
-from passes.rules import (NdSignature, call_key, is_tensor_node, repeated_inputs, selected_leaf, signatures_nd,
-                          tensor_inputs)
+from passes.rules import NdSignature, call_key, is_tensor_node, selected_leaf, signatures_nd, tensor_inputs
 
 __all__ = ["Edge", "ShardingProblem", "build_problem", "lone_scalar_axes", "gradient_only_rides", "compute_seconds", "fold_block", "reduce_problem",
            "reduce_costs", "FORBIDDEN"]
@@ -372,8 +371,7 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | N
             if rep in scalars:  # replicated: a few scalars per param group, never worth a split
                 cands = [c for c in cands if all(x is None or all(a.is_broadcast for a in x)
                                                  for x in c.inputs + c.outputs)]
-            kind = (key, ROLE.get(rep), _saved_for_backward(rep), rep in scalars,
-                    tuple(map(tuple, repeated_inputs(rep))))  # which arguments read one tensor
+            kind = (key, ROLE.get(rep), _saved_for_backward(rep), rep in scalars)
         if not cands:
             raise ShardingError(f"no valid distribution of {rep.name} ({rep.target}) on mesh "
                                 f"{mesh}", where=where(rep))
