@@ -8,7 +8,9 @@ with FLOPs from PyTorch's own formula registry (``torch.utils.flop_counter``:
 mm, addmm, bmm, baddbmm, convolution and its backward, SDPA and its backward,
 ...; 0 for operators it has no formula for, which are memory-bound; CPU variants
 it lacks borrow the formula of their generic form, :data:`FLOP_ALIASES`) and bytes
-the sum over the tensor inputs and outputs. Free (0 s): anything that is not a
+the sum over the tensor inputs and outputs. A parameter's optimizer update
+(``ddlc::optimizer_update``) costs what the operators it runs cost, each priced so
+(:func:`ddlc.fused_update.parts`). Free (0 s): anything that is not a
 torch operator (``operator.getitem``, Python arithmetic on sizes), views
 (aliases of an input) and operators without a tensor output.
 """
@@ -18,6 +20,7 @@ import torch
 from torch._ops import HigherOrderOperator, OpOverload
 from torch.utils.flop_counter import flop_registry
 
+from ddlc import fused_update
 from ddlc.ir import leaves
 from ddlc.mesh import HardwareProfile
 
@@ -58,6 +61,8 @@ def op_bytes(args, kwargs, out) -> int:
 
 def op_time(target, args, kwargs, out, profile: HardwareProfile) -> float:
     """Seconds for one call at the shapes of ``args``/``kwargs``/``out`` (tensors or fakes)."""
+    if target is fused_update.OP:
+        return _update_time(args, profile)
     if profile.compute == "measured":  # cost_models/measured.py
         return measured_time(target, args, kwargs, out, profile, op_time)
     outs = tensors(out)
@@ -68,6 +73,20 @@ def op_time(target, args, kwargs, out, profile: HardwareProfile) -> float:
     dtype = (ins or outs)[0].dtype
     flop_time = op_flops(target, args, kwargs, out) / profile.flops_for(str(dtype))
     return max(flop_time, memory_seconds(_nbytes(ins) + _nbytes(outs), profile))
+
+
+_UPDATE_TIMES: dict[tuple, float] = {}
+
+
+def _update_time(args, profile: HardwareProfile) -> float:
+    """The summed :func:`op_time` of the operators an optimizer update runs, once per
+    profile and input metadata."""
+    inputs = fused_update.update_inputs(args)
+    key = (profile, args[0], args[1],
+           tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in inputs))
+    if key not in _UPDATE_TIMES:
+        _UPDATE_TIMES[key] = sum(op_time(t, a, k, out, profile) for t, a, k, out in fused_update.parts(args))
+    return _UPDATE_TIMES[key]
 
 
 def memory_seconds(nbytes: float, profile: HardwareProfile) -> float:

@@ -16,7 +16,9 @@ nothing overlaps.
 
 Memory: every operator and collective allocates its output when it starts; a
 buffer is released when the last task reading it (directly or through an
-alias: a wait, a getitem; a collective reads its input until its wait) ends. The program's inputs (parameters, optimizer
+alias: a wait, a getitem; a collective reads its input until its wait) ends; an optimizer
+update (``ddlc::optimizer_update``, which runs several operators) also holds its
+intermediate values while it runs (:func:`temporary_bytes`). The program's inputs (parameters, optimizer
 state, batch: the caller holds them) are resident throughout, and what it
 returns is never released. The result shows how much communication the order
 hides: makespan, exposed communication, a lower bound, peak memory and a Chrome
@@ -34,6 +36,7 @@ from collections import defaultdict
 import torch
 from torch import fx
 
+from ddlc import fused_update
 from ddlc.ir import COLLECTIVE, is_collective
 from ddlc.mesh import HardwareProfile
 
@@ -42,7 +45,7 @@ from .timeline import COMPUTE, Timeline, TimelineResult
 
 __all__ = ["ALIASES", "NodeCosts", "ProgramClock", "allocated_bytes", "live_bytes", "order_makespan",
            "order_timeline", "owner", "program_makespan", "program_timeline", "reads_until", "releases",
-           "stream_totals"]
+           "stream_totals", "temporary_bytes"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -65,6 +68,21 @@ def owner(node: fx.Node) -> fx.Node:
     while _is_alias(node):
         node = node.args[ALIASES[node.target]]
     return node
+
+
+_TEMPORARIES: dict[tuple, int] = {}
+
+
+def temporary_bytes(node: fx.Node) -> int:
+    """Bytes ``node`` holds only while it runs, beyond its output: an optimizer update's
+    intermediate values (:func:`ddlc.fused_update.temporary_bytes`), else none."""
+    if node.target is not fused_update.OP:
+        return 0
+    args = fx.node.map_arg(node.args, lambda a: a.meta.get("val"))
+    key = (args[0], args[1], tuple((tuple(t.shape), t.dtype) for t in fused_update.update_inputs(args)))
+    if key not in _TEMPORARIES:
+        _TEMPORARIES[key] = fused_update.temporary_bytes(args)
+    return _TEMPORARIES[key]
 
 
 def allocated_bytes(node: fx.Node) -> int:
@@ -105,7 +123,7 @@ def live_bytes(nodes: list[fx.Node]) -> list[int]:
     live, during = 0, []
     for node in nodes:
         live += allocated_bytes(node)
-        during.append(live)
+        during.append(live + temporary_bytes(node))
         live -= sum(allocated_bytes(b) for b in released.get(node, ()))
     return during
 
@@ -267,8 +285,8 @@ def order_timeline(nodes: list[fx.Node], profile: HardwareProfile,
         if channel is not None and issue_point is not None:
             deps.add(issue_point)
         task_of[node] = timeline.add(node.name, costs.stream(node), costs.seconds(node), sorted(deps),
-                                     alloc=costs.alloc(node),
-                                     free=sum(costs.alloc(b) for b in released.get(node, ())),
+                                     alloc=costs.alloc(node) + temporary_bytes(node),
+                                     free=sum(costs.alloc(b) for b in released.get(node, ())) + temporary_bytes(node),
                                      category=COLLECTIVE(node).kind if channel else "compute",
                                      communication=channel is not None)
         if channel is None:

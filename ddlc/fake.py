@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from .ir import map_leaves
 
-__all__ = ["all_fake", "as_meta", "empty_fake", "run_on_meta", "strided_fake", "tensors_mapped"]
+__all__ = ["all_fake", "as_meta", "empty_fake", "fresh_fake", "metadata", "run_on_meta", "strided_fake", "tensors_mapped"]
 
 
 def tensors_mapped(x, f):
@@ -73,3 +73,20 @@ def empty_fake(mode, shape, dtype: torch.dtype, device: torch.device) -> FakeTen
     on ``device``), made from a meta tensor directly."""
     with unset_fake_temporarily():
         return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), device)
+
+
+def fresh_fake(val):
+    """A fake tensor of ``val``'s metadata in its fake mode, a value of its own (``val``
+    itself if it is no tensor)."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    return strided_fake(val.fake_mode, val.shape, val.stride(), val.dtype, val.device, val.storage_offset(),
+                        val.requires_grad)
+
+
+def metadata(val: torch.Tensor) -> tuple:
+    """What a fake run of an operator reads of a tensor input: shape, strides, offset,
+    dtype, device, layout, requires_grad."""
+    return (tuple(val.shape), val.stride(), val.storage_offset(), val.dtype, val.device, val.layout,
+            val.requires_grad)
+

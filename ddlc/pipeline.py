@@ -3,7 +3,9 @@
 ::
 
     planning  (rank 0 traces and plans, see ddlc.runtime)
-      trace          model + inputs + loss + optimizer -> one functional aten graph (ddlc.tracing)
+      trace          model + inputs + loss + optimizer -> one functional aten graph (ddlc.tracing),
+                     each parameter's optimizer update one ddlc::optimizer_update node
+                     (ddlc.fused_update)
       canonicalize   mean reductions -> sum / count, so batch splits give partial sums
       recompute      backward reads recomputed copies of activation-checkpointed calls'
                      values (torch.utils.checkpoint), as eager autograd recomputes them
@@ -23,6 +25,7 @@
                      where the program is small enough (else the order the searches above
                      scheduled for the chosen program, where they ran); then the static
                      check that every collective is read only through its wait
+      expand_updates every optimizer update node -> the aten operators it runs
       views          view copies run as views (strided tensors made contiguous only for
                      the readers that need it)
       inplace        the optimizer update writes into its inputs and temporaries where
@@ -54,6 +57,7 @@ from cost_models.program import NodeCosts, program_makespan
 from passes.canonicalize import canonicalize
 from passes.collectives import insert_collectives
 from passes.decouple import decouple
+from passes.expand_updates import expand_updates
 from passes.fuse import adopt, fuse, fuse_search
 from passes.inplace import update_in_place
 from passes.localize import localize
@@ -439,10 +443,10 @@ def retarget(program: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.Gr
 def lower(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: Sequence[str],
           options: CompileOptions,
           choices: LoweringChoices | Callable[[], LoweringChoices] | None = None) -> LoweringChoices:
-    """collectives, localize, random, fuse, partition, schedule, views, inplace: the program of the rank at
-    mesh coordinate ``coord`` whose per-axis process groups are named ``groups``, in place;
-    returns the choices it was lowered with. Needs no process group, so tests can lower
-    every rank in one process.
+    """collectives, localize, random, fuse, partition, schedule, expand_updates, views, inplace:
+    the program of the rank at mesh coordinate ``coord`` whose per-axis process groups are
+    named ``groups``, in place; returns the choices it was lowered with. Needs no process
+    group, so tests can lower every rank in one process.
 
     ``choices``: mesh coordinate 0's, where the caller has them, or a function that returns
     them, called once this rank's program is local (``ddlc.compile`` waits there for rank
@@ -504,6 +508,7 @@ def _lower_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: 
         run_pass("schedule", order, gm, search=search)
     check_waits(gm)  # invariant: every collective's output is read only through its wait
     chosen = LoweringChoices(cap, size, tuple(n.name for n in gm.graph.nodes) if options.schedule else None)
+    run_pass("expand_updates", expand_updates, gm)
     run_pass("views", views_as_views, gm)  # after the choices, which name the nodes before them
     if options.inplace and options.backend == "eager":
         run_pass("inplace", update_in_place, gm)

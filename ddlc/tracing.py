@@ -2,8 +2,8 @@
 
 Recipe (see TORCH_NOTES.md): ``make_fx(functionalize(step), tracing_mode="fake")``
 where ``step`` runs ``torch.func.grad_and_value`` over ``functional_call`` of the
-model; the functional optimizer update of :mod:`ddlc.optim` is then traced once per
-kind of parameter and copied for each (:mod:`ddlc.updates`). Parameters,
+model; each parameter's functional optimizer update (:mod:`ddlc.optim`) is then one
+``ddlc::optimizer_update`` node (:mod:`ddlc.updates`, :mod:`ddlc.fused_update`). Parameters,
 buffers, optimizer state and batch inputs are flat graph inputs with their role
 recorded in a :class:`ddlc.ir.StepSignature` (``ir.STEP``); every node keeps
 ``meta["val"]``, its role (``ir.ROLE``, placeholders) and an :class:`ddlc.ir.Origin`

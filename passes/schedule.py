@@ -73,7 +73,7 @@ import numpy as np
 import torch
 from torch import fx
 
-from cost_models.program import (NodeCosts, ProgramClock, allocated_bytes, live_bytes, order_makespan,
+from cost_models.program import (NodeCosts, ProgramClock, allocated_bytes, live_bytes, order_makespan, temporary_bytes,
                                   owner, reads_until, releases)
 from ddlc.errors import LoweringError
 from ddlc.ir import ORIGIN, PIECE, RECOMPUTED, ROLE, UPDATES as UPDATES_KEY, is_collective as is_issue, is_wait
@@ -123,20 +123,21 @@ def _eager(nodes: list[fx.Node]) -> set[fx.Node]:
 def _updates(nodes: list[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
     """(the update nodes that may run early, the static update nodes they pull in).
     Update nodes: operators of the optimizer phase other than collectives and waits, and
-    unannotated ones that only they read (a fused or split collective's unpacking). Those
-    after a collective that an update feeds (unpacking a gathered parameter) are not early:
-    their wait stays late. Static ones are computed from the parameters, buffers and
-    optimizer state alone, not from the batch (the step count, a parameter's shard): they
-    run where they are, or when an early update reads them."""
+    unannotated or static ones that only they read (a fused or split collective's
+    unpacking, the local piece of a parameter an update on a shard reads). Those after a
+    collective that an update feeds (unpacking a gathered parameter) are not early: their
+    wait stays late. Static ones are computed from the parameters, buffers and optimizer
+    state alone, not from the batch (the step count, a parameter's shard): they run where
+    they are, or when an early update reads them."""
+    static = _static(nodes)
     update = set()
     for node in reversed(nodes):
         if node.op != "call_function" or is_issue(node) or is_wait(node):
             continue
         origin = ORIGIN.get(node)
         if (origin is not None and origin.phase == "optimizer") or \
-                (origin is None and node.users and all(u in update for u in node.users)):
+                ((origin is None or node in static) and node.users and all(u in update for u in node.users)):
             update.add(node)
-    static = _static(nodes)
     return update - static - _after_updated_collectives(nodes, update), update & static
 
 
@@ -188,7 +189,7 @@ class _LiveCap:
         for buffer in freed:
             delta[:self.freed_at[buffer] - frontier] -= allocated_bytes(buffer)
         window = self.live[frontier:frontier + len(delta)]
-        while_running = self.live[frontier] + allocated_bytes(node)  # its inputs still live
+        while_running = self.live[frontier] + allocated_bytes(node) + temporary_bytes(node)  # inputs still live
         if max(while_running, (window + delta[:len(window)]).max()) > self.cap:
             return False
         window += delta[:len(window)]

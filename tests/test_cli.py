@@ -274,8 +274,8 @@ def test_factory_names_that_do_not_load(spec, cause):
 def test_the_forked_data_parallel_candidate_gives_the_plan_of_one_process():
     """``ddlc plan`` makes the data-parallel candidate in a forked process while it
     searches; the kept plan, its statistics and rank 0's program are those ``choose_plan``
-    gives in one process (on this GPT data parallelism is kept, on ``cpu-gloo`` with the
-    compute and links it measured on 2026-12-02: half today's FLOP/s and link bandwidth)."""
+    gives in one process (on this GPT, on ``cpu-gloo`` with the compute and links it measured
+    on 2026-12-02, half today's FLOP/s and link bandwidth, both plans are data parallel)."""
     import copy
     import dataclasses
 
@@ -298,7 +298,8 @@ def test_the_forked_data_parallel_candidate_gives_the_plan_of_one_process():
     forked, alone = copy.deepcopy(gm), copy.deepcopy(gm)
     plan, program = _plan_and_lower(forked, mesh, options)
     chosen = pipeline.choose_plan(alone, mesh, options, {})
-    assert plan.stats["chosen_over_search"] and chosen.plan.stats["chosen_over_search"]
+    # here the search finds data parallelism itself (the same modeled step): the search's plan is kept
+    assert plan.stats.get("chosen_over_search") == chosen.plan.stats.get("chosen_over_search")
     assert (plan.stats["searched_step"], plan.stats["data_parallel_step"]) == \
         (chosen.plan.stats["searched_step"], chosen.plan.stats["data_parallel_step"])
     assert {n.name: SHARDING(n) for n in program.graph.nodes if SHARDING.has(n)} == \

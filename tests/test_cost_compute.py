@@ -89,3 +89,39 @@ def test_fake_tensors_work_like_meta_tensors():
         out = aten.mm.default(a, b)
     assert op_flops(aten.mm.default, (a, b), {}, out) == 2 * 64 * 32 * 16
     assert op_time(aten.mm.default, (a, b), {}, out, PROFILE) > 0
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "rmsprop", "adagrad"])
+def test_an_optimizer_update_costs_the_operators_it_expands_into(optimizer):
+    """A parameter's update is one ``ddlc::optimizer_update`` node until lowering expands
+    it: its price is that of the operators it becomes, each priced alone, at the same
+    shapes. (The memory its intermediates hold while it runs is checked against the
+    expanded program by ``tests/test_schedule.py``'s memory-cap test.)"""
+    import ddlc
+    from cost_models.program import temporary_bytes
+    from ddlc.fused_update import OP
+    from passes.expand_updates import expand_updates
+    make = {"adamw": lambda p: torch.optim.AdamW(p, lr=0.01),
+            "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1),
+            "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01, centered=True, momentum=0.5),
+            "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, weight_decay=0.1)}[optimizer]
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    batch = (torch.randn(16, 64), torch.randn(16, 8))
+    gm = ddlc.trace(model, batch, torch.nn.functional.mse_loss, make(model.parameters()))
+    updates = [n for n in gm.graph.nodes if n.target is OP]
+    assert len(updates) == 4
+
+    def price(node):
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+        return op_time(node.target, args, kwargs, node.meta["val"], PROFILE)
+
+    def optimizer_nodes():  # the updates', and the scalars computed once per param group
+        return [n for n in gm.graph.nodes if n.op == "call_function"
+                and n.meta["ddlc_origin"].phase == "optimizer" and n.target is not operator.getitem]
+
+    fused = sum(price(n) for n in optimizer_nodes())
+    temporaries = {n.args[2].name: temporary_bytes(n) for n in updates}
+    assert fused > 0 and min(temporaries.values()) > 0
+    expand_updates(gm)
+    assert not any(n.target is OP for n in gm.graph.nodes)
+    assert sum(price(n) for n in optimizer_nodes()) == pytest.approx(fused, rel=1e-12)

@@ -3,6 +3,7 @@ start-ups, split ones the same numbers in pieces; the sizes come from the timeli
 import copy
 import dataclasses
 import math
+import operator
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import ddlc
 from conftest import DP_BATCH, FAST_GLOO, assert_matches_reference, data_parallel_mlp, reference, replicate_updates
 from cost_models.collectives import collective_time
 from cost_models.program import program_timeline
-from ddlc.ir import COLLECTIVE, SHARDING, NdSignature, collective_sequence
+from ddlc.ir import COLLECTIVE, SHARDING, NdSignature, collective_sequence, leaves
 from ddlc.sbp import parse_sbp
 from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
 from passes.canonicalize import canonicalize
@@ -154,16 +155,19 @@ def _fsdp_mlp():
     batch = (torch.randn(1024, 32), torch.randn(1024, 256))
     gm = canonicalize(ddlc.trace(model, batch, F.mse_loss, torch.optim.AdamW(model.parameters())))
 
-    def rows_if_matrix(node):  # weights and their state split by rows, the rest replicated
-        return parse_sbp("(S0)" if node.meta["val"].dim() == 2 else "(B)")
+    def rows_if_matrix(val):  # weights and their state split by rows, the rest replicated
+        return parse_sbp("(S0)" if val.dim() == 2 else "(B)")
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            sbp = parse_sbp("(S0)") if node.meta["ddlc_role"] == "input" else rows_if_matrix(node)
+            sbp = parse_sbp("(S0)") if node.meta["ddlc_role"] == "input" else rows_if_matrix(node.meta["val"])
             SHARDING.set(node, NdSignature((), (sbp,)))
         elif node.op == "call_function" and node.meta["ddlc_origin"].phase == "optimizer":
-            SHARDING.set(node, NdSignature(tuple(map(rows_if_matrix, tensor_inputs(node))),
-                                           (rows_if_matrix(node),)))
+            # an update's getitem reads the output it selects
+            ins = [node.meta["val"]] if node.target is operator.getitem else \
+                [a.meta["val"] for a in tensor_inputs(node)]
+            SHARDING.set(node, NdSignature(tuple(map(rows_if_matrix, ins)),
+                                           tuple(map(rows_if_matrix, leaves(node.meta["val"])))))
         elif node.op == "call_function":
             ins, out = _BATCH_SPLIT[node.name].split(" -> ")
             SHARDING.set(node, NdSignature(tuple(parse_sbp(s) for s in ins.split(", ")),

@@ -33,7 +33,7 @@ LAZY = ":lazy"
 LAYERS = (
     ("core", ("ddlc.ir", "ddlc.sbp", "ddlc.mesh", "ddlc.errors", "ddlc.plan", "ddlc.printing",
               "ddlc.comm", "ddlc.model_state", "ddlc.optim", "ddlc.options", "ddlc.portable", "ddlc.rng",
-              "ddlc.fake", "ddlc.sources")),
+              "ddlc.fake", "ddlc.sources", "ddlc.fused_update")),
     ("cost_models", ("cost_models", "cost_models.")),
     ("passes", ("passes", "passes.", "ddlc.graph_checks", "ddlc.tracing", "ddlc.updates", "ddlc.strided_views")),
     ("pipeline", ("ddlc.pipeline",)),

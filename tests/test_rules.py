@@ -835,7 +835,7 @@ def test_enumeration_is_repeatable_on_a_6_layer_gpt():
     batch = (torch.randint(0, 128, (8, 32)),) * 2
     gm = ddlc.trace(model, batch, lm_loss, torch.optim.AdamW(model.parameters()))
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    assert len(nodes) > 1500
+    assert len(nodes) > 1000
     first = [signatures_nd(n, (2, 4)) for n in nodes]
     assert [signatures_nd(n, (2, 4)) for n in nodes] == first
 

@@ -438,7 +438,7 @@ def test_searched_updates_are_never_worse_and_the_same_on_every_rank(model_name,
 def test_searched_updates_match_single_device():
     """The pipeline's final order, searched per update group: the same losses, parameters
     and optimizer state as one device."""
-    gm, mesh, model, data, want = _decoupled("gpt_tied", 3e8)
+    gm, mesh, model, data, want = _decoupled("gpt_tied", 3e9)
     program = _lower_rank(gm, mesh, (0,), partition=False)
     assert program.meta["ddlc_updates"] == "mixed" and _inside_backward(program)[0]
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -448,7 +448,7 @@ def test_searched_updates_match_single_device():
 
 
 def _gloo_steps(rank):
-    """Worker: the decoupled data-parallel tied GPT (as :func:`_decoupled`, on a 3e8 B/s link)
+    """Worker: the decoupled data-parallel tied GPT (as :func:`_decoupled`, on a 3e9 B/s link)
     compiled and trained on real gloo groups, its final order searched per update group and
     not scheduled at all; rank 0 returns what the parent compares, by ``scheduled``."""
     return {scheduled: _gloo_run(rank, scheduled) for scheduled in (True, False)}
@@ -457,7 +457,7 @@ def _gloo_steps(rank):
 def _gloo_run(rank, scheduled):
     from ddlc.runtime import compile
     (model, loss_fn), data = model_and_loss("gpt_tied"), batches("gpt", 8)
-    mesh = ddlc.Mesh((4,), profile=NATIVE_RS, links=[ddlc.LinkModel(1e-7, 3e8)])
+    mesh = ddlc.Mesh((4,), profile=NATIVE_RS, links=[ddlc.LinkModel(1e-7, 3e9)])
     pins = dict.fromkeys(["input0", "input1"], "(S0)") | {k: "(B)" for k, _ in model.named_parameters()}
     step = compile(model, mesh, data[0], loss_fn, optimizer("adamw", model), placements=pins,
                    decouple="always", ag_placement="backward", schedule=scheduled, fuse=False,

@@ -269,11 +269,14 @@ def test_passes_generate_no_code_until_the_program_runs():
                                   AdagradSpec(lr=0.1, lr_decay=0.01, weight_decay=0.01)],
                          ids=lambda s: type(s).__name__)
 def test_updates_stamped_per_kind_equal_a_trace_of_each_parameters_update(spec):
-    """ddlc.updates traces one update per kind of parameter and copies it: the graph is
-    node for node (names, targets, arguments, values' metadata, phase) the one tracing
-    every parameter's update gives. Three parameters, two of one shape."""
+    """ddlc.updates stamps one ``ddlc::optimizer_update`` node per parameter, and
+    ``passes/expand_updates.py`` turns them into a graph that is node for node (names,
+    targets, arguments, values' metadata, phase) the one tracing every parameter's update
+    gives. Three parameters, two of one shape."""
     from torch.fx.experimental.proxy_tensor import make_fx
+    from ddlc.fused_update import OP
     from ddlc.updates import Update, stamp_updates
+    from passes.expand_updates import expand_updates
     shapes = [(4, 3), (5,), (4, 3)]
     n_state, names = len(spec.state_names), tuple(spec.derived({k: torch.tensor(1.0) for k in spec.inputs}))
     inputs = [torch.randn(s) for s in shapes + shapes] + [torch.zeros(s) for s in shapes for _ in range(n_state)] \
@@ -307,6 +310,8 @@ def test_updates_stamped_per_kind_equal_a_trace_of_each_parameters_update(spec):
     traced = set(stamped.graph.nodes)
     new = stamp_updates(stamped.graph, updates, {"ddlc_phase": "optimizer", "ddlc_module": None})
     output.args = ((*(n[0] for n in new), *(s for n in new for s in n[1:])),)
+    assert sum(n.target is OP for n in stamped.graph.nodes) == 3
+    expand_updates(stamped)
     stamped.graph.eliminate_dead_code()
     assert described(stamped) == described(reference)
     assert all(n.meta["custom"]["ddlc_phase"] == "optimizer" for n in stamped.graph.nodes if n not in traced)

@@ -7,13 +7,13 @@ operator or, for a family, by torch op tag (every pointwise op is elementwise;
 ``rule_for``). Operators without a rule fall back to all-``B`` (logged once, listed
 by ``fallback_ops``).
 """
-from . import elementwise, factory, indexing, matmul, nn, reductions, views
+from . import elementwise, factory, indexing, matmul, nn, optimizer, reductions, views
 from .core import (LOCALIZERS, RULES, TAG_RULES, Call, Labels, NdSignature, Signature, TensorMeta,
                    bind, call_key, clear_caches, enumerate_signatures, fallback_ops, has_rule,
                    is_functional, is_tensor_node, localize_args, rule_for, selected_leaf,
                    signatures_1d, signatures_nd, tensor_inputs)
 
-for _family in (elementwise, matmul, views, indexing, reductions, nn, factory):
+for _family in (elementwise, matmul, views, indexing, reductions, nn, factory, optimizer):
     RULES.update(_family.RULES)
     TAG_RULES.update(getattr(_family, "TAG_RULES", {}))
     LOCALIZERS.update(getattr(_family, "LOCALIZERS", {}))
