@@ -250,11 +250,12 @@ def _take_rank0_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None
                     state[name] = torch.tensor(what[0], dtype=what[1], device=device)
                     continue
                 shape, dtype = what[0], what[1]
-                mine = state.get(name)
+                mine = state.get(name)  # rank 0's own always fits (a strided one too: Adagrad's
+                # sum of a transposed weight, kept in its layout; replacing it lost its values)
                 if not (isinstance(mine, torch.Tensor) and tuple(mine.shape) == shape and mine.dtype == dtype
-                        and mine.device == device and mine.is_contiguous()):
+                        and mine.device == device):
                     mine = state[name] = torch.empty(shape, dtype=dtype, device=device)
-                dist.broadcast(mine, src=0)
+                _broadcast_from_rank0(mine)
 
 
 def _take_rank0_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
