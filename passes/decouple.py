@@ -54,7 +54,7 @@ from cost_models.layer_schedules import LayerProfile, search_schedule
 from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, NdSignature, is_getitem, leaves
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, divides, local_shape, padded_shape
-from passes.rules import signatures_1d, signatures_nd, tensor_inputs
+from passes.rules import selected_leaf, signatures_1d, signatures_nd, tensor_inputs
 from passes.sharding.problem import compute_seconds, gradient_only_rides
 
 __all__ = ["decouple", "update_chain"]
@@ -224,10 +224,14 @@ def _redistributable(chain: list[fx.Node], new: dict[fx.Node, NdSignature]) -> b
     for node in chain:
         for a, dst in zip(tensor_inputs(node), new[node].inputs):
             sig = new.get(a) or SHARDING.get(a)
-            if dst is None or sig is None or is_getitem(node):
+            if dst is None or sig is None:
                 continue
-            srcs = [x for x in sig.outputs if x is not None]
-            if len(srcs) == 1 and any(x.is_split and y.is_partial for x, y in zip(srcs[0], dst)):
+            if is_getitem(node):  # it reads the output it selects (an update's new parameter)
+                src = sig.outputs[selected_leaf(node)]
+            else:
+                srcs = [x for x in sig.outputs if x is not None]
+                src = srcs[0] if len(srcs) == 1 else None
+            if src is not None and any(x.is_split and y.is_partial for x, y in zip(src, dst)):
                 return False
     return True
 

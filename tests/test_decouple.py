@@ -237,3 +237,28 @@ def test_a_chain_that_reads_a_partial_sum_is_not_split():
         node.meta["val"] = torch.empty(4)
     assert not _redistributable([moment, mixed], as_partial)
     assert _redistributable([moment, mixed], as_split)
+
+
+def test_an_update_whose_new_parameter_is_planned_partial_keeps_its_all_reduce():
+    """A plan may take an update's new parameter as a partial sum (its getitem ``(P)``, the
+    loop edge then all-reduces it): decoupling that update would read a split as ``P``,
+    which no redistribution does (LoweringError on a third of random decoupled plans), so
+    it keeps its all-reduce, and the step still matches one device."""
+    import operator
+
+    from ddlc.fused_update import OP
+    from ddlc.ir import NdSignature
+    from ddlc.sbp import parse_sbp
+    gm, mesh, model, data = data_parallel_mlp("sgd")
+    replicate_updates(gm, mesh)
+    update = next(n for n in gm.graph.nodes if n.target is OP)
+    item = next(u for u in update.users if u.target is operator.getitem and u.args[1] == 0)
+    partial = parse_sbp("(P)")
+    SHARDING.set(item, NdSignature((partial,), (partial,)))
+    done = decouple(gm, mesh, "backward", always=True)
+    assert update.args[2].name not in {i.name for i in gm.meta["ddlc_step"].inputs if i.key in done}
+    assert len(done) == len(list(model.parameters())) - 1
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    losses, params, opt_state, _ = simulate_steps(gm, mesh, params, {}, data)
+    assert_matches_reference({"losses": losses, "params": params, "opt_state": opt_state},
+                             reference("mlp", "sgd", batch=DP_BATCH))
