@@ -309,21 +309,21 @@ class OptimizerStateWatch:
         return self._optimizer.state is not self._snapshot[0] or bool(self.changed_params())
 
     def changed_params(self) -> set[int]:
-        """The ids of the parameters whose state changed since the snapshot: an entry
-        added, removed, replaced or written in place (every parameter with state, after
-        ``optimizer.load_state_dict``)."""
-        def by_param(values) -> dict[int, list]:
-            found: dict[int, list] = {}
-            for p, k, v, version in values:
-                found.setdefault(id(p), []).append((k, v, version))
-            return found
-        now, then = by_param(self._take()[1]), by_param(self._snapshot[1])
-        return {p for p in now.keys() | then.keys() if not _same_entries(now.get(p, []), then.get(p, []))}
+        """The ids of the parameters whose state changed since the snapshot (any of its
+        entries: :meth:`changed_entries`)."""
+        return {p for p, _ in self.changed_entries()}
+
+    def changed_entries(self) -> set[tuple[int, str]]:
+        """``(id(parameter), state name)`` of every entry added, removed, replaced or
+        written in place since the snapshot (every entry, after ``optimizer.load_state_dict``)."""
+        def by_entry(values) -> dict[tuple[int, str], tuple]:
+            return {(id(p), k): (v, version) for p, k, v, version in values}
+        now, then = by_entry(self._take()[1]), by_entry(self._snapshot[1])
+        return {key for key in now.keys() | then.keys()
+                if key not in now or key not in then or not _same_entry(now[key], then[key])}
 
 
-def _same_entries(now: list, then: list) -> bool:
-    """Whether one parameter's state entries ``(name, value, version)`` are as they were."""
-    return len(now) == len(then) and all(
-        k == l and version == then_version
-        and (v is w or (not isinstance(w, torch.Tensor) and same_plain(v, w)))
-        for (k, v, version), (l, w, then_version) in zip(now, then))
+def _same_entry(now: tuple, then: tuple) -> bool:
+    """Whether one state entry ``(value, version)`` is as it was."""
+    (v, version), (w, then_version) = now, then
+    return version == then_version and (v is w or (not isinstance(w, torch.Tensor) and same_plain(v, w)))

@@ -1203,8 +1203,10 @@ class CompiledStep:
             return
         written = self._watch.written()
         params = dict(self._model.named_parameters())
-        changed_ids = self._optimizer_watch.changed_params() if self._optimizer is not None else set()
-        changed = {name for name, p in params.items() if id(p) in changed_ids}
+        # the optimizer state the user changed since compile or the last write-back, per entry
+        # (a reset of one parameter's moments leaves its step count the step's)
+        user_entries = self._optimizer_watch.changed_entries() if self._optimizer is not None else set()
+        changed = {name for name, p in params.items() if any(id(p) == q for q, _ in user_entries)}
         # a collective per tensor, alike on every rank; a frozen parameter stays as it is, and
         # an inference program's parameters (the model's, as it took them)
         held = {**self.params, **self.buffers} if self.signature.has_loss else self.buffers
@@ -1218,7 +1220,7 @@ class CompiledStep:
             for key, value in self.optimizer_state().items():  # a collective: on every rank
                 name, state_name = key.rsplit(":", 1)
                 shape = () if state_name == "step" else params[name].shape
-                if name not in changed:  # else the user's since compile: it stays
+                if (id(params[name]), state_name) not in user_entries:  # else the user's: it stays
                     self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
         self._take_users_changes(written, changed)
         if self._optimizer is not None:

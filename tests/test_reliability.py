@@ -694,8 +694,11 @@ def _train_with_changes(train_step, model, opt, batches, write_back, rank=0) -> 
             if rank == 0:
                 opt.load_state_dict(kept)
             write_back()
-        if i == 3:  # one parameter's moments reset: the others' stay as the step trained them
+        if i == 3:  # one parameter's state reset, another's moments zeroed in place: its step
+            # count and every other parameter's state stay as the step trained them
             opt.state[model[2].weight].clear()
+            opt.state[model[0].weight]["exp_avg"].zero_()
+            opt.state[model[0].weight]["exp_avg_sq"].zero_()
             write_back()
     return losses
 
