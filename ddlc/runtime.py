@@ -1487,11 +1487,20 @@ class CompiledStep:
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """Full optimizer state keyed ``"<param>:<state>"`` (collective), as torch.optim
-        keeps it: none for a parameter the loss does not read (never given a gradient)."""
+        keeps it. A parameter the loss does not read (never given a gradient) is not
+        updated: its state is the optimizer's own, as every rank took it from rank 0 at
+        compile (none for most optimizers; Adagrad makes its sum when it is made)."""
         untrained = set(self.signature.untrained)
         on_cpu = self._steps_kept_on_cpu()
-        return {k: self._gather(k, v).cpu() if k in on_cpu else self._gather(k, v)
-                for k, v in self.opt_state.items() if k.rsplit(":", 1)[0] not in untrained}
+        state = {k: self._gather(k, v).cpu() if k in on_cpu else self._gather(k, v)
+                 for k, v in self.opt_state.items() if k.rsplit(":", 1)[0] not in untrained}
+        if self._optimizer is not None and untrained:
+            params = dict(self._model.named_parameters())
+            for name in sorted(untrained):
+                for state_name, value in self._optimizer.state.get(params[name], {}).items():
+                    if isinstance(value, torch.Tensor):
+                        state[f"{name}:{state_name}"] = value.detach().clone()
+        return state
 
     def _steps_kept_on_cpu(self) -> set[str]:
         """The ``"<param>:step"`` states torch.optim keeps on the CPU: those of param groups

@@ -663,6 +663,47 @@ def test_optimizer_state_of_a_strided_parameter_is_taken_with_its_values(kind):
         assert losses == pytest.approx(want, rel=1e-5), (losses, want)
 
 
+class _WithUnusedLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _adagrad_with_unused():
+    torch.manual_seed(0)
+    model = _WithUnusedLayer()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(3)]
+    return model, torch.optim.Adagrad(model.parameters(), lr=0.05, initial_accumulator_value=0.1), batches
+
+
+def _adagrad_state_with_unused(rank):
+    model, opt, batches = _adagrad_with_unused()
+    step = ddlc.compile(model, (2,), batches[0], F.cross_entropy, opt)
+    for b in batches:
+        step.step(*b)
+    return {k: v.clone() for k, v in step.optimizer_state().items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_optimizer_state_has_what_torch_keeps_for_a_parameter_the_loss_does_not_read():
+    # Adagrad makes every parameter's state when it is made: optimizer_state() left out
+    # that of a parameter the loss does not read, which eager's optimizer keeps
+    model, opt, batches = _adagrad_with_unused()
+    _eager_losses(model, opt, batches)
+    names = {id(p): n for n, p in model.named_parameters()}
+    want = {f"{names[id(p)]}:{k}": v for p, s in opt.state.items() for k, v in s.items()}
+    assert "unused.weight:sum" in want
+    for got in spawn(_adagrad_state_with_unused, 2, timeout=300, deadline=100):
+        assert sorted(got) == sorted(want)
+        for key, value in want.items():
+            assert torch.allclose(got[key].reshape(value.shape).to(value.dtype), value, rtol=1e-5, atol=1e-7), key
+
+
 def _adamw_mlp():
     """A 8-16-4 MLP, its AdamW optimizer and five cross-entropy batches."""
     torch.manual_seed(0)
