@@ -284,9 +284,10 @@ def order_timeline(nodes: list[fx.Node], profile: HardwareProfile,
         channel = costs.channel(node)
         if channel is not None and issue_point is not None:
             deps.add(issue_point)
+        temporary = temporary_bytes(node)  # held while it runs: allocated with it, freed when it ends
         task_of[node] = timeline.add(node.name, costs.stream(node), costs.seconds(node), sorted(deps),
-                                     alloc=costs.alloc(node) + temporary_bytes(node),
-                                     free=sum(costs.alloc(b) for b in released.get(node, ())) + temporary_bytes(node),
+                                     alloc=costs.alloc(node) + temporary,
+                                     free=sum(costs.alloc(b) for b in released.get(node, ())) + temporary,
                                      category=COLLECTIVE(node).kind if channel else "compute",
                                      communication=channel is not None)
         if channel is None:

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from .ir import map_leaves
 
-__all__ = ["all_fake", "as_meta", "empty_fake", "fresh_fake", "metadata", "run_on_meta", "strided_fake", "tensors_mapped"]
+__all__ = ["all_fake", "as_meta", "empty_fake", "fresh_fake", "run_on_meta", "strided_fake", "tensors_mapped"]
 
 
 def tensors_mapped(x, f):
@@ -82,11 +82,3 @@ def fresh_fake(val):
         return val
     return strided_fake(val.fake_mode, val.shape, val.stride(), val.dtype, val.device, val.storage_offset(),
                         val.requires_grad)
-
-
-def metadata(val: torch.Tensor) -> tuple:
-    """What a fake run of an operator reads of a tensor input: shape, strides, offset,
-    dtype, device, layout, requires_grad."""
-    return (tuple(val.shape), val.stride(), val.storage_offset(), val.dtype, val.device, val.layout,
-            val.requires_grad)
-

@@ -39,9 +39,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import optim
+from .fake import fresh_fake
 from .optim import OptimizerSpec
 
-__all__ = ["OP", "spec_text", "spec_of", "evaluate", "parts", "temporary_bytes", "template", "update_inputs"]
+__all__ = ["OP", "spec_text", "spec_of", "evaluate", "fake_values", "parts", "results", "temporary_bytes", "template",
+           "update_inputs"]
 
 
 def spec_text(spec: OptimizerSpec) -> str:
@@ -90,6 +92,11 @@ def template(spec: str, scalars: str, inputs: Sequence[torch.Tensor]) -> fx.Grap
     return _template(spec, scalars, tuple(_kind(t) for t in inputs))
 
 
+def results(spec: str, scalars: str, inputs: Sequence[torch.Tensor]) -> list[fx.Node]:
+    """The template's nodes that give ``[new_param, *new_state]``."""
+    return list(next(n for n in template(spec, scalars, inputs).nodes if n.op == "output").args[0])
+
+
 def update_inputs(args: Sequence[Any]) -> list:
     """The operator's ``(spec, scalars, param, grad, state, hp)`` as ``[param, grad, *state, *hp]``."""
     _, _, param, grad, state, hp = args
@@ -114,6 +121,24 @@ def evaluate(spec: str, scalars: str, inputs: Sequence[torch.Tensor], record: li
         else:
             return list(fx.map_arg(node.args[0], env.__getitem__))
     raise AssertionError("a traced graph ends with its output")
+
+
+def fake_values(spec: str, scalars: str, inputs: Sequence[torch.Tensor], runs: dict) -> dict[fx.Node, Any]:
+    """The fake value of every node of the template run on the fake ``inputs`` (its
+    placeholders' are ``inputs``). The template runs once per input metadata, kept in
+    ``runs``; a later call with inputs of that metadata gets fresh fake values of the
+    same metadata (fake tensors hold no values; the template makes no views, so an input's
+    storage offset reaches no value)."""
+    key = (spec, scalars, tuple((tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad) for v in inputs))
+    if key in runs:
+        made = {t: fresh_fake(v) for t, v in runs[key].items()}
+    else:
+        record: list = []
+        with next(v.fake_mode for v in inputs if hasattr(v, "fake_mode")):
+            evaluate(spec, scalars, inputs, record)
+        made = runs[key] = {t: v for t, _, _, v in record}
+    placeholders = (t for t in template(spec, scalars, inputs).nodes if t.op == "placeholder")
+    return {**dict(zip(placeholders, inputs)), **made}
 
 
 def parts(args: Sequence[Any]) -> list[tuple]:
@@ -177,16 +202,16 @@ def temporary_bytes(args: Sequence[Any]) -> int:
     once while its operators run on the operator's arguments ``args`` (meta or fake
     tensors): what the program's memory holds beyond the node's inputs and outputs."""
     record = _records(args)
-    results = next(n for n in template(args[0], args[1], update_inputs(args)).nodes if n.op == "output").args[0]
+    outputs = set(results(args[0], args[1], update_inputs(args)))
     last = {a: i for i, (node, _, _, _) in enumerate(record) for a in node.all_input_nodes}
     out = {node: val for node, _, _, val in record}
     live = peak = 0
     for i, (node, _, _, val) in enumerate(record):
-        if node not in results:
+        if node not in outputs:
             live += val.numel() * val.element_size()
         peak = max(peak, live)
         live -= sum(out[a].numel() * out[a].element_size() for a, j in last.items()
-                    if j == i and a in out and a not in results)
+                    if j == i and a in out and a not in outputs)
     return peak
 
 

@@ -1206,7 +1206,8 @@ class CompiledStep:
         # the optimizer state the user changed since compile or the last write-back, per entry
         # (a reset of one parameter's moments leaves its step count the step's)
         user_entries = self._optimizer_watch.changed_entries() if self._optimizer is not None else set()
-        changed = {name for name, p in params.items() if any(id(p) == q for q, _ in user_entries)}
+        changed_ids = {q for q, _ in user_entries}
+        changed = {name for name, p in params.items() if id(p) in changed_ids}
         # a collective per tensor, alike on every rank; a frozen parameter stays as it is, and
         # an inference program's parameters (the model's, as it took them)
         held = {**self.params, **self.buffers} if self.signature.has_loss else self.buffers

@@ -8,8 +8,7 @@ inputs (the values a per-parameter trace of the update gives, at the rank's shap
 each getitem of it by the operator that computes that output: the views and in-place
 passes and the program then see the operators a per-parameter trace gives. The operators
 keep the node's origin (optimizer phase). The template runs once per distinct input
-metadata (repeated layers' updates are alike); the other nodes of that metadata get fresh
-fake values of the same metadata.
+metadata (repeated layers' updates are alike: :func:`ddlc.fused_update.fake_values`).
 """
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ import operator
 import torch
 from torch import fx
 
-from ddlc.fake import fresh_fake, metadata
-from ddlc.fused_update import OP, evaluate, template, update_inputs
+from ddlc.fused_update import OP, fake_values, results, template, update_inputs
 from ddlc.ir import ORIGIN
 
 __all__ = ["expand_updates"]
@@ -35,29 +33,17 @@ def expand_updates(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _run(spec: str, scalars: str, vals: list, runs: dict) -> dict[fx.Node, torch.Tensor]:
-    """The fake value of every template operator on inputs ``vals``."""
-    # the storage offset of an input (a gradient unpacked from a bucket) does not reach any
-    # output: the template makes no views
-    key = (spec, scalars, tuple(metadata(v)[:2] + metadata(v)[3:] for v in vals))
-    if key in runs:
-        return {t: fresh_fake(v) for t, v in runs[key].items()}
-    record: list = []
-    with next(v.fake_mode for v in vals if hasattr(v, "fake_mode")):
-        evaluate(spec, scalars, vals, record)
-    runs[key] = {t: v for t, _, _, v in record}
-    return runs[key]
-
-
 def _expand(graph: fx.Graph, node: fx.Node, runs: dict) -> None:
     spec, scalars = node.args[0], node.args[1]
     inputs = update_inputs(node.args)
     vals = [a.meta["val"] for a in inputs]
-    out = _run(spec, scalars, vals, runs)
+    values = fake_values(spec, scalars, vals, runs)
     env = dict(zip((t for t in template(spec, scalars, vals).nodes if t.op == "placeholder"), inputs))
     origin, custom = ORIGIN.get(node), node.meta.get("custom")
     with graph.inserting_before(node):
-        for t, val in out.items():
+        for t, val in values.items():
+            if t.op == "placeholder":
+                continue
             name = graph._target_to_str(t.target.overloadpacket.__name__) \
                 if isinstance(t.target, torch._ops.OpOverload) else None
             new = graph.create_node("call_function", t.target, fx.map_arg(t.args, env.__getitem__),
@@ -68,10 +54,10 @@ def _expand(graph: fx.Graph, node: fx.Node, runs: dict) -> None:
             if origin is not None:
                 ORIGIN.set(new, origin)
             env[t] = new
-    results = next(t for t in template(spec, scalars, vals).nodes if t.op == "output").args[0]
+    outputs = results(spec, scalars, vals)
     for user in list(node.users):
         if user.target is not operator.getitem:
             raise AssertionError(f"{user.format_node()} reads {node.name} other than through getitem")
-        user.replace_all_uses_with(env[results[user.args[1]]])
+        user.replace_all_uses_with(env[outputs[user.args[1]]])
         graph.erase_node(user)
     graph.erase_node(node)

@@ -73,8 +73,8 @@ import numpy as np
 import torch
 from torch import fx
 
-from cost_models.program import (NodeCosts, ProgramClock, allocated_bytes, live_bytes, order_makespan, temporary_bytes,
-                                  owner, reads_until, releases)
+from cost_models.program import (NodeCosts, ProgramClock, allocated_bytes, live_bytes, order_makespan, owner,
+                                  reads_until, releases, temporary_bytes)
 from ddlc.errors import LoweringError
 from ddlc.ir import ORIGIN, PIECE, RECOMPUTED, ROLE, UPDATES as UPDATES_KEY, is_collective as is_issue, is_wait
 from ddlc.mesh import HardwareProfile
