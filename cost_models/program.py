@@ -149,6 +149,10 @@ class NodeCosts:
         self._alloc: dict[fx.Node, int] = {}
         self._priced: dict[str, fx.Node] = {}  # operators priced here, by name
         self._earlier = earlier if earlier is not None and earlier.profile is profile else None
+        #: the makespans of orders of these nodes timed with this table (by :func:`order_makespan`
+        #: or a scheduler's clock, which adds the same tasks in the same order): an order is
+        #: timed once
+        self.makespans: dict[tuple[fx.Node, ...], float] = {}
 
     def channel(self, node: fx.Node) -> str | None:
         """The stream a collective runs on; None for work on the compute stream."""
@@ -314,8 +318,13 @@ def stream_totals(nodes, costs: NodeCosts) -> dict[str, float]:
 def order_makespan(nodes: list[fx.Node], profile: HardwareProfile, costs: NodeCosts | None = None) -> float:
     """``order_timeline(nodes, profile, costs).makespan``, by :class:`ProgramClock`: the same
     start and end times by the same arithmetic, without the tasks, the memory and the trace.
-    For the searches that compare many programs by makespan only."""
-    clock = ProgramClock(profile, costs)
-    for node in nodes:
-        clock.add(node)
-    return clock.makespan
+    For the searches that compare many programs by makespan only. An order timed with
+    ``costs`` before (``costs.makespans``) is not timed again."""
+    known = costs.makespans if costs is not None and costs.profile is profile else {}
+    order = tuple(nodes)
+    if order not in known:
+        clock = ProgramClock(profile, costs)
+        for node in order:
+            clock.add(node)
+        known[order] = clock.makespan
+    return known[order]

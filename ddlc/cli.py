@@ -315,7 +315,7 @@ def _send_candidate(writer, gm, mesh, options, reference, groups) -> None:
     from . import pipeline
     torch.set_num_threads(1)   # the parent's OpenMP threads do not exist here
     try:
-        candidate = pipeline.plan_pinned(gm, mesh, options, reference, groups)
+        candidate = pipeline.plan_pinned(gm, mesh, options, reference, groups, on_copy=False)
         message = candidate.to_send() if isinstance(candidate, pipeline.Candidate) else candidate
     except Exception as error:
         message = as_shared(error, "planning data parallelism for comparison failed")

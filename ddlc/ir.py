@@ -51,7 +51,7 @@ __all__ = ["MetaKey", "Origin", "InputSpec", "OutputSpec", "StepSignature", "Sig
            "NdSignature", "CollectiveInfo", "Piece", "ROLES", "ORIGIN", "ROLE", "SHARDING",
            "COLLECTIVE", "PIECE", "FUSED", "GLOBAL_VAL", "STEP", "BUCKET_CAP", "PIECE_BYTES",
            "RECOMPUTE", "RECOMPUTED", "UPDATES", "RankArg", "RANK_ARG", "DRAW_ORDER", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait", "is_mutating", "in_update",
-           "collective_kind", "collective_sequence", "is_scalar_valued", "output_scalars"]
+           "collective_kind", "collective_sequence", "name_alike", "is_scalar_valued", "output_scalars"]
 
 T = TypeVar("T")
 
@@ -521,6 +521,18 @@ def collective_sequence(gm: fx.GraphModule) -> list[tuple[str, int, int]]:
     """The ordered (kind, mesh axis, bytes) of every communicating collective in ``gm``."""
     return [(info.kind, info.axis, info.nbytes) for n in gm.graph.nodes
             if (info := COLLECTIVE.get(n)) is not None and info.communicates]
+
+
+def name_alike(copied: fx.Graph, original: fx.Graph) -> fx.Graph:
+    """Give ``copied`` (a ``copy.deepcopy`` of ``original``) the namespace of ``original``,
+    so that it names new nodes as ``original`` would: torch.fx remembers every name it
+    gave, erased nodes' too, and the last number given to each base name, but a copy
+    knows only the names of its nodes, so a pass could name a new node ``getitem_63`` in
+    it and ``getitem_80`` in ``original`` (found on the example ResNet). Returns ``copied``."""
+    namespace, names = copied._graph_namespace, original._graph_namespace
+    namespace._used_names |= names._used_names
+    namespace._base_count.update(names._base_count)
+    return copied
 
 
 def is_scalar_valued(node: fx.Node) -> bool:

@@ -71,7 +71,7 @@ from passes.views import views_as_views
 from passes.waits import wait_at_once
 
 from .errors import MeshError, SBPError, ShardingError, UnsupportedInputError
-from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP, leaves, map_leaves
+from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP, leaves, map_leaves, name_alike
 from .mesh import Mesh
 from .options import CompileOptions
 from .plan import Plan
@@ -301,9 +301,10 @@ def data_parallel_reference(gm: fx.GraphModule, mesh: Mesh, options: CompileOpti
 
 def plan_pinned(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
                 reference: Mapping[str, NdSBP], groups: Sequence[str] | None = None,
-                coord: Sequence[int] | None = None) -> Candidate | NoCandidate:
+                coord: Sequence[int] | None = None, on_copy: bool = True) -> Candidate | NoCandidate:
     """The :class:`Candidate` of the plan with the pins ``reference`` (activations stay
-    where the pins put them), planned and lowered on a copy of ``gm``; a
+    where the pins put them), planned and lowered on a copy of ``gm`` (on ``gm`` itself
+    where not ``on_copy``: a forked process's own); a
     :class:`NoCandidate` with the reason where it cannot be planned (a ``ShardingError``,
     e.g. over the memory budget). Its program is
     lowered for mesh coordinate ``coord`` (default 0) where the plan splits every tensor
@@ -311,7 +312,7 @@ def plan_pinned(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     choices), else for coordinate 0 and left out of the candidate unless that is
     ``coord``."""
     return _candidate(gm, mesh, options, groups, coord, lambda planned: plan(
-        planned, mesh, replace(options, move_activations=False), reference))
+        planned, mesh, replace(options, move_activations=False), reference), on_copy)
 
 
 def plan_replicated(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
@@ -323,9 +324,12 @@ def plan_replicated(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
 
 
 def _candidate(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions, groups: Sequence[str] | None,
-               coord: Sequence[int] | None, planner: Callable[[fx.GraphModule], Plan]) -> Candidate | NoCandidate:
-    """``planner`` run on a copy of ``gm``, and that copy lowered (see :func:`plan_pinned`)."""
-    planned = named_alike_copy(gm)  # planning annotates every node afresh: as if unplanned
+               coord: Sequence[int] | None, planner: Callable[[fx.GraphModule], Plan],
+               on_copy: bool = True) -> Candidate | NoCandidate:
+    """``planner`` run on a copy of ``gm`` (``gm`` itself where not ``on_copy``), and that
+    lowered (see :func:`plan_pinned`)."""
+    # planning annotates every node afresh: as if unplanned
+    planned = named_alike_copy(gm) if on_copy else gm
     try:
         result = planner(planned)
     except ShardingError as e:
@@ -339,16 +343,11 @@ def _candidate(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions, groups: 
 
 
 def named_alike_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """``copy.deepcopy(gm)`` that names new nodes as ``gm`` would. Lowering's choices name
-    nodes (their order), and every rank lowers a graph that keeps the namespace of the
-    traced one (torch.fx's: every name given, erased nodes' too, and the last number given
-    to each base name; ``ddlc.portable`` ships it), but a plain copy knows only the names of
-    its nodes, so a pass could name a new node ``getitem_63`` in it and ``getitem_80`` in
-    the graph (found on the example ResNet). The copy takes ``gm``'s namespace."""
+    """``copy.deepcopy(gm)`` that names new nodes as ``gm`` would (:func:`ddlc.ir.name_alike`).
+    Lowering's choices name nodes (their order), and every rank lowers a graph that keeps
+    the namespace of the traced one (``ddlc.portable`` ships it)."""
     new = copy.deepcopy(gm)
-    namespace, original = new.graph._graph_namespace, gm.graph._graph_namespace
-    namespace._used_names |= original._used_names
-    namespace._base_count.update(original._base_count)
+    name_alike(new.graph, gm.graph)
     return new
 
 

@@ -28,9 +28,10 @@ makespan is taken to be unimodal in the cap: see :func:`fuse_search`).
 Trying is kept cheap without changing any choice: each option is tried on a
 :class:`Trial` (a copy of the graph that never generates Python code), a cap that
 provably fuses like one tried already is skipped (:class:`CapsAlike`: it would give
-the same collectives, which are not timed twice), and the trials and the final transform
-take the fake values of the nodes they build from one :class:`FakeValues`, which
-works them out on meta tensors rather than through the fake mode's dispatch. A
+the same collectives, which are not timed twice), the trials take the fake values of
+the nodes they build from one :class:`FakeValues`, which works them out on meta tensors
+rather than through the fake mode's dispatch, and the chosen trial's graph, put back in
+its order before scheduling, becomes the program instead of transforming it again. A
 search returns a :class:`Timed` record of its choice: the makespan and the
 scheduled order of the chosen trial, which is exactly what scheduling the
 transformed graph again would give (the scheduler is deterministic), so the
@@ -52,9 +53,10 @@ from torch import fx
 from cost_models.collectives import repriced
 from cost_models.program import NodeCosts, order_makespan
 from ddlc import comm
+from ddlc.errors import LoweringError
 from ddlc.fake import all_fake, run_on_meta
 from ddlc.ir import (BUCKETABLE, COLLECTIVE, FUSED, collective_kind, collective_sequence, is_wait,
-                     output_scalars)
+                     name_alike, output_scalars)
 from ddlc.mesh import Mesh
 
 __all__ = ["fuse", "fuse_best", "fuse_search", "choose_by_timeline", "search_by_timeline", "Timed",
@@ -203,7 +205,8 @@ def _sink_scalar_tails(graph: fx.Graph) -> None:
 def fuse(gm: fx.GraphModule, mesh: Mesh, cap: float) -> fx.GraphModule:
     """Fuse the buckets :func:`_members` finds under ``cap`` bytes, in place (after
     :func:`_hoist_feeders`), one at a time in graph order: fusing a bucket moves its
-    results to its first reader, so the buckets after it are found again."""
+    results to its first reader, so the buckets after it are found again. A cap of 0
+    leaves ``gm`` as it is."""
     _fuse(gm, mesh, cap)
     return gm
 
@@ -214,9 +217,10 @@ def _fuse(gm: fx.GraphModule, mesh: Mesh, cap: float, values: FakeValues | None 
     graph."""
     values = values if values is not None else FakeValues()
     alike = CapsAlike()
-    if cap:
-        _hoist_feeders(gm.graph)
-        _sink_scalar_tails(gm.graph)
+    if not cap:  # no fusion: the graph as it is
+        return alike
+    _hoist_feeders(gm.graph)
+    _sink_scalar_tails(gm.graph)
     candidates = _candidates(gm.graph.nodes)  # fusing a bucket adds only a fused collective
     while True:
         pos = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -353,7 +357,7 @@ def fuse_search(gm: fx.GraphModule, mesh: Mesh, schedule_fn=None) -> "Timed":
         return any(tried > 0 and caps.covers(cap) for tried, caps in alike.items())
 
     return search_by_timeline(gm, mesh, _descending(CAPS), transform, schedule_fn, tried_alike,
-                              ladder_from=1)
+                              ladder_from=1, unchanged=0)
 
 
 def _descending(caps) -> list[float]:
@@ -392,24 +396,28 @@ def adopt(gm: fx.GraphModule, timed: Timed, follow) -> fx.GraphModule:
 
 def choose_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, schedule_fn=None,
                        tried_alike=None):
-    """Apply ``transform(gm, option)`` in place for the option of ``options`` whose program
-    (after ``schedule_fn``) has the shortest modeled makespan; ties go to the earlier
-    option, and an option giving the same collectives as an earlier one is not re-timed,
-    nor tried at all if ``tried_alike(option)`` says it transforms like an earlier one.
-    Each option is tried on a :class:`Trial` copy of ``gm``; ``schedule_fn(trial, costs)``
-    orders it, pricing its nodes in ``costs`` (a :class:`cost_models.program.NodeCosts`),
-    which the trial's timing then reuses. Returns the option.
+    """Transform ``gm`` in place as ``transform(gm, option)`` would, for the option of
+    ``options`` whose program (after ``schedule_fn``) has the shortest modeled makespan;
+    ties go to the earlier option, and an option giving the same collectives as an earlier
+    one is not re-timed, nor tried at all if ``tried_alike(option)`` says it transforms like
+    an earlier one. Each option is tried on a :class:`Trial` copy of ``gm``;
+    ``schedule_fn(trial, costs)`` orders it, pricing its nodes in ``costs`` (a
+    :class:`cost_models.program.NodeCosts`), which the trial's timing then reuses; the
+    chosen trial's graph, in its order before scheduling, then becomes ``gm``'s. Returns
+    the option.
     Deterministic: the same graph gives the same choice on every rank."""
     return search_by_timeline(gm, mesh, options, transform, schedule_fn, tried_alike).option
 
 
 def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, schedule_fn=None,
                        tried_alike=None, given: Timed | None = None, bound=None,
-                       ladder_from: int | None = None) -> Timed:
+                       ladder_from: int | None = None, unchanged=None) -> Timed:
     """:func:`choose_by_timeline`, returning a :class:`Timed` record of the chosen option.
     ``given``: the timing of ``gm`` as it stands, which option ``given.option`` leaves
     unchanged (a search before timed this very program): that option is not tried again
-    and, if chosen, ``gm`` is not transformed. ``bound(option, costs)``: a lower bound of
+    and, if chosen, ``gm`` is not transformed. ``unchanged``: an option that leaves ``gm``
+    as it is (:func:`fuse_search`'s cap 0), tried on ``gm`` itself instead of a copy
+    (scheduled in place, timed, then put back). ``bound(option, costs)``: a lower bound of
     the makespan of ``option``'s program from ``costs`` (a :class:`NodeCosts` of ``gm`` as
     it stands), without transforming; an option whose bound exceeds the best makespan so
     far cannot be chosen and is not tried. ``ladder_from``: the options from this index on
@@ -417,10 +425,13 @@ def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
     first of them whose program is slower than the best of them so far. Where
     the ranks share cores
     (``profile.shared_cores``) every task runs on the compute stream, so every order of a
-    program has the same makespan: trials are timed without ``schedule_fn``."""
+    program has the same makespan: trials are timed without ``schedule_fn``, which
+    otherwise only reorders a program's nodes and annotates its meta."""
     if mesh.profile.shared_cores is not None:
         schedule_fn = None
-    best, seen = None, set()  # best: (makespan, option, trial, its nodes and meta before scheduling)
+    # best: (makespan, option, the trial and its nodes and meta before scheduling, or the
+    # Timed record of gm as it stands)
+    best, seen = None, set()
     costs = None  # the last trial's node costs (most of its operators are the next one's)
     base = NodeCosts(mesh.profile) if bound is not None else None  # of gm as it stands
     on_ladder = math.inf  # the least makespan of the ladder's options so far
@@ -440,13 +451,14 @@ def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
             if key not in seen:
                 seen.add(key)
                 if best is None or given.makespan < best[0] - 1e-12:
-                    best = (given.makespan, option, None, None)
+                    best = (given.makespan, option, replace(given, option=option))
                 if slower_on_ladder(index, given.makespan):
                     break
             continue
         if tried_alike is not None and tried_alike(option):
             continue
-        trial = transform(Trial(gm), option)
+        as_is = unchanged is not None and option == unchanged
+        trial = gm if as_is else transform(Trial(gm), option)
         key = tuple(collective_sequence(trial))
         if key in seen:
             continue
@@ -456,48 +468,82 @@ def search_by_timeline(gm: fx.GraphModule, mesh: Mesh, options, transform, sched
             before = (list(trial.graph.nodes), dict(trial.meta), [dict(n.meta) for n in trial.graph.nodes])
             schedule_fn(trial, costs)
         makespan = order_makespan(list(trial.graph.nodes), mesh.profile, costs)
+        found = _put_back(gm, option, makespan, before) if as_is else (trial, before)
         if best is None or makespan < best[0] - 1e-12:
-            best = (makespan, option, trial, before)
+            best = (makespan, option, found)
         if slower_on_ladder(index, makespan):
             break
-    makespan, option, trial, before = best
-    if trial is None:  # the program ``given`` timed
-        return replace(given, option=option)
-    transform(gm, option)
-    return _record(gm, option, makespan, trial, before)
+    makespan, option, found = best
+    if isinstance(found, Timed):  # the program as it stands
+        return found
+    return _take_trial(gm, option, makespan, *found)
 
 
-def _record(gm: fx.GraphModule, option, makespan: float, trial: "Trial", before) -> Timed:
-    """The :class:`Timed` record of ``option``, whose ``trial`` was transformed as ``gm`` is
-    now (node for node, in the order ``before`` holds, with the meta it held then) and
-    then scheduled (``before`` None: not scheduled)."""
+def _put_back(gm: fx.GraphModule, option, makespan: float, before) -> Timed:
+    """The :class:`Timed` record of ``gm`` scheduled (``before``: its nodes in their order
+    before, with the meta they held then; None: not scheduled), and ``gm`` put back as it
+    was before."""
     if before is None:
         return Timed(option, makespan)
     nodes, graph_meta, node_metas = before
-    mine = list(gm.graph.nodes)
-    if len(mine) != len(nodes) or any(a.op != b.op or a.target != b.target for a, b in zip(mine, nodes)):
-        return Timed(option, makespan)  # not the same program (never seen): schedule it again
-    name = {t: m.name for t, m in zip(nodes, mine)}
-    scheduled = list(trial.graph.nodes)
-    if len(scheduled) != len(nodes) or any(t not in name for t in scheduled):
-        return Timed(option, makespan)  # the scheduler made or removed nodes: schedule again
+    if len(gm.graph.nodes) != len(nodes):
+        raise LoweringError(f"internal: scheduling the program for option {option!r} of a search "
+                            "made or removed nodes; a scheduler only reorders them")
+    record = _scheduled(gm, option, makespan, before)
+    for node, then in zip(nodes, node_metas):
+        node.meta = then
+    _put_in_order(gm.graph, nodes)
+    gm.meta.clear()
+    gm.meta.update(graph_meta)
+    return record
+
+
+def _scheduled(gm: fx.GraphModule, option, makespan: float, before) -> Timed:
+    """The :class:`Timed` record of ``option``'s program ``gm`` as scheduled, from ``before``
+    (its nodes in their order before scheduling, with the meta they held then)."""
+    nodes, graph_meta, node_metas = before
 
     def changed(now: dict, then: dict) -> dict:
         return {k: v for k, v in now.items() if k not in then or then[k] is not v}
-    node_meta = {name[t]: c for t, then in zip(nodes, node_metas) if (c := changed(t.meta, then))}
-    return Timed(option, makespan, tuple(name[t] for t in scheduled),
-                 changed(trial.meta, graph_meta), node_meta)
+    return Timed(option, makespan, tuple(n.name for n in gm.graph.nodes), changed(gm.meta, graph_meta),
+                 {n.name: c for n, then in zip(nodes, node_metas) if (c := changed(n.meta, then))})
+
+
+def _take_trial(gm: fx.GraphModule, option, makespan: float, trial: "Trial", before) -> Timed:
+    """Make ``trial`` (``option``'s, transformed and then scheduled; ``before``: its nodes in
+    the transformed order with the meta they held then, None if it was not scheduled) the
+    program of ``gm``, as ``transform(gm, option)`` would leave it, and return the
+    :class:`Timed` record of its scheduling. The trial names new nodes as ``gm`` does
+    (:class:`Trial`), so its graph, put back in the transformed order and meta, is the
+    graph that transforming ``gm`` again would give, without the work."""
+    record = _put_back(trial, option, makespan, before)
+    gm.graph = trial.graph
+    gm.meta.clear()
+    gm.meta.update(trial.meta)
+    return record
+
+
+def _put_in_order(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Move the nodes of ``graph`` into the order ``nodes`` (all of them)."""
+    first = next(iter(graph.nodes))
+    if first is not nodes[0]:
+        first.prepend(nodes[0])
+    for before, node in zip(nodes, nodes[1:]):
+        if before.next is not node:
+            before.append(node)
 
 
 class Trial(fx.GraphModule):
     """A scratch copy of ``gm`` to try a transform on: a copy of its graph (``copy.deepcopy``
     of the graph, as ``copy.deepcopy(gm)`` makes: the same node names, and node ``meta``
-    dicts copied shallowly, so values are shared), a shallow copy of ``gm.meta``, and no
+    dicts copied shallowly, so values are shared) that names new nodes as ``gm`` would
+    (:func:`ddlc.ir.name_alike`: the chosen trial's graph becomes ``gm``'s, see
+    :func:`search_by_timeline`), a shallow copy of ``gm.meta``, and no
     Python code: a trial is transformed, scheduled and timed but never run, so
     :meth:`recompile` (code generation, which every pass ends with) does nothing."""
 
     def __init__(self, gm: fx.GraphModule):
-        super().__init__(gm, copy.deepcopy(gm.graph))
+        super().__init__(gm, name_alike(copy.deepcopy(gm.graph), gm.graph))
         self.meta = dict(gm.meta)
 
     def recompile(self) -> None:

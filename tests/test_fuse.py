@@ -364,8 +364,8 @@ def test_the_cap_search_stops_at_the_first_slower_cap(monkeypatch, latency, stop
                         _fuse(g, m, cap, values))
     searched = Trial(gm)
     chosen = fuse_search(searched, mesh, order).option
-    *trials, final = tried  # the last one fuses ``searched`` itself
-    assert final == chosen and makespans[chosen] == min(makespans.values())
+    trials = [0] + tried  # no fusion is timed on ``searched`` itself; the chosen trial becomes it
+    assert makespans[chosen] == min(makespans.values())
     assert _program(searched) == programs[chosen]
     distinct = [p for i, p in enumerate(programs.values()) if p not in list(programs.values())[:i]]
     assert (len(set(trials)) < len(distinct)) == stops_early
@@ -386,6 +386,31 @@ def test_trial_copies_the_graph_without_code(unfused):
     assert _program(trial) != before
     assert _program(gm) == before and gm.code == code and "ddlc_updates" not in gm.meta
     assert not hasattr(trial, "_code")  # recompile did nothing
+
+
+def test_the_chosen_trial_becomes_the_program_that_fusing_again_gives():
+    """fuse_search makes the chosen trial's graph the program: node for node, name for name
+    (new nodes too: a trial names them as the program would) and in the same order as
+    fusing the program itself with the chosen cap, and its namespace goes on naming new
+    nodes alike; the order it records is the one scheduling that program gives."""
+    from ddlc.pipeline import named_alike_copy
+    from passes.fuse import adopt, fuse, fuse_search
+    from passes.schedule import follow, schedule
+    planned, _, _, _ = data_parallel_mlp("adamw")
+    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(1e-3, 1e9)], profile=FAST_GLOO)  # slow start-ups: fuse
+    replicate_updates(planned, mesh)
+    decouple(planned, mesh, "forward")
+    gm = lower_rank(planned, mesh, (0,), axis_group_names(mesh), fuse=False, partition=False, schedule=False)
+    order = lambda g, costs=None: schedule(g, profile=mesh.profile, updates="auto", costs=costs)  # noqa: E731
+    searched, again = named_alike_copy(gm), named_alike_copy(gm)
+    timed = fuse_search(searched, mesh, order)
+    assert timed.option > 0  # a trial was chosen, not the program as it stood
+    fuse(again, mesh, timed.option)
+    assert _program(searched) == _program(again)
+    assert searched.meta == again.meta
+    names = [g.graph._graph_namespace.create_name("getitem", None) for g in (searched, again)]
+    assert names[0] == names[1]
+    assert _program(adopt(searched, timed, follow)) == _program(order(again))
 
 
 def test_fake_values_are_worked_out_once():
