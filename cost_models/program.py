@@ -45,7 +45,7 @@ from .timeline import COMPUTE, Timeline, TimelineResult
 
 __all__ = ["ALIASES", "NodeCosts", "ProgramClock", "allocated_bytes", "live_bytes", "order_makespan",
            "order_timeline", "owner", "program_makespan", "program_timeline", "reads_until", "releases",
-           "stream_totals", "temporary_bytes"]
+           "stream_totals", "task_order", "temporary_bytes"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -149,9 +149,9 @@ class NodeCosts:
         self._alloc: dict[fx.Node, int] = {}
         self._priced: dict[str, fx.Node] = {}  # operators priced here, by name
         self._earlier = earlier if earlier is not None and earlier.profile is profile else None
-        #: the makespans of orders of these nodes timed with this table (by :func:`order_makespan`
-        #: or a scheduler's clock, which adds the same tasks in the same order): an order is
-        #: timed once
+        #: the makespans of orders of these nodes timed with this table, by their
+        #: :func:`task_order` (by :func:`order_makespan` or a scheduler's clock, which adds
+        #: the same tasks in the same order): an order is timed once
         self.makespans: dict[tuple[fx.Node, ...], float] = {}
 
     def channel(self, node: fx.Node) -> str | None:
@@ -321,10 +321,17 @@ def order_makespan(nodes: list[fx.Node], profile: HardwareProfile, costs: NodeCo
     For the searches that compare many programs by makespan only. An order timed with
     ``costs`` before (``costs.makespans``) is not timed again."""
     known = costs.makespans if costs is not None and costs.profile is profile else {}
-    order = tuple(nodes)
-    if order not in known:
+    tasks = task_order(nodes)
+    if tasks not in known:
         clock = ProgramClock(profile, costs)
-        for node in order:
+        for node in tasks:
             clock.add(node)
-        known[order] = clock.makespan
-    return known[order]
+        known[tasks] = clock.makespan
+    return known[tasks]
+
+
+def task_order(nodes) -> tuple[fx.Node, ...]:
+    """The nodes of ``nodes`` that are tasks of the timeline (its operators, collectives and
+    waits; not the placeholders and the output), in order: what an order's makespan
+    depends on (the key of ``NodeCosts.makespans``)."""
+    return tuple(n for n in nodes if n.op == "call_function")

@@ -191,6 +191,7 @@ class Compiled:
     signature: object
     budget: float
     searched: list         # [(shape, objective or None, modeled step or None, note)] when searched
+    timeline: object = None  # the program's modeled timeline where planning worked it out
 
 
 def _mesh_request(text: str | None):
@@ -245,24 +246,26 @@ def _compile_rank0(args) -> Compiled:
             (mesh, plan, program), searched = _search_meshes(gm, devices, profile, options)
             return Compiled(plan, program, mesh, STEP(program), budget or profile.memory_capacity, searched)
         mesh = Mesh(shape, profile=profile)
-        plan, program = _plan_and_lower(gm, mesh, options)
-        return Compiled(plan, program, mesh, STEP(program), budget or profile.memory_capacity, [])
+        plan, program, timeline = _plan_and_lower(gm, mesh, options)
+        return Compiled(plan, program, mesh, STEP(program), budget or profile.memory_capacity, [], timeline)
 
 
 def _plan_and_lower(gm, mesh, options):
-    """Plan ``gm`` (in place) on ``mesh`` and lower mesh coordinate 0's program. Where
-    ``choose_plan`` weighs data parallelism against the search, a forked process makes that
-    candidate on the machine's other cores meanwhile (:func:`_candidate_elsewhere`)."""
+    """Plan ``gm`` (in place) on ``mesh`` and lower mesh coordinate 0's program; returns the
+    plan, the program and its modeled timeline (None where the program was lowered after
+    choosing). Where ``choose_plan`` weighs data parallelism against the search, a forked
+    process makes that candidate on the machine's other cores meanwhile
+    (:func:`_candidate_elsewhere`)."""
     from . import pipeline
     from .simulate import axis_group_names
     groups = axis_group_names(mesh)
     reference = pipeline.data_parallel_reference(gm, mesh, options, {})
     with _candidate_elsewhere(gm, mesh, options, reference, groups) as candidate:
-        chosen = pipeline.choose_plan(gm, mesh, options, {}, groups, candidate)
+        chosen = pipeline.choose_plan(gm, mesh, options, {}, groups, candidate, timeline=True)
     if chosen.program is not None:  # choose_plan lowered it already
-        return chosen.plan, chosen.program
+        return chosen.plan, chosen.program, chosen.timeline
     pipeline.lower(gm, mesh, (0,) * mesh.ndim, groups, options, chosen.choices)
-    return chosen.plan, gm
+    return chosen.plan, gm, None
 
 
 @contextlib.contextmanager
@@ -356,8 +359,9 @@ def _search_meshes(gm, devices: int, profile, options):
     lowered = {}
     for shape in ranked[:SEARCH_LOWERED]:
         mesh = Mesh(shape, profile=profile)
-        plan, program = _plan_and_lower(copy.deepcopy(gm), mesh, options)
-        lowered[shape] = (program_makespan(program, mesh.profile), (mesh, plan, program))
+        plan, program, timeline = _plan_and_lower(copy.deepcopy(gm), mesh, options)
+        step = timeline.makespan if timeline is not None else program_makespan(program, mesh.profile)
+        lowered[shape] = (step, (mesh, plan, program))
     best = min(lowered, key=lambda s: (lowered[s][0], ranked.index(s)))
     rows = [(s, objectives.get(s), lowered[s][0] if s in lowered else None, notes.get(s, ""))
             for s in shapes]
@@ -372,7 +376,7 @@ def _plan(args) -> int:
                          step_breakdown)
     compiled = _compile_rank0(args)
     rows = module_rows(compiled.plan, compiled.signature)
-    step = step_breakdown(compiled.plan, compiled.program, compiled.mesh, compiled.budget)
+    step = step_breakdown(compiled.plan, compiled.program, compiled.mesh, compiled.budget, compiled.timeline)
     note = over_budget_note(step)
     if note:
         log.warning("the lowered program's modeled peak memory, %s a device, is over the budget of %s: %s",

@@ -53,7 +53,8 @@ from torch import fx, nn
 
 from cost_models.collectives import axis_time
 from cost_models.compute import op_time
-from cost_models.program import NodeCosts, program_makespan
+from cost_models.program import NodeCosts, program_makespan, program_timeline
+from cost_models.timeline import TimelineResult
 from passes.canonicalize import canonicalize
 from passes.collectives import insert_collectives
 from passes.decouple import decouple
@@ -174,11 +175,13 @@ def plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
 class ChosenPlan(NamedTuple):
     """What :func:`choose_plan` returns: the ``plan``; where it lowered the candidates, the
     ``choices`` the kept plan's program for mesh coordinate 0 was lowered with (else None)
-    and that ``program`` (None where it was lowered elsewhere: ``data_parallel``)."""
+    and that ``program`` (None where it was lowered elsewhere: ``data_parallel``), with its
+    modeled ``timeline`` where :func:`choose_plan` was asked for it."""
 
     plan: Plan
     choices: LoweringChoices | None = None
     program: fx.GraphModule | None = None
+    timeline: TimelineResult | None = None
 
 
 class Candidate(NamedTuple):
@@ -209,7 +212,8 @@ class NoCandidate(NamedTuple):
 
 def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
                 fixed: Mapping[str, NdSBP], groups: Sequence[str] | None = None,
-                data_parallel: Callable[[], Candidate | NoCandidate] | None = None) -> ChosenPlan:
+                data_parallel: Callable[[], Candidate | NoCandidate] | None = None,
+                timeline: bool = False) -> ChosenPlan:
     """:func:`plan`, checked against data parallelism, the plan most users write by hand,
     and against replication, where the model is so small that running it whole on every
     rank may beat any plan that communicates.
@@ -231,7 +235,9 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     budget, is left out): adopting a candidate sets its decisions on ``gm``. The kept
     plan's choices come with it (:func:`lower` takes them instead of searching again), and
     its program where this process lowered it (``groups`` names the program's process
-    groups, default ``axis0``, ``axis1``, ...). ``stats`` record the steps compared
+    groups, default ``axis0``, ``axis1``, ...), with the searched program's
+    :func:`cost_models.program.program_timeline` where ``timeline`` is set (``ddlc plan``
+    reports it: worked out before waiting for ``data_parallel()``, not after). ``stats`` record the steps compared
     (``searched_step``, ``data_parallel_step``, ``replicated_step``), which won
     (``chosen_over_search``: data parallelism; ``replicated_chosen``) and why data
     parallelism was not compared (``data_parallel_none``).
@@ -249,7 +255,7 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
         else math.inf
     if searched_data_parallel and compute >= searched.objective + _one_startup(mesh):
         return ChosenPlan(searched)
-    mine, *my_program = _lowered_step(named_alike_copy(gm), mesh, options, groups)
+    mine, *my_program = _lowered_step(named_alike_copy(gm), mesh, options, groups, timeline=timeline)
     stats: dict[str, Any] = {"searched_step": mine}
     best, kept = mine, None
     if not searched_data_parallel and reference is not None:
@@ -338,7 +344,7 @@ def _candidate(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions, groups: 
     decisions = {n.name: SHARDING(n) for n in planned.graph.nodes if SHARDING.has(n)}
     wanted = tuple(coord) if coord is not None else (0,) * mesh.ndim
     lowered_for = wanted if splits_evenly(planned, mesh) else (0,) * mesh.ndim
-    step, choices, program = _lowered_step(planned, mesh, options, groups, lowered_for)
+    step, choices, program, _ = _lowered_step(planned, mesh, options, groups, lowered_for)
     return Candidate(result, decisions, step, choices, program if lowered_for == wanted else None)
 
 
@@ -388,14 +394,18 @@ def data_parallel_placements(gm: fx.GraphModule, mesh: Mesh) -> dict[str, NdSBP]
 
 
 def _lowered_step(program: fx.GraphModule, mesh: Mesh, options: CompileOptions,
-                  groups: Sequence[str] | None,
-                  coord: Sequence[int] | None = None) -> tuple[float, "LoweringChoices", fx.GraphModule]:
+                  groups: Sequence[str] | None, coord: Sequence[int] | None = None,
+                  timeline: bool = False) -> tuple[float, "LoweringChoices", fx.GraphModule, TimelineResult | None]:
     """Lower the planned ``program`` for mesh coordinate ``coord`` (default 0) in place
     (process groups ``groups``, default ``axis0``, ``axis1``, ...); return its modeled
-    seconds, the choices it was lowered with, and it."""
+    seconds, the choices it was lowered with, it, and its modeled timeline where
+    ``timeline`` is set (the same makespan, by the same arithmetic), else None."""
     groups = groups if groups is not None else [f"axis{k}" for k in range(mesh.ndim)]
     choices = lower(program, mesh, coord if coord is not None else (0,) * mesh.ndim, groups, options)
-    return program_makespan(program, mesh.profile), choices, program
+    if timeline:
+        result = program_timeline(program, mesh.profile)
+        return result.makespan, choices, program, result
+    return program_makespan(program, mesh.profile), choices, program, None
 
 
 # -- lowering ------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from torch import fx
 
 from cost_models.program import program_timeline
-from cost_models.timeline import COMPUTE
+from cost_models.timeline import COMPUTE, TimelineResult
 
 from .ir import COLLECTIVE, ORIGIN, StepSignature
 from .mesh import Mesh
@@ -176,11 +176,13 @@ class StepBreakdown:
     planner_objective: float
 
 
-def step_breakdown(plan: Plan, program: fx.GraphModule, mesh: Mesh, budget: float) -> StepBreakdown:
-    """Simulate ``program`` (:func:`cost_models.program.program_timeline`): compute is the
-    compute stream's busy time, exposed communication the rest of the makespan, hidden
-    communication the channels' busy time that the compute stream did not wait for."""
-    result = program_timeline(program, mesh.profile)
+def step_breakdown(plan: Plan, program: fx.GraphModule, mesh: Mesh, budget: float,
+                   timeline: TimelineResult | None = None) -> StepBreakdown:
+    """Simulate ``program`` (:func:`cost_models.program.program_timeline`, unless its
+    ``timeline`` is given): compute is the compute stream's busy time, exposed
+    communication the rest of the makespan, hidden communication the channels' busy time
+    that the compute stream did not wait for."""
+    result = timeline if timeline is not None else program_timeline(program, mesh.profile)
     exposed = result.exposed_communication
     return StepBreakdown(result.makespan, result.compute_time, exposed,
                          max(result.communication_time - exposed, 0.0),

@@ -24,18 +24,30 @@ __all__ = ["expand_updates"]
 
 
 def expand_updates(gm: fx.GraphModule) -> fx.GraphModule:
-    """Replace every ``ddlc::optimizer_update`` node of ``gm`` by its operators (in place)."""
+    """Replace every ``ddlc::optimizer_update`` node of ``gm`` by its operators (in place).
+    The graph's output, which reads most getitems of the updates, is rewritten once."""
     graph = gm.graph
     runs: dict[tuple, dict[fx.Node, torch.Tensor]] = {}
-    for node in [n for n in graph.nodes if n.target is OP]:
-        _expand(graph, node, runs)
+    updates = [n for n in graph.nodes if n.target is OP]
+    computed: dict[fx.Node, fx.Node] = {}  # getitem of an update -> the operator computing it
+    for node in updates:
+        _expand(graph, node, runs, computed)
+    output = graph.output_node()
+    output.args = fx.map_arg(output.args, lambda a: computed.get(a, a))
+    for getitem, new in computed.items():
+        getitem.replace_all_uses_with(new)
+        graph.erase_node(getitem)
+    for node in updates:
+        graph.erase_node(node)
     gm.recompile()
     return gm
 
 
-def _expand(graph: fx.Graph, node: fx.Node, runs: dict) -> None:
+def _expand(graph: fx.Graph, node: fx.Node, runs: dict, computed: dict[fx.Node, fx.Node]) -> None:
+    """Insert the operators of update ``node`` before it and record in ``computed`` which
+    one computes each of its getitems."""
     spec, scalars = node.args[0], node.args[1]
-    inputs = update_inputs(node.args)
+    inputs = [computed.get(a, a) for a in update_inputs(node.args)]
     vals = [a.meta["val"] for a in inputs]
     values = fake_values(spec, scalars, vals, runs)
     env = dict(zip((t for t in template(spec, scalars, vals).nodes if t.op == "placeholder"), inputs))
@@ -55,9 +67,7 @@ def _expand(graph: fx.Graph, node: fx.Node, runs: dict) -> None:
                 ORIGIN.set(new, origin)
             env[t] = new
     outputs = results(spec, scalars, vals)
-    for user in list(node.users):
+    for user in node.users:
         if user.target is not operator.getitem:
             raise AssertionError(f"{user.format_node()} reads {node.name} other than through getitem")
-        user.replace_all_uses_with(env[outputs[user.args[1]]])
-        graph.erase_node(user)
-    graph.erase_node(node)
+        computed[user] = env[outputs[user.args[1]]]

@@ -74,7 +74,7 @@ import torch
 from torch import fx
 
 from cost_models.program import (NodeCosts, ProgramClock, allocated_bytes, live_bytes, order_makespan, owner,
-                                  reads_until, releases, temporary_bytes)
+                                  reads_until, releases, task_order, temporary_bytes)
 from ddlc.errors import LoweringError
 from ddlc.ir import ORIGIN, PIECE, RECOMPUTED, ROLE, UPDATES as UPDATES_KEY, is_collective as is_issue, is_wait
 from ddlc.mesh import HardwareProfile
@@ -520,7 +520,7 @@ def _order(program: _Program, max_inflight_bytes: float, max_live_bytes: float |
         run = _Scheduler(program, max_inflight_bytes, max_live_bytes, profile, costs, early)
         order = run.run()
     if run.makespan is not None and costs is not None and costs.profile is profile:
-        costs.makespans[tuple(order)] = run.makespan  # its clock timed it as order_makespan would
+        costs.makespans[task_order(order)] = run.makespan  # its clock timed it as order_makespan would
     return order, run.makespan
 
 

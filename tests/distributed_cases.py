@@ -42,11 +42,11 @@ def compiled_run_preferring_data_parallel(rank: int, mesh, cases):
     from ddlc import pipeline
     from ddlc.ir import SHARDING, STEP
 
-    def modeled_step(planned, *_):
+    def modeled_step(planned, *args, **kwargs):
         by_name = {n.name: n for n in planned.graph.find_nodes(op="placeholder")}
         replicated = all(all(x.is_broadcast for x in SHARDING(by_name[i.name]).outputs[0])
                          for i in STEP(planned).inputs if i.role == "param")
-        return (1.0 if replicated else 2.0), *lowered_step(planned, *_)[1:]
+        return (1.0 if replicated else 2.0), *lowered_step(planned, *args, **kwargs)[1:]
 
     lowered_step = pipeline._lowered_step
     pipeline._lowered_step = modeled_step

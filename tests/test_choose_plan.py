@@ -60,16 +60,16 @@ def test_the_plan_whose_program_models_faster_is_kept(monkeypatch, faster):
 
     lowered = {}
 
-    def lowered_step(g, *_):
+    def lowered_step(g, *_, timeline=False):
         if is_replicated(g):  # the replication candidate (this MLP computes little): slowest here
-            return 3.0, pipeline.LoweringChoices(2.0, 0.0, None), g
+            return 3.0, pipeline.LoweringChoices(2.0, 0.0, None), g, None
         data_parallel = is_data_parallel(g)
         lowered[data_parallel] = pipeline.LoweringChoices(float(data_parallel), 0.0, None)
-        return (1.0 if data_parallel == (faster == "data-parallel") else 2.0), lowered[data_parallel], g
+        return (1.0 if data_parallel == (faster == "data-parallel") else 2.0), lowered[data_parallel], g, None
 
     monkeypatch.setattr(pipeline, "_lowered_step", lowered_step)
     gm = traced("mlp")
-    plan, choices, program = pipeline.choose_plan(gm, mesh, CompileOptions(), {})
+    plan, choices, program, _ = pipeline.choose_plan(gm, mesh, CompileOptions(), {})
     assert choices is lowered[faster == "data-parallel"]
     assert is_data_parallel(program) == (faster == "data-parallel")
     if faster == "data-parallel":

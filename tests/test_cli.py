@@ -296,7 +296,7 @@ def test_the_forked_data_parallel_candidate_gives_the_plan_of_one_process():
     gm = pipeline.trace_step(model, batch, lm_loss, torch.optim.AdamW(model.parameters()), options)
     mesh = Mesh((4,), profile=slower, links=[LinkModel(8.7e-4, 6.2e8)])
     forked, alone = copy.deepcopy(gm), copy.deepcopy(gm)
-    plan, program = _plan_and_lower(forked, mesh, options)
+    plan, program, timeline = _plan_and_lower(forked, mesh, options)
     chosen = pipeline.choose_plan(alone, mesh, options, {})
     # here the search finds data parallelism itself (the same modeled step): the search's plan is kept
     assert plan.stats.get("chosen_over_search") == chosen.plan.stats.get("chosen_over_search")
@@ -306,6 +306,7 @@ def test_the_forked_data_parallel_candidate_gives_the_plan_of_one_process():
         {n.name: SHARDING(n) for n in chosen.program.graph.nodes if SHARDING.has(n)}
     assert [n.name for n in program.graph.nodes] == [n.name for n in chosen.program.graph.nodes]
     assert collective_sequence(program) == collective_sequence(chosen.program)
+    assert timeline.makespan == plan.stats["searched_step"]  # the kept program's, worked out once
 
 
 def test_a_program_over_the_memory_budget_is_flagged():

@@ -116,6 +116,26 @@ def test_shared_node_costs_time_like_fresh_ones():
         assert shared.peak_memory == fresh.peak_memory
 
 
+def test_the_clock_times_an_order_as_the_timeline_does():
+    """order_makespan (a ProgramClock) gives an order exactly the makespan of its full
+    timeline, and so does a scheduler's clock that timed the order as it built it (early
+    updates): what it remembers in NodeCosts.makespans, which order_makespan then returns."""
+    from cost_models.program import NodeCosts, order_makespan, order_timeline, task_order
+    from passes.fuse import Trial
+    from passes.schedule import schedule
+
+    mesh, program = _lowered_mlp()
+    nodes = list(program.graph.nodes)
+    assert order_makespan(nodes, mesh.profile) == order_timeline(nodes, mesh.profile).makespan
+    trial, costs = Trial(program), NodeCosts(mesh.profile)
+    schedule(trial, profile=mesh.profile, updates="early", costs=costs)
+    order = list(trial.graph.nodes)  # placeholders first: the tasks in the scheduler's order
+    assert list(costs.makespans) == [task_order(order)]  # the scheduler timed it; nothing else was
+    assert costs.makespans[task_order(order)] == order_makespan(order, mesh.profile) == \
+        order_timeline(order, mesh.profile).makespan
+    assert order_makespan(order, mesh.profile, costs) == costs.makespans[task_order(order)]
+
+
 @pytest.mark.parametrize("tree", [
     ([1, (2.0, None)], {"b": 3, "a": [4]}),
     (slice(0, 2), "s", True),

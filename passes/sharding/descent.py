@@ -28,7 +28,11 @@
    pass on one axis, which no module block can reach alone.
 
 Every seed is first descended with moves (a) and (b) only; the best result (fitting the
-budget, then the least objective) is descended again with the block moves added.
+budget, then the least objective) is descended again with the block moves added. Where
+the one block is the whole problem and variable elimination solves it, the block move
+reaches the optimum from any start: the seeds are then compared undescended, and the
+axes are not permuted (step 3), as nothing ends lower than the optimum (between optimal
+plans, the one found can differ from the one a descended seed would have kept).
 
 3. *Permute the mesh axes* (:func:`_permuted`): on a mesh whose axes differ (in size or
    link), the result with every signature's per-axis SBPs exchanged between axes is
@@ -179,16 +183,22 @@ def _module_regions(problem: ShardingProblem) -> list[tuple[str, list[int]]]:
 MAX_TABLE_WHOLE = MAX_TABLE
 
 
-def _regions(problem: ShardingProblem, memory_budget: float) -> list[tuple[str, list[int]]]:
+def _eliminable(problem: ShardingProblem, memory_budget: float) -> bool:
+    """Whether variable elimination solves the whole problem exactly within
+    MAX_TABLE_WHOLE: the memory budget cannot bind and an elimination order keeps the
+    tables within it. Block coordinate descent with that single block is then exact."""
+    return MAX_TABLE_WHOLE > 0 and sum(float(m.max()) for m in problem.memory) <= memory_budget and \
+        elimination_order([len(u) for u in problem.unary], problem.edges, MAX_TABLE_WHOLE) is not None
+
+
+def _regions(problem: ShardingProblem, memory_budget: float, eliminable: bool) -> list[tuple[str, list[int]]]:
     """The blocks of the block moves: the whole problem when the memory budget cannot bind
-    and either variable elimination solves it within MAX_TABLE_WHOLE (block coordinate
-    descent with a single block is then exact) or it has at most MAX_BLOCK variables (its
-    node-capped MILP); else the module regions."""
+    and either variable elimination solves it (``eliminable``: :func:`_eliminable`) or it
+    has at most MAX_BLOCK variables (its node-capped MILP); else the module regions."""
     unconstrained = sum(float(m.max()) for m in problem.memory) <= memory_budget
     small = problem.num_vars <= MAX_BLOCK and MAX_TABLE_WHOLE > 0
     everything = list(range(problem.num_vars))
-    if unconstrained and (small or elimination_order([len(u) for u in problem.unary],
-                                                     problem.edges, MAX_TABLE_WHOLE)):
+    if eliminable or (unconstrained and small):
         return [("<all>", everything)]
     return _module_regions(problem) + ([("<all axes>", everything)] if problem.mesh.ndim > 1 else [])
 
@@ -285,11 +295,16 @@ def coordinate_descent(problem: ShardingProblem, memory_budget: float = float("i
     seeds and the axis permutations: a local repair, with block moves where
     ``group_moves``."""
     paths = _path_blocks(problem)
+    eliminable = group_moves and _eliminable(problem, memory_budget)
+    regions = _regions(problem, memory_budget, eliminable) if group_moves else []
+    # one block that variable elimination solves exactly: the block move reaches the
+    # optimum from any start, so the seeds are compared as they start, not descended first
+    exact = start is None and eliminable
     results = []
     seeds = {"start": lambda: list(start)} if start is not None else \
         {name: (lambda seed=seed: _initial(problem, seed, memory_budget)) for name, seed in SEEDS.items()}
     for name, initial in seeds.items():
-        choice, _ = _descend(problem, initial(), memory_budget, paths, [], max_sweeps)
+        choice = initial() if exact else _descend(problem, initial(), memory_budget, paths, [], max_sweeps)[0]
         results.append((problem.memory_of(choice) > memory_budget, problem.objective(choice), name, choice))
     if all(over for over, *_ in results):
         # no uniform scheme fits: start from the smallest footprint (memory is separable,
@@ -298,10 +313,9 @@ def coordinate_descent(problem: ShardingProblem, memory_budget: float = float("i
         results.append((problem.memory_of(choice) > memory_budget, problem.objective(choice),
                         "smallest_footprint", choice))
     _, _, name, choice = min(results, key=lambda r: r[:2])
-    regions = _regions(problem, memory_budget) if group_moves else []
     choice, sweeps = _descend(problem, choice, memory_budget, paths, regions, max_sweeps)
     permuted = 0
-    for order in _axis_permutations(problem.mesh) if start is None else ():
+    for order in _axis_permutations(problem.mesh) if start is None and not exact else ():
         permuted_choice = _permuted(problem, choice, order)
         if permuted_choice is None or problem.memory_of(permuted_choice) > memory_budget:
             continue
@@ -312,7 +326,9 @@ def coordinate_descent(problem: ShardingProblem, memory_budget: float = float("i
         if _lower(problem, other, choice, memory_budget):
             choice, permuted = other, permuted + 1
     return choice, {"seed": name, "sweeps": sweeps, "paths": len(paths), "blocks": len(regions),
-                    "whole_block": [r[0] for r in regions] == ["<all>"], "axis_permutations": permuted}
+                    "whole_block": [r[0] for r in regions] == ["<all>"], "exact_block": exact,
+                    "axis_permutations": permuted}
+
 
 
 def _lower(problem: ShardingProblem, choice: list[int], incumbent: list[int], budget: float) -> bool:
