@@ -136,17 +136,19 @@ def _candidates(nodes) -> list[fx.Node]:
 
 
 def _buckets(candidates: list[fx.Node], pos: dict[fx.Node, int], cap: float,
-             alike: CapsAlike | None) -> list[list[fx.Node]]:
+             alike: CapsAlike | None, kinds: dict[fx.Node, tuple] | None = None) -> list[list[fx.Node]]:
     """:func:`_members` of the collectives ``candidates`` (:func:`_candidates` of the
-    graph, in graph order) at the graph positions ``pos``."""
+    graph, in graph order) at the graph positions ``pos``; ``kinds`` remembers each
+    candidate's :func:`_kind_and_bytes` (which fusing other buckets leaves as they are)."""
+    kinds = {} if kinds is None else kinds
     buckets: dict[tuple, list[list]] = {}  # key -> [members, first read, bytes] per bucket
     for node in candidates:
         (wait,) = node.users
         reads = min((pos[u] for u in wait.users), default=math.inf)
         inputs_at = max(pos[a] for a in node.all_input_nodes)
-        val = node.args[0].meta["val"]
-        size = val.numel() * val.element_size()
-        key = (node.target, node.args[-1], val.dtype)
+        if node not in kinds:
+            kinds[node] = _kind_and_bytes(node)
+        key, size = kinds[node]
         for bucket in buckets.setdefault(key, []):
             if inputs_at < bucket[1] and bucket[2] + size <= cap:
                 bucket[0].append(node)
@@ -160,6 +162,13 @@ def _buckets(candidates: list[fx.Node], pos: dict[fx.Node, int], cap: float,
     if alike is not None:
         alike.formed = max([alike.formed] + [size for _, size in fused])
     return sorted((members for members, _ in fused), key=lambda b: pos[b[0]])
+
+
+def _kind_and_bytes(node: fx.Node) -> tuple[tuple, int]:
+    """What :func:`_buckets` groups collective ``node`` by (its operator, process group and
+    dtype) and its input's bytes."""
+    val = node.args[0].meta["val"]
+    return (node.target, node.args[-1], val.dtype), val.numel() * val.element_size()
 
 
 #: The local steps the collectives pass puts right before a collective (dim moves, padding,
@@ -222,9 +231,10 @@ def _fuse(gm: fx.GraphModule, mesh: Mesh, cap: float, values: FakeValues | None 
     _hoist_feeders(gm.graph)
     _sink_scalar_tails(gm.graph)
     candidates = _candidates(gm.graph.nodes)  # fusing a bucket adds only a fused collective
+    kinds: dict[fx.Node, tuple] = {}
     while True:
         pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-        buckets = _buckets(candidates, pos, cap, alike)
+        buckets = _buckets(candidates, pos, cap, alike, kinds)
         if not buckets:
             break
         _fuse_bucket(gm.graph, mesh, buckets[0], values, pos)
