@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import NamedTuple
 
 import torch
 from torch import fx
@@ -57,7 +58,7 @@ from ddlc.sbp import B, NdSBP, S, divides, local_shape, padded_shape
 from passes.rules import selected_leaf, signatures_1d, signatures_nd, tensor_inputs
 from passes.sharding.problem import compute_seconds, gradient_only_rides
 
-__all__ = ["decouple", "update_chain"]
+__all__ = ["decouple", "update_chain", "GraphIndex"]
 
 log = logging.getLogger("ddlc.decouple")
 
@@ -83,15 +84,31 @@ def gradient_scalars(graph: fx.Graph) -> set[fx.Node]:
     return {n for n, s in source.items() if s is many and getattr(n.meta.get("val"), "dim", lambda: -1)() == 0}
 
 
-def update_chain(gm: fx.GraphModule, key: str,
-                 shared: set[fx.Node] | None = None) -> tuple[list[fx.Node], list[fx.Node]]:
+class GraphIndex(NamedTuple):
+    """What :func:`update_chain` looks up in a graph, found once for all parameters: its
+    output node, its placeholders by name and every node's position."""
+
+    output: fx.Node
+    placeholders: dict[str, fx.Node]
+    position: dict[fx.Node, int]
+
+    @staticmethod
+    def of(graph: fx.Graph) -> "GraphIndex":
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        return GraphIndex(graph.output_node(), {n.name: n for n in position if n.op == "placeholder"}, position)
+
+
+def update_chain(gm: fx.GraphModule, key: str, shared: set[fx.Node] | None = None,
+                 index: GraphIndex | None = None) -> tuple[list[fx.Node], list[fx.Node]]:
     """(the nodes that compute parameter ``key``'s new value and state: its optimizer-phase
     nodes and the parameter-shaped reshapes only they read, in graph order, up to the
     scalars computed from all gradients, ``shared`` (default :func:`gradient_scalars`),
-    which it reads as it reads the learning rate; its optimizer-state placeholders)."""
+    which it reads as it reads the learning rate; its optimizer-state placeholders, in
+    graph order). ``index``: :meth:`GraphIndex.of` the graph (default: found here)."""
     sig = STEP(gm)
     shared = gradient_scalars(gm.graph) if shared is None else shared
-    output = next(n for n in gm.graph.nodes if n.op == "output")
+    index = GraphIndex.of(gm.graph) if index is None else index
+    output = index.output
     results = [a for spec, a in zip(sig.outputs, output.args[0])
                if spec.key == key or spec.key.startswith(key + ":")]
     chain, stack = set(), list(results)
@@ -108,7 +125,7 @@ def update_chain(gm: fx.GraphModule, key: str,
     # input of the parameter's size (a matmul whose operands happen to have that many
     # elements, as when the batch equals the width, is no reshape)
     param = next(i.name for i in sig.inputs if i.key == key)
-    shape = next(n.meta["val"].shape for n in gm.graph.nodes if n.op == "placeholder" and n.name == param)
+    shape = index.placeholders[param].meta["val"].shape
     grew = True
     while grew:
         grew = False
@@ -120,10 +137,9 @@ def update_chain(gm: fx.GraphModule, key: str,
                     getattr(vals[0], "numel", lambda: -1)() == math.prod(shape):
                 chain.add(node)
                 grew = True
-    own_states = {i.name for i in sig.inputs if i.key.startswith(key + ":")}
-    states = [n for n in gm.graph.nodes if n.op == "placeholder"
-              and ROLE.get(n) == "opt_state" and n.name in own_states]
-    return [n for n in gm.graph.nodes if n in chain], states
+    own_states = [index.placeholders[i.name] for i in sig.inputs if i.key.startswith(key + ":")]
+    states = sorted((n for n in own_states if ROLE.get(n) == "opt_state"), key=index.position.__getitem__)
+    return sorted(chain, key=index.position.__getitem__), states
 
 
 def _update_sbp(chain: list[fx.Node], shape) -> NdSBP:
@@ -360,7 +376,8 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
     by_name = {n.name: n for n in gm.graph.nodes}
     placeholders = {i.key: by_name[i.name] for i in sig.inputs}
     shared = gradient_scalars(gm.graph)
-    chains = {key: update_chain(gm, key, shared) for key, _ in sig.optimizer}
+    index = GraphIndex.of(gm.graph)
+    chains = {key: update_chain(gm, key, shared, index) for key, _ in sig.optimizer}
     loss_riding = gradient_only_rides(gm, mesh)
     done = set()
     for axis in range(mesh.ndim):
@@ -437,12 +454,15 @@ def layer_profile(gm: fx.GraphModule, mesh: Mesh, axis: int = 0) -> dict:
         owners.setdefault(key.rpartition(".")[0], []).append(key)
     times = {m: {"forward": 0.0, "backward": 0.0} for m in owners}
     by_length = sorted(owners, key=len, reverse=True)
+    owner: dict[str, str | None] = {}  # a node's module -> the innermost module owning parameters
     for node in gm.graph.nodes:
         origin = ORIGIN.get(node)
         if origin is None or origin.phase not in ("forward", "backward") or not SHARDING.has(node):
             continue
-        module = next((m for m in by_length if origin.module == m or origin.module.startswith(m + ".")
-                       or not m), None)
+        if origin.module not in owner:
+            owner[origin.module] = next((m for m in by_length if origin.module == m
+                                         or origin.module.startswith(m + ".") or not m), None)
+        module = owner[origin.module]
         if module is not None:
             times[module][origin.phase] += compute_seconds(node, SHARDING(node), mesh)
     by_name = {n.name: n for n in gm.graph.nodes}
