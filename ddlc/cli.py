@@ -312,13 +312,16 @@ def _candidate_elsewhere(gm, mesh, options, reference, groups):
 
 def _send_candidate(writer, gm, mesh, options, reference, groups) -> None:
     """In the forked child: the data-parallel candidate (its plan without the solver's
-    state, no program) or the error that stopped it, sent through ``writer``."""
+    state, no program) or the error that stopped it, sent through ``writer``. The child's
+    own ``gm`` is planned (no copy), and its program is not made to run in place
+    (``passes.inplace``, which changes no task's modeled time: the program is not sent)."""
     import torch
 
     from . import pipeline
     torch.set_num_threads(1)   # the parent's OpenMP threads do not exist here
     try:
-        candidate = pipeline.plan_pinned(gm, mesh, options, reference, groups, on_copy=False)
+        candidate = pipeline.plan_pinned(gm, mesh, replace(options, inplace=False), reference, groups,
+                                         on_copy=False)
         message = candidate.to_send() if isinstance(candidate, pipeline.Candidate) else candidate
     except Exception as error:
         message = as_shared(error, "planning data parallelism for comparison failed")
