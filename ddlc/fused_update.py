@@ -123,15 +123,17 @@ def evaluate(spec: str, scalars: str, inputs: Sequence[torch.Tensor], record: li
     raise AssertionError("a traced graph ends with its output")
 
 
-def fake_values(spec: str, scalars: str, inputs: Sequence[torch.Tensor], runs: dict) -> dict[fx.Node, Any]:
+def fake_values(spec: str, scalars: str, inputs: Sequence[torch.Tensor], runs: dict,
+                wanted: Sequence[fx.Node] | None = None) -> dict[fx.Node, Any]:
     """The fake value of every node of the template run on the fake ``inputs`` (its
-    placeholders' are ``inputs``). The template runs once per input metadata, kept in
-    ``runs``; a later call with inputs of that metadata gets fresh fake values of the
-    same metadata (fake tensors hold no values; the template makes no views, so an input's
-    storage offset reaches no value)."""
+    placeholders' are ``inputs``), or of its nodes ``wanted`` and the placeholders. The
+    template runs once per input metadata, kept in ``runs``; a later call with inputs of
+    that metadata gets fresh fake values of the same metadata (fake tensors hold no
+    values; the template makes no views, so an input's storage offset reaches no value)."""
     key = (spec, scalars, tuple((tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad) for v in inputs))
     if key in runs:
-        made = {t: fresh_fake(v) for t, v in runs[key].items()}
+        known = runs[key]
+        made = {t: fresh_fake(known[t]) for t in (known if wanted is None else wanted) if t in known}
     else:
         record: list = []
         with next(v.fake_mode for v in inputs if hasattr(v, "fake_mode")):

@@ -46,8 +46,9 @@ def _outputs(update: Update, runs: dict) -> list:
     a shape (torch.optim keeps both)."""
     spec, names = spec_text(update.spec), ",".join(update.scalar_names)
     inputs = [n.meta["val"] for n in update.inputs]
-    values = fake_values(spec, names, inputs, runs)
-    outputs = [values[t] for t in results(spec, names, inputs)]
+    wanted = results(spec, names, inputs)
+    values = fake_values(spec, names, inputs, runs, wanted)
+    outputs = [values[t] for t in wanted]
     kept = [inputs[0], *inputs[2:2 + len(update.spec.state_names)]]  # the parameter and its state
     for name, before, after in zip(("parameter", *update.spec.state_names), kept, outputs):
         if after.dtype != before.dtype or after.shape != before.shape:
