@@ -505,6 +505,7 @@ def _put_back(gm: fx.GraphModule, option, makespan: float, before) -> Timed:
     _put_in_order(gm.graph, nodes)
     gm.meta.clear()
     gm.meta.update(graph_meta)
+    gm.recompile()  # the scheduler's reorder generated code for its order (a lazy module: none yet)
     return record
 
 
