@@ -21,6 +21,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ddlc import comm
 from ddlc.errors import LoweringError
 from ddlc.fake import empty_fake
 from ddlc.ir import COLLECTIVE, GLOBAL_VAL, SHARDING, is_getitem, leaves, map_leaves, where
@@ -39,12 +40,20 @@ def _expected(val, sbps, mesh: Mesh, coord: Sequence[int]) -> list:
             if isinstance(v, torch.Tensor) and x is not None else None for v, x in zip(values, sbps)]
 
 
+#: The boxing pieces the collectives pass inserts (:mod:`ddlc.comm`): Python functions whose
+#: result's metadata follows from their arguments' metadata and other arguments alone,
+#: like an operator's (:class:`_Runs` runs them once per distinct call; a piece that
+#: happens to be a view of its input, a contiguous slice, carries no values either).
+_BOXING_PIECES = frozenset({comm.moved, comm.local_chunk, comm.padded, comm.keep_on_first, comm.with_layout})
+
+
 class _Runs:
     """Fake runs of operators, one per distinct call: an operator that returns fresh
-    tensors (no mutation, no aliasing in its schema) computes the same output metadata
-    for inputs of the same metadata and the same other arguments, so repeated layers and
-    the per-parameter optimizer chains reuse one run's output (fake tensors hold no
-    values; a multi-output node's getitems already share its tensors)."""
+    tensors (no mutation, no aliasing in its schema), or a boxing piece
+    (:data:`_BOXING_PIECES`), computes the same output metadata for inputs of the same
+    metadata and the same other arguments, so repeated layers and the per-parameter
+    optimizer chains reuse one run's output (fake tensors hold no values; a multi-output
+    node's getitems already share its tensors)."""
 
     def __init__(self):
         self.outputs: dict = {}
@@ -65,8 +74,9 @@ class _Runs:
     def _key(self, target, args, kwargs):
         if target not in self.pure:
             schema = getattr(target, "_schema", None)
-            self.pure[target] = isinstance(target, torch._ops.OpOverload) and schema is not None \
-                and not schema.is_mutable and not any(r.alias_info for r in schema.returns)
+            self.pure[target] = target in _BOXING_PIECES or (
+                isinstance(target, torch._ops.OpOverload) and schema is not None
+                and not schema.is_mutable and not any(r.alias_info for r in schema.returns))
         if not self.pure[target]:
             return None
         try:
