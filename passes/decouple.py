@@ -373,10 +373,9 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
         return []
     if ag_placement == "auto":
         ag_placement = auto_placement(gm, mesh)
-    by_name = {n.name: n for n in gm.graph.nodes}
-    placeholders = {i.key: by_name[i.name] for i in sig.inputs}
-    shared = gradient_scalars(gm.graph)
     index = GraphIndex.of(gm.graph)
+    placeholders = {i.key: index.placeholders[i.name] for i in sig.inputs}
+    shared = gradient_scalars(gm.graph)
     chains = {key: update_chain(gm, key, shared, index) for key, _ in sig.optimizer}
     loss_riding = gradient_only_rides(gm, mesh)
     done = set()

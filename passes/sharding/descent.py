@@ -183,11 +183,16 @@ def _module_regions(problem: ShardingProblem) -> list[tuple[str, list[int]]]:
 MAX_TABLE_WHOLE = MAX_TABLE
 
 
+def _unconstrained(problem: ShardingProblem, memory_budget: float) -> bool:
+    """Whether the memory budget cannot bind: every variable's largest footprint fits."""
+    return sum(float(m.max()) for m in problem.memory) <= memory_budget
+
+
 def _eliminable(problem: ShardingProblem, memory_budget: float) -> bool:
     """Whether variable elimination solves the whole problem exactly within
     MAX_TABLE_WHOLE: the memory budget cannot bind and an elimination order keeps the
     tables within it. Block coordinate descent with that single block is then exact."""
-    return MAX_TABLE_WHOLE > 0 and sum(float(m.max()) for m in problem.memory) <= memory_budget and \
+    return MAX_TABLE_WHOLE > 0 and _unconstrained(problem, memory_budget) and \
         elimination_order([len(u) for u in problem.unary], problem.edges, MAX_TABLE_WHOLE) is not None
 
 
@@ -195,10 +200,9 @@ def _regions(problem: ShardingProblem, memory_budget: float, eliminable: bool) -
     """The blocks of the block moves: the whole problem when the memory budget cannot bind
     and either variable elimination solves it (``eliminable``: :func:`_eliminable`) or it
     has at most MAX_BLOCK variables (its node-capped MILP); else the module regions."""
-    unconstrained = sum(float(m.max()) for m in problem.memory) <= memory_budget
     small = problem.num_vars <= MAX_BLOCK and MAX_TABLE_WHOLE > 0
     everything = list(range(problem.num_vars))
-    if eliminable or (unconstrained and small):
+    if eliminable or (small and _unconstrained(problem, memory_budget)):
         return [("<all>", everything)]
     return _module_regions(problem) + ([("<all axes>", everything)] if problem.mesh.ndim > 1 else [])
 
