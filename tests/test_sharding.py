@@ -240,6 +240,24 @@ def test_module_blocks_alone_match_exact():
     assert cd.objective / exact.objective - 1 < 0.01
 
 
+def test_an_exactly_eliminable_problem_is_descended_once_from_the_best_seed(monkeypatch):
+    """Where variable elimination solves the whole problem as one block, the seeds are
+    compared undescended and only the best is descended, with that block: the result is
+    the exact optimum all the same."""
+    from passes.sharding import descent
+    gm = _example("gpt")
+    mesh = ddlc.Mesh((2, 2))
+    descents = []
+    original = descent._descend
+    monkeypatch.setattr(descent, "_descend", lambda problem, choice, budget, paths, regions, sweeps:
+                        descents.append([name for name, _ in regions]) or
+                        original(problem, choice, budget, paths, regions, sweeps))
+    cd = shard(gm, mesh)
+    assert cd.stats["exact_block"] and descents == [["<all>"]]
+    exact = shard(gm, mesh, solver="exact")
+    assert cd.objective == pytest.approx(exact.objective, rel=1e-9)
+
+
 def test_infeasible_budget_names_smallest_budget_and_tensors():
     gm = _two_layer(batch=8, width=1024, hidden=4096)
     with pytest.raises(ShardingError, match=r"smallest possible footprint is [0-9.]+ MiB.*p_\d_weight"):
