@@ -37,6 +37,7 @@ Strategies: :func:`no_overlap`, :func:`wfbp`, :func:`dear`, :func:`pipedap`, :fu
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import json
@@ -114,10 +115,17 @@ class LayerProfile:
                                 _seconds(item, "backward", f"{where}.backward")))
         return LayerProfile(a, b, tuple(layers))
 
-    @property
+    @functools.cached_property
     def param_layers(self) -> tuple[int, ...]:
         """Indices of the layers whose gradients need communication, in forward order."""
         return tuple(i for i, layer in enumerate(self.layers) if layer.params > 0)
+
+    @functools.cached_property
+    def backward_parts(self) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
+        """The RS parts and the AG parts of :attr:`param_layers` in backward order, which
+        :func:`run_collectives` slices."""
+        order = self.param_layers[::-1]
+        return tuple(("rs", l) for l in order), tuple(("ag", l) for l in order)
 
     @property
     def compute_time(self) -> float:
@@ -377,36 +385,31 @@ def pipedap(profile: LayerProfile) -> Schedule:
 def _pipedap_choices(profile: LayerProfile) -> list[Choice]:
     """One pass over layers n = L-1 .. 1 (backward order; the first layer's AG stays deferred).
 
-    From the current timeline (recomputed after every move) take the budget = idle link time
-    in backward after RS(n) + forward stall of layers >= n, and the cost = b/2 * params(n)
-    (the AG's bytes; its start-up is saved). Then *(derived reading of PipeDAP's two rules)*:
+    From the current timeline (recomputed after every move: :meth:`_Clock.window`) take the
+    budget = idle link time in backward after RS(n) + forward stall of layers >= n, and the
+    cost = b/2 * params(n) (the AG's bytes; its start-up is saved). Then *(derived reading of
+    PipeDAP's two rules)*:
     1. if the link idles more than one start-up (a/2) between RS(n) and the next RS and the
        cost fits the budget, merge AG(n) into RS(n)'s message;
     2. otherwise, if the cost fits the budget, piggy-back AG(n) on the next RS (RS(n-1)).
     """
     layers = profile.param_layers
+    clock = _Clock.of(profile)
     choices = [DEAR_CHOICE] * len(layers)
     for i in reversed(range(1, len(layers))):
         collectives = _collectives_of(profile, choices)
-        result, (window,) = simulate(profile, collectives)
+        start, end, waits = clock.window(profile, collectives)
         rs_messages = [j for j, c in enumerate(collectives) if c.reduced_layers()]
         own = next(j for j in rs_messages if ("rs", layers[i]) in collectives[j].parts)
         later = [j for j in rs_messages if j > own]
-        gaps = [result.start[window.collectives[j]] - result.end[window.collectives[k]]
-                for k, j in zip([own] + later, later)]
-        stall = sum(_forward_waits(result, window)[layers[i]:])
+        gaps = [start[j] - end[k] for k, j in zip([own] + later, later)]
+        stall = sum(waits[layers[i]:])
         fits = profile.b / 2 * profile.layers[layers[i]].params <= sum(gaps) + stall
         if fits and gaps[0] > profile.a / 2:
             choices[i] = choices[i]._replace(ag="merged")
         elif fits:
             choices[i] = choices[i]._replace(ag="piggy-backed")
     return choices
-
-
-def _forward_waits(result: TimelineResult, window: Window) -> list[float]:
-    """Per layer, how long its forward waits after the previous compute task ended."""
-    previous = [window.backward[0]] + window.forward[:-1]
-    return [result.start[f] - result.end[p] for f, p in zip(window.forward, previous)]
 
 
 def descent(profile: LayerProfile, max_sweeps: int = 50) -> Schedule:
@@ -525,7 +528,7 @@ class _Clock:
         times."""
         link, end, frees = 0.0, self.compute, []
         for c in collectives:
-            ready, duration, tail, freed = self._facts.get(c) or self._facts.setdefault(c, self._of(profile, c))
+            ready, duration, tail, freed = self._facts_of(profile, c)
             link = max(link, ready) + duration
             if tail is not None:  # max over parts of link + tail: the sum is monotone in the tail
                 end = max(end, link + tail)
@@ -538,6 +541,34 @@ class _Clock:
             live += n
             peak = max(peak, live)
         return end, peak * GRADIENT_BYTES_PER_ELEMENT
+
+    def window(self, profile: LayerProfile, collectives) -> tuple[list[float], list[float], list[float]]:
+        """Per message of ``collectives``, when it starts and ends, and per layer, how long
+        its forward waits after the compute task before it ended: what :func:`simulate`
+        gives for one window, by the same arithmetic, without building a timeline."""
+        delivery = _check_collectives(profile, collectives)
+        starts, ends, link = [], [], 0.0
+        for c in collectives:
+            ready, duration, _, _ = self._facts_of(profile, c)
+            link = max(link, ready)
+            starts.append(link)
+            link += duration
+            ends.append(link)
+        waits, free = [], self.ready[0]
+        for l, layer in enumerate(profile.layers):
+            begin = max(free, ends[delivery[l]]) if l in delivery else free
+            waits.append(begin - free)
+            free = begin + layer.forward
+        return starts, ends, waits
+
+    def _facts_of(self, profile: LayerProfile, c: Collective) -> tuple[float, float, float | None, int]:
+        """What :meth:`price` needs of message ``c``, which depends on ``c`` alone, worked
+        out once per message (keyed by its fields: tuples hash and compare faster)."""
+        key = (c.parts, c.after_full_backward)
+        facts = self._facts.get(key)
+        if facts is None:
+            facts = self._facts[key] = self._of(profile, c)
+        return facts
 
     def _of(self, profile: LayerProfile, c: Collective) -> tuple[float, float, float | None, int]:
         """What :meth:`price` needs of message ``c``, which depends on ``c`` alone."""
@@ -580,32 +611,31 @@ def run_collectives(profile: LayerProfile, runs) -> tuple[Collective, ...] | Non
     order): the backward messages in order, then the forward messages in forward order;
     None if a piggy-backed or fused AG is left without a message to ride on, or a run joins
     where there is no backward message to join (or is held)."""
-    order = profile.param_layers[::-1]
-    backward, forward, piggy, fused = [], [], [], []
+    rs_parts, ag_parts = profile.backward_parts
+    backward, forward, piggy, fused = [], [], (), ()
     for start, stop, mode, joins in runs:
-        rs = [("rs", l) for l in order[start:stop]]
-        ag = [("ag", l) for l in reversed(order[start:stop])]
+        rs, ag = rs_parts[start:stop], ag_parts[start:stop][::-1]
         if joins and (mode == "held" or not backward):
             return None
         if mode == "held":
             forward.append(rs + ag + fused)
-            fused = []
+            fused = ()
             continue
-        riding = ag if mode == "piggy-backed" else []
+        riding = ag if mode == "piggy-backed" else ()
         if joins:
-            backward[-1] += rs + (ag if mode == "merged" else [])
+            backward[-1] += rs + (ag if mode == "merged" else ())
             piggy = riding + piggy
         else:
-            backward.append(rs + (ag if mode == "merged" else []) + piggy)
+            backward.append(rs + (ag if mode == "merged" else ()) + piggy)
             piggy = riding
         if mode == "deferred":
             forward.append(ag + fused)
-            fused = []
+            fused = ()
         elif mode == "fused":
             fused = ag + fused
     if piggy or fused:
         return None
-    return tuple(Collective(tuple(parts)) for parts in backward + forward[::-1])
+    return tuple(Collective(parts) for parts in backward + forward[::-1])
 
 
 class _State(NamedTuple):
@@ -737,12 +767,12 @@ class _RunSearch:
     def search(self, incumbent: float) -> _State | None:
         """The fastest complete state below ``incumbent`` (None if there is none)."""
         n = len(self.order)
-        frontier: list[list[_State]] = [[] for _ in range(n + 1)]
-        frontier[0] = [_State(0.0, -math.inf, -math.inf, 0, -math.inf, 0, 0,
-                              0.0, 0, -math.inf, 0, None, None)]
+        frontier: list[list[tuple[float, _State]]] = [[] for _ in range(n + 1)]  # (bound, state)
+        start = _State(0.0, -math.inf, -math.inf, 0, -math.inf, 0, 0, 0.0, 0, -math.inf, 0, None, None)
+        frontier[0] = [(self.bound(start, 0), start)]
         best, best_time = None, incumbent
         for k in range(n):
-            for s in self.prune(frontier[k], k, best_time):
+            for s in self.prune(frontier[k], best_time):
                 for mode, joins in itertools.product(RUN_MODES, (False, True)):
                     if joins and (mode == "held" or not s.open_elements):
                         continue
@@ -750,20 +780,21 @@ class _RunSearch:
                         t = self.extend(s, Run(k, stop, mode, joins))
                         if t is None or max(t.late, t.link + t.forward_span) >= best_time:
                             break               # both only grow with the run's length
-                        if self.bound(t, stop) >= best_time:
+                        bound = self.bound(t, stop)
+                        if bound >= best_time:
                             continue
                         if stop < n:
-                            frontier[stop].append(t)
-                        elif self.done(t) and self.bound(t, n) < best_time:
-                            best, best_time = t, self.bound(t, n)
+                            frontier[stop].append((bound, t))
+                        elif self.done(t):
+                            best, best_time = t, bound
         return best
 
-    def prune(self, states: list[_State], k: int, cutoff: float) -> list[_State]:
-        """The first ``beam`` non-dominated states below ``cutoff``, by smallest bound, then
-        fields (deterministic; a dominating state always comes first, as the bound grows
-        with every field)."""
+    def prune(self, states: list[tuple[float, _State]], cutoff: float) -> list[_State]:
+        """The first ``beam`` non-dominated states below ``cutoff`` of ``states`` ((bound,
+        state) pairs), by smallest bound, then fields (deterministic; a dominating state
+        always comes first, as the bound grows with every field)."""
         kept: list[_State] = []
-        ranked = sorted(((self.bound(s, k), s.key(), s) for s in states), key=lambda r: r[:2])
+        ranked = sorted(((bound, s.key(), s) for bound, s in states), key=lambda r: r[:2])
         for bound, key, s in ranked:
             if bound >= cutoff:
                 break
