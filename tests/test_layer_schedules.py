@@ -141,16 +141,26 @@ def all_runs(layers: int):
             yield [Run(start, stop, mode, joins) for (start, stop), (mode, joins) in zip(spans, kinds)]
 
 
+def timeline_window(result, window):
+    """What ``_Clock.window`` gives, read off a simulated window: each message's start and
+    end, and each layer's forward wait after the compute task before it."""
+    previous = [window.backward[0]] + window.forward[:-1]
+    return ([result.start[c] for c in window.collectives], [result.end[c] for c in window.collectives],
+            [result.start[f] - result.end[q] for f, q in zip(window.forward, previous)])
+
+
 def brute_force(p, memory_cap=None):
     """The fastest run schedule by enumeration, priced by the timeline; also checks the
-    search's fast pricing against the timeline on every schedule."""
+    search's fast pricing and the clock's window (PipeDAP's) against the timeline on every
+    schedule."""
     clock, best = _Clock.of(p), float("inf")
     for runs in all_runs(len(p.param_layers)):
         collectives = run_collectives(p, runs)
         if collectives is None:
             continue
-        result, _ = simulate(p, collectives, labelled=False)
+        result, (window,) = simulate(p, collectives, labelled=False)
         assert clock.price(p, collectives) == pytest.approx((result.makespan, result.peak_memory))
+        assert clock.window(p, collectives) == timeline_window(result, window)
         if memory_cap is None or result.peak_memory <= memory_cap:
             best = min(best, result.makespan)
     return best
