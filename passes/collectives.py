@@ -244,14 +244,15 @@ def insert_collectives(gm: fx.GraphModule, mesh: Mesh, groups: Sequence[str],
             targets = iter(SHARDING(node).inputs)
         else:
             continue
-        leaves, spec = tree_flatten((node.args, node.kwargs))
+        given, spec = tree_flatten((node.args, node.kwargs))
         with gm.graph.inserting_before(node):
             leaves = [emit.redistribute(a, next(targets)) if _is_tensor_input(a) else a
-                      for a in leaves]
+                      for a in given]
             if node.target in STRIDED_READERS:
                 leaves = [emit.laid_out_as(a, boxed, node) if _is_tensor_input(a) else boxed
-                          for a, boxed in zip(tree_flatten((node.args, node.kwargs))[0], leaves)]
-        node.args, node.kwargs = tree_unflatten(leaves, spec)
+                          for a, boxed in zip(given, leaves)]
+        if any(a is not b for a, b in zip(leaves, given)):  # else its inputs stay as they are
+            node.args, node.kwargs = tree_unflatten(leaves, spec)
     gm.graph.lint()
     gm.recompile()
     return gm
