@@ -157,11 +157,11 @@ def _seconds(data: dict, key: str, where: str) -> float:
 
 # -- collectives and their simulation ---------------------------------------------------------
 
-@dataclass(frozen=True)
-class Collective:
+class Collective(NamedTuple):
     """One message on the channel: its parts are sent together, after the gradients they reduce.
 
     ``after_full_backward`` holds the message until the whole backward pass has ended.
+    (A named tuple, as the search builds and hashes thousands of them.)
     """
 
     parts: tuple[tuple[str, int], ...]
@@ -563,11 +563,10 @@ class _Clock:
 
     def _facts_of(self, profile: LayerProfile, c: Collective) -> tuple[float, float, float | None, int]:
         """What :meth:`price` needs of message ``c``, which depends on ``c`` alone, worked
-        out once per message (keyed by its fields: tuples hash and compare faster)."""
-        key = (c.parts, c.after_full_backward)
-        facts = self._facts.get(key)
+        out once per message."""
+        facts = self._facts.get(c)
         if facts is None:
-            facts = self._facts[key] = self._of(profile, c)
+            facts = self._facts[c] = self._of(profile, c)
         return facts
 
     def _of(self, profile: LayerProfile, c: Collective) -> tuple[float, float, float | None, int]:
