@@ -334,7 +334,6 @@ def coordinate_descent(problem: ShardingProblem, memory_budget: float = float("i
                     "axis_permutations": permuted}
 
 
-
 def _lower(problem: ShardingProblem, choice: list[int], incumbent: list[int], budget: float) -> bool:
     """Whether ``choice`` fits the budget and has a lower objective than ``incumbent``."""
     best = problem.objective(incumbent)
