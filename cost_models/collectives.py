@@ -23,7 +23,8 @@ broadcast      (p-1)α + nβ           pipelined chain   ⌈log2 p⌉(α + nβ) 
 In this model the log-depth forms of all_gather, reduce_scatter and
 all_reduce are never slower than the rings (same bandwidth term, fewer
 start-ups); "auto" makes a real choice for all_to_all and broadcast.
-A group of one device costs nothing.
+A group of one device costs nothing; on a larger group a link's ``overhead`` (a cost per
+call, :class:`ddlc.mesh.LinkModel`) is added to every form.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: LinkModel,
     f = _evaluator(kind, algorithm)
     if group_size <= 1:
         return 0.0
-    return float(f(nbytes, group_size, link.latency, link.beta))
+    return float(f(nbytes, group_size, link.latency, link.beta)) + link.overhead
 
 
 def priced_as(kind: str, mesh: Mesh, axis: int) -> tuple[str, LinkModel]:

@@ -9,11 +9,11 @@ all-reduce's ``t = 2(p-1)·α + 2(p-1)/p · n/bandwidth`` gives the links, every
 kind's fit is stored as its factors against it: ``collective_factors``, which the cost
 models apply to that kind on every link; gloo's reduce-scatter, an all-reduce plus a
 chunk, is measured and reported, and priced as the all-reduce it runs: :data:`EMULATED`).
-Per host: the ranks' contention for its cores (:func:`measure_contention`): three
+Per host: the ranks' contention for its cores (:func:`measure_contention`): the
 reference training steps (:data:`REFERENCE`) run on every rank at once and are fitted by
-a factor on their modeled compute (operators timed alone), a cost per operator and
-factors on their collectives' start-ups and transfers, the two not overlapping (``contention``, which measured mode applies:
-:class:`ddlc.mesh.Contention`).
+a factor on their modeled compute (operators timed alone), a cost per operator, factors
+on their collectives' start-ups and transfers and a cost per collective, the two not
+overlapping (``contention``, which measured mode applies: :class:`ddlc.mesh.Contention`).
 Prints the profile as JSON (``--out`` writes it), ready for ``Mesh(...,
 profile=path)``, with the fit's relative error at every measured size (``fit``; also a
 table on stderr); rank 0 shows a progress bar over the sizes on a terminal. Timings are medians over repeats; the result is only as good
@@ -155,14 +155,44 @@ def measure_link(world_size: int) -> tuple[float, float, float, float, float, di
 #: The training steps the contention is fitted to: (label, zoo MLP sizes, global batch,
 #: plan), with AdamW: compute-heavy and transfer-heavy data-parallel steps, a deep narrow
 #: one (many small operators), the same with every gradient all-reduced on its own (many
-#: small collectives: start-ups) and a fully sharded one (parameters gathered where used).
+#: small collectives: start-ups), a fully sharded one (parameters gathered where used) and
+#: two on a 2-D mesh (:func:`_mesh_2d`: batch split on the first axis, Megatron's
+#: column / row splits on the second), whose collectives run between operators on groups
+#: smaller than the host's ranks: the ring's start-ups and a cost per collective part
+#: there. The 2-D steps are left out where the world size has no such mesh.
 WIDE = dict(d_in=128, d_hidden=512, d_out=16, depth=6)
 NARROW = dict(d_in=64, d_hidden=64, d_out=8, depth=24)
 REFERENCE = (("mlp 6x512 dp, batch 4096", WIDE, 4096, "dp"),
              ("mlp 6x512 dp, batch 64", WIDE, 64, "dp"),
              ("mlp 24x64 dp, batch 64", NARROW, 64, "dp"),
              ("mlp 24x64 dp unfused, batch 64", NARROW, 64, "unfused"),
-             ("mlp 6x512 fully sharded, batch 256", WIDE, 256, "zero"))
+             ("mlp 6x512 fully sharded, batch 256", WIDE, 256, "zero"),
+             ("mlp 6x512 2-D, batch 256", WIDE, 256, "2d"),
+             ("mlp 24x64 2-D, batch 64", NARROW, 64, "2d"))
+
+
+def _mesh_2d(world: int) -> tuple[int, int] | None:
+    """The 2-D mesh of the reference steps on ``world`` ranks: (2, world / 2), if both
+    axes have at least 2 ranks."""
+    return (2, world // 2) if world % 2 == 0 and world >= 4 else None
+
+
+def _reference_plan(model, plan: str, world: int) -> tuple[tuple[int, ...], dict[str, str]]:
+    """The mesh shape and the placements of one :data:`REFERENCE` plan of the zoo ``model``
+    on ``world`` ranks: the batch split over the ranks ("2d": over the first axis, each
+    layer's weight (out, in) split by rows on the second where the layer is even, by
+    columns where odd, its bias with the rows), parameters replicated ("zero": split on
+    their first dimension where it divides)."""
+    if plan == "2d":
+        placements = {"input0": "(S0, B)", "input1": "(S0, B)"}
+        for key, _ in model.named_parameters():
+            even = int(key.split(".")[1]) % 2 == 0
+            placements[key] = "(B, S0)" if even else "(B, S1)" if key.endswith("weight") else "(B, B)"
+        return _mesh_2d(world), placements
+    placements = {"input0": "(S0)", "input1": "(S0)"}
+    for key, param in model.named_parameters():
+        placements[key] = "(S0)" if plan == "zero" and param.shape[0] % world == 0 else "(B)"
+    return (world,), placements
 
 
 def _reference_step(sizes: dict, batch: int, plan: str, world: int, profile: str):
@@ -175,29 +205,30 @@ def _reference_step(sizes: dict, batch: int, plan: str, world: int, profile: str
     model = MLP(**sizes)
     g = torch.Generator().manual_seed(1)
     inputs = (torch.randn(batch, sizes["d_in"], generator=g), torch.randn(batch, sizes["d_out"], generator=g))
-    placements = {"input0": "(S0)", "input1": "(S0)"}
-    for key, param in model.named_parameters():
-        placements[key] = "(S0)" if plan == "zero" and param.shape[0] % world == 0 else "(B)"
-    step = compile(model, (world,), inputs, F.mse_loss, torch.optim.AdamW(model.parameters()),
-                   placements=placements, move_activations=False, profile=profile,
-                   decouple="always" if plan == "zero" else False, fuse=plan != "unfused")
+    mesh, placements = _reference_plan(model, plan, world)
+    options = dict(decouple=False) if plan == "2d" else \
+        dict(move_activations=False, decouple="always" if plan == "zero" else False, fuse=plan != "unfused")
+    step = compile(model, mesh, inputs, F.mse_loss, torch.optim.AdamW(model.parameters()),
+                   placements=placements, profile=profile, **options)
     return step, inputs
 
 
-def _modeled_parts(gm, mesh) -> tuple[float, int, float, float]:
+def _modeled_parts(gm, mesh) -> tuple[float, int, float, float, float]:
     """(compute seconds, operators that cost anything, seconds of the collectives'
-    start-ups, seconds of the rest of their time) of a lowered program on ``mesh``."""
-    from cost_models.collectives import axis_time
+    start-ups, seconds of the rest of their time, seconds of one start-up of each
+    collective's link) of a lowered program on ``mesh``."""
+    from cost_models.collectives import axis_time, priced_as
     from cost_models.program import NodeCosts, program_timeline
     from .ir import COLLECTIVE
     timeline = program_timeline(gm, mesh.profile)
     costs = NodeCosts(mesh.profile)
     operators = sum(1 for n in gm.graph.nodes if n.op == "call_function"
                     and costs.channel(n) is None and costs.seconds(n) > 0)
-    startups = sum(axis_time(COLLECTIVE(n).kind, 0, mesh, COLLECTIVE(n).axis) for n in gm.graph.nodes
-                   if n.op == "call_function" and costs.channel(n) is not None)
+    collectives = [COLLECTIVE(n) for n in gm.graph.nodes if n.op == "call_function" and costs.channel(n) is not None]
+    startups = sum(axis_time(c.kind, 0, mesh, c.axis) for c in collectives)
     startups = min(startups, timeline.communication_time)
-    return timeline.compute_time, operators, startups, timeline.communication_time - startups
+    links = sum(priced_as(c.kind, mesh, c.axis)[1].latency for c in collectives if mesh.shape[c.axis] > 1)
+    return timeline.compute_time, operators, startups, timeline.communication_time - startups, links
 
 
 def _reference_times(rank: int, profile: str, reference, warmup: int = 3, steps: int = 10) -> list:
@@ -235,9 +266,10 @@ def measure_contention(world_size: int, profile: dict, reference=REFERENCE) -> d
     rank, median over steps) and are modeled on ``profile`` (this calibration's links) with
     operators timed alone; the factors are fitted by :func:`fit_contention`, collectives
     not overlapping compute. Returns the profile's ``contention`` entry, with the fit per
-    reference step."""
+    reference step. Steps on a 2-D mesh are left out where ``world_size`` has none."""
     import os
     import tempfile
+    reference = [r for r in reference if r[3] != "2d" or _mesh_2d(world_size)]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "profile.json")
         with open(path, "w") as f:
@@ -251,17 +283,19 @@ def measure_contention(world_size: int, profile: dict, reference=REFERENCE) -> d
     for (label, *_), parts, t in zip(reference, modeled, measured):
         model = sum(f * x for f, x in zip(factors, parts))
         fit.append({"step": label, "measured": t, "model": model, "error": model / t - 1,
-                    **dict(zip(("compute", "operators", "startups", "transfers"), parts))})
-    return {"local_ranks": world_size, **dict(zip(("compute", "per_operator", "startup", "transfer"), factors)),
+                    **dict(zip(("compute", "operators", "startups", "transfers", "links"), parts))})
+    return {"local_ranks": world_size,
+            **dict(zip(("compute", "per_operator", "startup", "transfer", "per_collective"), factors)),
             "fit": fit}
 
 
-def fit_contention(modeled, measured) -> tuple[float, float, float, float]:
-    """(compute factor, seconds per operator, start-up factor, transfer factor), all
-    ``>= 0``, with ``a·C + o·N + s·S + b·B`` closest to each measured step time in relative
-    error (non-negative least squares), for ``modeled`` tuples (C modeled compute, N
-    operators, S and B the modeled collectives' start-ups and the rest of their time) of
-    those steps."""
+def fit_contention(modeled, measured) -> tuple[float, float, float, float, float]:
+    """(compute factor, seconds per operator, start-up factor, transfer factor, start-ups
+    per collective), all ``>= 0``, with ``a·C + o·N + s·S + b·B + k·L`` closest to each
+    measured step time in relative error (non-negative least squares), for ``modeled``
+    tuples (C modeled compute, N operators, S and B the modeled collectives' start-ups and
+    the rest of their time, L one start-up of each collective's link summed) of those
+    steps. (:class:`ddlc.mesh.Contention`; S grows with the ring's steps, L does not.)"""
     rows = [[x / t for x in parts] for parts, t in zip(modeled, measured)]
     factors, _ = nnls(rows, [1.0] * len(rows))
     return tuple(float(f) for f in factors)
@@ -327,7 +361,8 @@ def format_fit(profile: dict) -> str:
     if contention:
         lines += [f"contention of {contention['local_ranks']} local ranks: operators "
                   f"{contention['compute']:.2f}x their time alone + {contention['per_operator'] * 1e6:.1f} us, collectives "
-                  f"{contention['startup']:.2f}x the links' start-ups and {contention['transfer']:.2f}x their "
+                  f"{contention['startup']:.2f}x the links' start-ups plus "
+                  f"{contention.get('per_collective', 0.0):.2f} start-ups each and {contention['transfer']:.2f}x their "
                   "transfer time, not overlapping compute",
                   f"{'reference step':>36}  {'measured ms':>11}  {'model ms':>9}  {'error':>7}"]
         lines += [f"{r['step']:>36}  {r['measured'] * 1e3:>11.3f}  {r['model'] * 1e3:>9.3f}  "

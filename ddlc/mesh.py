@@ -24,14 +24,17 @@ __all__ = ["LinkModel", "Contention", "HardwareProfile", "Mesh", "load_profile",
 
 @dataclass(frozen=True)
 class LinkModel:
-    """α-β model of one link: ``latency`` seconds per message, ``bandwidth`` bytes/s."""
+    """α-β model of one link: ``latency`` seconds per message, ``bandwidth`` bytes/s, and
+    ``overhead`` seconds added to every collective over it, whatever its group size or
+    algorithm (where ranks share cores: waking the partners, :class:`Contention`)."""
 
     latency: float
     bandwidth: float
+    overhead: float = 0.0
 
     def __post_init__(self):
-        if not (self.latency >= 0 and self.bandwidth > 0):
-            raise MeshError(f"link needs latency >= 0 and bandwidth > 0, got {self}")
+        if not (self.latency >= 0 and self.bandwidth > 0 and self.overhead >= 0):
+            raise MeshError(f"link needs latency >= 0, bandwidth > 0 and overhead >= 0, got {self}")
 
     @property
     def beta(self) -> float:
@@ -45,9 +48,11 @@ class Contention:
     cores (gloo ranks on one CPU host), measured by ``ddlc calibrate``: an operator inside
     the step takes ``compute`` times its time measured alone plus ``per_operator`` seconds
     (what a call loses to the other ranks' use of the caches and the scheduler, which
-    small operators feel most), a collective ``startup`` times the links' start-ups and
-    ``transfer`` times their time per byte, and collectives do not overlap compute (they
-    need the same cores). The operators' factors apply in measured mode only (the
+    small operators feel most), a collective ``startup`` times the links' start-ups plus
+    ``per_collective`` start-ups of its link whatever its group size (a rank that blocks
+    gives its core away and waits to be scheduled again: a ring's steps are not what it
+    waits for) and ``transfer`` times its time per byte, and collectives do not overlap
+    compute (they need the same cores). The operators' factors apply in measured mode only (the
     roofline's FLOP/s and bandwidths were measured with every rank running); the
     collectives' factors and their not overlapping apply in both modes
     (``HardwareProfile.shared_cores``)."""
@@ -57,6 +62,7 @@ class Contention:
     per_operator: float
     startup: float
     transfer: float
+    per_collective: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -104,13 +110,15 @@ class HardwareProfile:
         """``link`` as ``collective`` runs on it: its start-up and bandwidth scaled by the
         profile's measured factors for that kind (gloo's all-gather and all-to-all run
         slower than the all-reduce ring of the same link predicts), and by the contention's
-        ``startup`` and ``transfer`` factors where ranks share cores (:attr:`shared_cores`)."""
+        ``startup`` and ``transfer`` factors where ranks share cores (:attr:`shared_cores`),
+        which also add ``per_collective`` start-ups of the link as its ``overhead`` (none on
+        a start-up-free link: :meth:`Mesh.bucketed`)."""
         factors = dict(self.collective_factors).get(collective)
         if factors is not None:
             link = _scaled(link, *factors)
         shared = self.shared_cores
         if shared is not None:
-            link = _scaled(link, shared.startup, 1 / shared.transfer)
+            link = _scaled(link, shared.startup, 1 / shared.transfer, shared.per_collective * link.latency)
         return link
 
     def flops_for(self, dtype: str) -> float:
@@ -144,12 +152,13 @@ def _contention(d: dict | None) -> Contention | None:
     if not d:
         return None
     return Contention(int(d["local_ranks"]), float(d["compute"]), float(d["per_operator"]),
-                      float(d["startup"]), float(d["transfer"]))
+                      float(d["startup"]), float(d["transfer"]), float(d.get("per_collective", 0.0)))
 
 
 @functools.lru_cache(maxsize=1024)
-def _scaled(link: LinkModel, latency: float, bandwidth: float) -> LinkModel:
-    return LinkModel(link.latency * latency, link.bandwidth * bandwidth)
+def _scaled(link: LinkModel, latency: float, bandwidth: float, overhead: float = 0.0) -> LinkModel:
+    """``link`` with its latency and bandwidth times these factors, ``overhead`` seconds more."""
+    return LinkModel(link.latency * latency, link.bandwidth * bandwidth, link.overhead + overhead)
 
 
 def available_profiles() -> list[str]:

@@ -3,6 +3,7 @@ as a Mesh whose collectives it prices."""
 import json
 
 import pytest
+import torch
 
 import ddlc
 from ddlc.calibrate import RING, SIZES, fit_ring, measure_compute
@@ -100,11 +101,42 @@ def test_calibrated_profile_is_measured_on_first_use_then_cached(tmp_path, monke
 
 
 def test_contention_fit_recovers_known_factors():
+    """Five factors from seven steps; the 2-D steps' collectives (on 2 of 4 ranks: one
+    ring step for every three of the whole group's) tell start-ups from a cost per
+    collective."""
     from ddlc.calibrate import fit_contention
-    modeled = [(80e-3, 250, 5e-3, 50e-3), (4e-3, 250, 5e-3, 50e-3), (4.5e-3, 990, 4e-3, 4e-3),
-               (4.5e-3, 990, 40e-3, 4e-3), (8e-3, 250, 6e-3, 33e-3)]
-    measured = [2.5 * c + 8e-6 * n + 0.5 * s + 1.2 * b for c, n, s, b in modeled]
-    assert fit_contention(modeled, measured) == pytest.approx((2.5, 8e-6, 0.5, 1.2), rel=1e-6)
+    modeled = [(80e-3, 250, 5e-3, 50e-3, 2e-3), (4e-3, 250, 5e-3, 50e-3, 2e-3), (4.5e-3, 990, 4e-3, 4e-3, 1e-3),
+               (4.5e-3, 990, 40e-3, 4e-3, 12e-3), (8e-3, 250, 6e-3, 33e-3, 3e-3),
+               (9e-3, 260, 4e-3, 20e-3, 5e-3), (5e-3, 1000, 8e-3, 3e-3, 10e-3)]
+    measured = [2.5 * c + 8e-6 * n + 0.5 * s + 1.2 * b + 3.0 * k for c, n, s, b, k in modeled]
+    assert fit_contention(modeled, measured) == pytest.approx((2.5, 8e-6, 0.5, 1.2, 3.0), rel=1e-6)
+
+
+def test_the_2d_reference_steps_split_the_batch_and_the_layers_over_two_axes():
+    """On 4 ranks a 2-D reference plan is (2, 2), batch on the first axis, each weight
+    split on the second (rows, columns alternately), and the planner lowers it to
+    collectives on the second axis's groups; on 2 ranks there is none."""
+    from ddlc import pipeline
+    from ddlc.calibrate import NARROW, _mesh_2d, _reference_plan
+    from ddlc.ir import COLLECTIVE
+    from ddlc.mesh import Mesh
+    from ddlc.options import CompileOptions
+    from ddlc.simulate import axis_group_names
+    from ddlc.zoo import MLP
+    model = MLP(**NARROW)
+    shape, placements = _reference_plan(model, "2d", 4)
+    assert shape == (2, 2) and _mesh_2d(2) is None and _mesh_2d(6) == (2, 3)
+    assert placements["layers.0.weight"] == "(B, S0)" and placements["layers.1.weight"] == "(B, S1)"
+    assert placements["layers.1.bias"] == "(B, B)" and placements["input0"] == "(S0, B)"
+    batch = (torch.randn(64, NARROW["d_in"]), torch.randn(64, NARROW["d_out"]))
+    options = CompileOptions.from_kwargs(decouple=False)
+    gm = pipeline.trace_step(model, batch, torch.nn.functional.mse_loss, torch.optim.AdamW(model.parameters()),
+                             options)
+    mesh = Mesh(shape)
+    pipeline.plan(gm, mesh, options, pipeline.resolve_placements(gm, placements, 2))
+    pipeline.lower(gm, mesh, (0, 0), axis_group_names(mesh), options)
+    axes = {COLLECTIVE(n).axis for n in gm.graph.nodes if COLLECTIVE.has(n)}
+    assert axes == {0, 1}    # gradients over the batch axis, activations over the layers' axis
 
 
 def test_the_report_shows_the_contention_fit():
@@ -112,10 +144,11 @@ def test_the_report_shows_the_contention_fit():
     link = {"latency": 1e-3, "bandwidth": 7e8}
     profile = {"links": {"intra_node": link}, "fit": {},
                "contention": {"local_ranks": 4, "compute": 2.4, "per_operator": 1.3e-5, "startup": 0.5,
-                              "transfer": 1.4,
+                              "transfer": 1.4, "per_collective": 3.1,
                               "fit": [{"step": "mlp dp", "measured": 0.05, "model": 0.052, "error": 0.04}]}}
     text = format_fit(profile)
-    assert "operators 2.40x their time alone + 13.0 us" in text and "0.50x the links' start-ups" in text
+    assert "operators 2.40x their time alone + 13.0 us" in text
+    assert "0.50x the links' start-ups plus 3.10 start-ups each" in text
     assert "mlp dp" in text and "+4.0%" in text
 
 
@@ -133,12 +166,13 @@ def test_the_contention_is_measured_on_reference_steps_and_loads_into_a_profile(
                "memory_bandwidth": 3e9, "memory_capacity": 8e9,
                "links": {"intra_node": link, "inter_node": link}}
     tiny = dict(d_in=8, d_hidden=16, d_out=4, depth=4)
-    reference = (("tiny dp", tiny, 16, "dp"), ("tiny dp unfused", tiny, 16, "unfused"))
-    contention = measure_contention(2, profile, reference)
+    reference = (("tiny dp", tiny, 16, "dp"), ("tiny dp unfused", tiny, 16, "unfused"), ("tiny 2-D", tiny, 16, "2d"))
+    contention = measure_contention(2, profile, reference)   # no 2-D mesh of 2 ranks: that step left out
     assert contention["local_ranks"] == 2 and [r["step"] for r in contention["fit"]] == ["tiny dp", "tiny dp unfused"]
     fused, unfused = contention["fit"]
     assert all(r["measured"] > 0 and r["compute"] > 0 and r["operators"] > 0 for r in (fused, unfused))
     assert unfused["startups"] > fused["startups"] > 0   # one all-reduce per gradient, not a bucket
+    assert unfused["links"] > fused["links"] > 0 and "per_collective" in contention
     loaded = HardwareProfile.from_dict(profile | {"contention": contention, "compute": "measured"})
     assert loaded.shared_cores.per_operator == contention["per_operator"]
     assert loaded.for_local_ranks(2) is loaded and loaded.for_local_ranks(4).contention is None

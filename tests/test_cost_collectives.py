@@ -41,6 +41,16 @@ def test_group_of_one_costs_nothing(kind, algorithm):
 
 
 @pytest.mark.parametrize("kind", COLLECTIVES)
+@pytest.mark.parametrize("algorithm", [*ALGORITHMS, "auto"])
+def test_a_links_overhead_is_added_once_to_every_collective_on_more_than_one_device(kind, algorithm):
+    slow = LinkModel(A, BW, overhead=3e-3)
+    for p in (2, 4, 8):
+        assert collective_time(kind, N, p, slow, algorithm) == pytest.approx(
+            collective_time(kind, N, p, LINK, algorithm) + 3e-3, rel=1e-12)
+    assert collective_time(kind, N, 1, slow, algorithm) == 0.0
+
+
+@pytest.mark.parametrize("kind", COLLECTIVES)
 @pytest.mark.parametrize("p", [2, 3, 4, 7, 8, 64])
 @pytest.mark.parametrize("nbytes", [1.0, 4096.0, 2.0**30])
 def test_auto_is_the_cheaper_form(kind, p, nbytes):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from importlib import resources
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from cost_models.compute import op_time
 from cost_models.program import order_makespan, program_timeline
 from ddlc import pipeline
 from ddlc.errors import OptionError
-from ddlc.mesh import Contention, Mesh, load_profile
+from ddlc.mesh import Contention, HardwareProfile, Mesh, load_profile
 from ddlc.options import CompileOptions
 from ddlc.runtime import _mesh_for_world
 from ddlc.simulate import axis_group_names, simulate_steps
@@ -244,6 +245,29 @@ def test_collectives_do_not_overlap_compute_where_ranks_share_cores():
     assert plain.makespan < total - 1e-6     # something was hidden
     assert shared.makespan == pytest.approx(total)
     assert order_makespan(list(gm.graph.nodes), shared_profile) == pytest.approx(shared.makespan)
+
+
+def test_a_contentions_cost_per_collective_is_start_ups_of_the_link_whatever_the_group():
+    """``per_collective`` start-ups of the (kind-scaled) link become the link's overhead, on
+    top of the scaled ring: an all-reduce over 2 ranks and one over 4 pay the same extra;
+    a start-up-free (bucketed) link pays none."""
+    from cost_models.collectives import axis_time
+    base = dataclasses.replace(GLOO, collective_factors=(("all_gather", (1.5, 1.0)),))
+    shared = dataclasses.replace(base, contention=Contention(4, 1.0, 0.0, 0.5, 1.0, per_collective=4.0))
+    assert shared.link_for("all_reduce", base.intra_node).overhead == pytest.approx(4.0 * base.intra_node.latency)
+    assert shared.link_for("all_gather", base.intra_node).overhead == pytest.approx(6.0 * base.intra_node.latency)
+    alpha = base.intra_node.latency
+    for shape in ((4,), (2, 2)):
+        before, after = Mesh(shape, profile=dataclasses.replace(base, contention=Contention(4, 1, 0, 0.5, 1))), \
+            Mesh(shape, profile=shared)
+        for axis in range(len(shape)):
+            assert axis_time("all_reduce", 4096, after, axis) == pytest.approx(
+                axis_time("all_reduce", 4096, before, axis) + 4.0 * alpha)
+    bucketed = Mesh((4,), profile=shared).bucketed()
+    assert bucketed.profile.link_for("all_reduce", bucketed.links[0]).overhead == 0.0
+    older = json.loads((resources.files("ddlc") / "profiles" / "cpu-gloo.json").read_text())
+    older["contention"] = {"local_ranks": 4, "compute": 2, "per_operator": 0, "startup": 1, "transfer": 1}
+    assert HardwareProfile.from_dict(older).contention.per_collective == 0   # a profile from before it
 
 
 def test_a_contention_holds_only_for_as_many_local_ranks_as_it_was_measured_for():
