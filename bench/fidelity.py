@@ -43,7 +43,9 @@ that machine noise hits all alike; the median over the timed steps is reported.
 Before the ranks start, this process traces, plans and lowers rank 0's program of every
 plan once with the same options, so that measured mode (``compute="measured"``,
 :mod:`cost_models.measured`) times every operator here, alone, on one thread, and the
-ranks read the cache instead of measuring while their peers compute. Ranks sharing cores
+ranks read the cache instead of measuring while their peers compute. The cache is a
+temporary directory of this run unless ``--keep-cache``: operator times measured at
+another hour of a shared VM would price this hour's steps at that hour's speed. Ranks sharing cores
 (4 ranks on 2) are accounted by the profile's measured contention where it has one for
 ``--world-size`` local ranks (:class:`ddlc.mesh.Contention`: operators and collectives
 slower by the factors ``ddlc calibrate`` fitted, collectives not overlapping compute),
@@ -68,6 +70,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -469,6 +472,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-prewarm", dest="prewarm", action="store_false",
                     help="skip measuring in this process first: rank 0 measures while it plans "
                     "(faster; its peers may run meanwhile, which inflates those times)")
+    ap.add_argument("--keep-cache", action="store_true",
+                    help="price operators from the on-disk measured cache ($DDLC_CACHE_DIR or "
+                    "~/.cache/ddlc) where it has them; default: measure them all in this run, "
+                    "since a cache from another hour holds another speed of a shared machine")
     ap.add_argument("--json", default=None, help="write the rows here (bench/plots.py reads it)")
     args = ap.parse_args(argv)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
@@ -483,13 +490,18 @@ def main(argv=None) -> int:
         print(f"calibrated profile {args.profile}")
     if args.profile:
         common["profile"] = args.profile
+    if not args.keep_cache:   # the ranks inherit it (ddlc.spawn passes the environment);
+        # after the calibrated profile, which is cached there on first use
+        fresh = tempfile.TemporaryDirectory(prefix="ddlc-fidelity-")
+        os.environ["DDLC_CACHE_DIR"] = fresh.name
     contention = ddlc.Mesh((world,), profile=args.profile or "cpu-gloo").profile.contention
     if os.environ.get("DDLC_SHARING"):
         cores = f"operators x{os.environ['DDLC_SHARING']} ($DDLC_SHARING)"
     elif args.compute == "measured" and contention and contention.local_ranks == world:
         cores = (f"the profile's contention: operators x{contention.compute:.2f} "
                  f"+ {contention.per_operator * 1e6:.1f} us, collectives' start-ups x{contention.startup:.2f} "
-                 f"and transfers x{contention.transfer:.2f}, not overlapping")
+                 f"plus {contention.per_collective:.2f} start-ups each and transfers "
+                 f"x{contention.transfer:.2f}, not overlapping")
     else:
         cores = f"operators x{max(1.0, world / (os.cpu_count() or 1)):.2f} (ranks / cores)"
     print(f"ddlc cost-model fidelity{' (--quick)' if args.quick else ''}: torch {torch.__version__}, "

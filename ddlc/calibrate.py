@@ -264,13 +264,16 @@ def measure_contention(world_size: int, profile: dict, reference=REFERENCE) -> d
     """The :class:`ddlc.mesh.Contention` of ``world_size`` local gloo ranks on this host:
     the ``reference`` steps (default :data:`REFERENCE`) run on every rank at once (measured: per step the slowest
     rank, median over steps) and are modeled on ``profile`` (this calibration's links) with
-    operators timed alone; the factors are fitted by :func:`fit_contention`, collectives
-    not overlapping compute. Returns the profile's ``contention`` entry, with the fit per
-    reference step. Steps on a 2-D mesh are left out where ``world_size`` has none."""
+    operators timed alone, now (into a cache of this run: times from another hour of a
+    shared machine would fit its speed then); the factors are fitted by
+    :func:`fit_contention`, collectives not overlapping compute. Returns the profile's
+    ``contention`` entry, with the fit per reference step. Steps on a 2-D mesh are left out
+    where ``world_size`` has none."""
     import os
     import tempfile
+    from unittest import mock
     reference = [r for r in reference if r[3] != "2d" or _mesh_2d(world_size)]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {"DDLC_CACHE_DIR": tmp}):
         path = os.path.join(tmp, "profile.json")
         with open(path, "w") as f:
             json.dump(profile, f)

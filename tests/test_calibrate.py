@@ -173,6 +173,7 @@ def test_the_contention_is_measured_on_reference_steps_and_loads_into_a_profile(
     assert all(r["measured"] > 0 and r["compute"] > 0 and r["operators"] > 0 for r in (fused, unfused))
     assert unfused["startups"] > fused["startups"] > 0   # one all-reduce per gradient, not a bucket
     assert unfused["links"] > fused["links"] > 0 and "per_collective" in contention
+    assert not list(tmp_path.rglob("measured-*"))   # timed afresh, in a cache of its own
     loaded = HardwareProfile.from_dict(profile | {"contention": contention, "compute": "measured"})
     assert loaded.shared_cores.per_operator == contention["per_operator"]
     assert loaded.for_local_ranks(2) is loaded and loaded.for_local_ranks(4).contention is None
