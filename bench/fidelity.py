@@ -32,7 +32,9 @@ in "dp" it may shard some (their gradients reduce-scattered, parameters gathered
 then says so).
 
 ddlc's choice is the unpinned plan of the mesh shape whose lowered program has the least
-modeled step (what ``ddlc plan --mesh 4`` picks); it is marked ``*``.
+modeled step (what ``ddlc plan --mesh 4`` picks); it is marked ``*``. Where its program
+is, on every rank, the very code of the fastest measured plan's (data parallelism found by
+the search, say), the report says so: its gap is then two runs of one program.
 
 The modeled step time of a plan is the slowest rank's ``compiled.timeline().makespan``
 (the timeline model over that rank's lowered program). The measured step time is, per
@@ -66,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import statistics
@@ -296,7 +299,8 @@ def bench_model(rank, name, kwargs, global_batch, warmup, steps, common):
                           modeled=tl.makespan, modeled_compute=tl.compute_time,
                           objective=c.plan.objective,
                           collectives=dict(Counter(k for k, _, _ in seq)),
-                          comm_bytes=sum(b for _, _, b in seq))
+                          comm_bytes=sum(b for _, _, b in seq),
+                          program=hashlib.sha256(c.gm.code.encode()).hexdigest())
         compiled[plan] = c
     order = [p for p in PLANS if p in compiled]
     times = {p: [] for p in order}
@@ -408,7 +412,8 @@ def report(name, kwargs, result) -> dict:
                          measured_compute=compute, measured_comm=comm,
                          objective=info[p]["objective"], note=info[p].get("note", ""),
                          collectives=info[p]["collectives"], comm_bytes=info[p]["comm_bytes"],
-                         loss=result["losses"][p][0]))
+                         loss=result["losses"][p][0],
+                         program=tuple(r["info"][p]["program"] for r in ranks)))
     # dp, dp+decoupled and zero move no activation (move_activations=False), but the search
     # still places each optimizer update: where it shards one, that gradient is
     # reduce-scattered and the parameter gathered, more bytes than one all-reduce
@@ -455,8 +460,17 @@ def report(name, kwargs, result) -> dict:
           f"({min(rows, key=lambda r: r['measured'])['plan']}; target <= {TARGET_CHOICE:.0%})")
     print(f"  (* = the mesh shape of least modeled step, as `ddlc plan --mesh 4` picks; by the "
           f"planner objective alone: {by_objective}, measured {objective_gap:+.1%} against the fastest)")
+    fastest_row = min(rows, key=lambda r: r["measured"])
+    same = chosen_row is not None and chosen_row is not fastest_row \
+        and chosen_row["program"] == fastest_row["program"]
+    if same:   # every rank's program the same code: the gap is two runs of one program
+        print(f"  ({chosen} runs the very program of {fastest_row['plan']} on every rank: its "
+              f"{gap:+.1%} is the noise between two runs of one program)")
+    for r in rows:
+        del r["program"]
     return dict(rows=rows, median_error=statistics.median(errors), rho=rho, chosen=chosen, gap=gap,
-                chosen_by_objective=by_objective, gap_by_objective=objective_gap)
+                chosen_by_objective=by_objective, gap_by_objective=objective_gap,
+                chosen_is_fastest_program=same)
 
 
 def main(argv=None) -> int:
@@ -525,7 +539,9 @@ def main(argv=None) -> int:
           f"{len(rows)} plans; rank correlation per model "
           + ", ".join(f"{n} {s['rho']:.2f}" for n, s in summary.items())
           + "; ddlc's choice against the fastest: "
-          + ", ".join(f"{n} {s['gap']:+.1%}" for n, s in summary.items()))
+          + ", ".join(f"{n} {s['gap']:+.1%}"
+                      + (" (the fastest plan's program)" if s["chosen_is_fastest_program"] else "")
+                      for n, s in summary.items()))
     print(f"total wall time {time.perf_counter() - start:.0f} s; load average at the end "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
