@@ -28,6 +28,7 @@ import re
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -36,6 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from .errors import RuntimeMismatchError
 
@@ -80,6 +82,9 @@ def _worker(rank, fn, world_size, port, timeout, outdir, args, environ):
     faults = open(_faults_path(outdir, rank), "w")
     faulthandler.enable(file=faults, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=faults, all_threads=True)
+    # tqdm's default lock holds a multiprocessing semaphore, which os._exit below leaves to
+    # the resource tracker, whose warning then ends every run; a worker's bars are its own
+    tqdm.set_lock(threading.RLock())
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

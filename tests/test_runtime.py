@@ -2,6 +2,10 @@
 single-device model (losses, gradients, outputs, parameters and optimizer state after
 several steps) for automatic and forced plans on every claimed mesh shape."""
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,6 +136,30 @@ def test_a_death_after_every_result_is_reported_not_a_failure():
     the job's results, but is reported with its stack (a rank dying earlier fails it)."""
     with pytest.warns(WorkerDiedAfterResults, match=r"rank \d died after every rank(?s:.*)in <lambda>"):
         assert spawn(_abort_on_exit, 2, timeout=20, deadline=60) == [0, 10]
+
+
+def test_workers_with_progress_bars_leave_no_semaphore_behind(tmp_path):
+    """tqdm's default lock holds a multiprocessing semaphore and a worker ends with
+    ``os._exit``: without a lock of its own, the resource tracker warns of leaked
+    semaphores when the job's process ends (``ddlc calibrate`` did, every run)."""
+    script = tmp_path / "bars.py"
+    script.write_text(textwrap.dedent("""
+        import io
+
+        from tqdm import tqdm
+        from ddlc.launch import spawn
+
+        def bars(rank):
+            return sum(tqdm(range(3), disable=rank != 0, file=io.StringIO()))
+
+        if __name__ == "__main__":
+            print(spawn(bars, 2, timeout=30, deadline=90))
+    """))
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=110,
+                         env=dict(os.environ, PYTHONPATH=str(root)))
+    assert out.returncode == 0 and "[3, 3]" in out.stdout, out.stderr
+    assert "leaked semaphore" not in out.stderr
 
 
 class _WithUnused(torch.nn.Module):
