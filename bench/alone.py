@@ -35,26 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch import fx  # noqa: E402
 
 import ddlc  # noqa: E402
 import fidelity  # noqa: E402
 from cost_models.program import NodeCosts, program_timeline  # noqa: E402
 from ddlc.mesh import load_profile  # noqa: E402
-
-
-class _NodeTimes(fx.Interpreter):
-    """Seconds of every node, over the runs."""
-
-    def __init__(self, gm):
-        super().__init__(gm)
-        self.seconds = collections.defaultdict(list)
-
-    def run_node(self, n):
-        start = time.perf_counter()
-        out = super().run_node(n)
-        self.seconds[n].append(time.perf_counter() - start)
-        return out
 
 
 def one_model(name: str, steps: int, top: int) -> None:
@@ -73,10 +58,8 @@ def one_model(name: str, steps: int, top: int) -> None:
     measured = statistics.median(times[3:])
     print(f"{name}: modeled {modeled * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "
           f"(measured / modeled {measured / modeled:.2f})")
-    args, kw = ((batch,), {}) if isinstance(batch, dict) else (tuple(batch), {})
-    flat = step.signature.flatten(step.params, step.buffers, step.opt_state, step._local_batch(args, kw),
-                                  step._hyperparameters())
-    timer = _NodeTimes(step.gm)
+    flat = fidelity.flat_inputs(step, batch)
+    timer = fidelity.NodeTimer(step.gm)
     with torch.no_grad():
         for _ in range(5):
             timer.run(*flat)

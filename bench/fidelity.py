@@ -75,7 +75,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -241,40 +241,43 @@ def call(compiled, batch):
 
 
 # -- attribution: a node-timing run of one rank's program ---------------------------------
-class _NodeTimer(fx.Interpreter):
+class NodeTimer(fx.Interpreter):
+    """Runs a program node by node and keeps each node's seconds, over the runs (a few
+    microseconds per node more than the program runs on its own)."""
+
     def __init__(self, gm):
         super().__init__(gm)
-        from cost_models.program import is_collective
-        self.is_collective = is_collective
-        self.compute = self.comm = 0.0
+        self.seconds = defaultdict(list)
 
     def run_node(self, n):
         start = time.perf_counter()
         out = super().run_node(n)
-        dt = time.perf_counter() - start
-        if n.op == "call_function" and (self.is_collective(n)
-                                         or "wait_tensor" in str(n.target)):
-            self.comm += dt
-        elif n.op == "call_function":
-            self.compute += dt
+        self.seconds[n].append(time.perf_counter() - start)
         return out
+
+
+def flat_inputs(compiled, batch) -> list:
+    """The flat inputs of ``compiled``'s program for one step on ``batch``."""
+    args, kwargs = ((batch,), {}) if isinstance(batch, dict) else (tuple(batch), {})
+    return compiled.signature.flatten(compiled.params, compiled.buffers, compiled.opt_state,
+                                      compiled._local_batch(args, kwargs), compiled._hyperparameters())
 
 
 def timed_components(compiled, batch, runs: int = 3) -> tuple[float, float]:
     """(compute seconds, communication seconds) of this rank's program, medians over
     ``runs`` node-timed runs."""
-    args, kwargs = ((batch,), {}) if isinstance(batch, dict) else (tuple(batch), {})
-    flat = compiled.signature.flatten(compiled.params, compiled.buffers, compiled.opt_state,
-                                      compiled._local_batch(args, kwargs), compiled._hyperparameters())
-    compute, comm = [], []
+    from cost_models.program import is_collective
+    flat = flat_inputs(compiled, batch)
+    timer = NodeTimer(compiled.gm)
     for _ in range(runs):
-        timer = _NodeTimer(compiled.gm)
         dist.barrier()
         with torch.no_grad():
             timer.run(*flat)
-        compute.append(timer.compute)
-        comm.append(timer.comm)
-    return statistics.median(compute), statistics.median(comm)
+    calls = [n for n in compiled.gm.graph.nodes if n.op == "call_function"]
+    comm = {n for n in calls if is_collective(n) or "wait_tensor" in str(n.target)}
+    compute = [sum(timer.seconds[n][i] for n in calls if n not in comm) for i in range(runs)]
+    communication = [sum(timer.seconds[n][i] for n in comm) for i in range(runs)]
+    return statistics.median(compute), statistics.median(communication)
 
 
 # -- the ranks ------------------------------------------------------------------------------
@@ -412,8 +415,7 @@ def report(name, kwargs, result) -> dict:
                          measured_compute=compute, measured_comm=comm,
                          objective=info[p]["objective"], note=info[p].get("note", ""),
                          collectives=info[p]["collectives"], comm_bytes=info[p]["comm_bytes"],
-                         loss=result["losses"][p][0],
-                         program=tuple(r["info"][p]["program"] for r in ranks)))
+                         loss=result["losses"][p][0]))
     # dp, dp+decoupled and zero move no activation (move_activations=False), but the search
     # still places each optimizer update: where it shards one, that gradient is
     # reduce-scattered and the parameter gathered, more bytes than one all-reduce
@@ -461,13 +463,14 @@ def report(name, kwargs, result) -> dict:
     print(f"  (* = the mesh shape of least modeled step, as `ddlc plan --mesh 4` picks; by the "
           f"planner objective alone: {by_objective}, measured {objective_gap:+.1%} against the fastest)")
     fastest_row = min(rows, key=lambda r: r["measured"])
+
+    def program(plan):   # every rank's code
+        return tuple(r["info"][plan]["program"] for r in ranks)
     same = chosen_row is not None and chosen_row is not fastest_row \
-        and chosen_row["program"] == fastest_row["program"]
-    if same:   # every rank's program the same code: the gap is two runs of one program
+        and program(chosen) == program(fastest_row["plan"])
+    if same:   # the gap is two runs of one program
         print(f"  ({chosen} runs the very program of {fastest_row['plan']} on every rank: its "
               f"{gap:+.1%} is the noise between two runs of one program)")
-    for r in rows:
-        del r["program"]
     return dict(rows=rows, median_error=statistics.median(errors), rho=rho, chosen=chosen, gap=gap,
                 chosen_by_objective=by_objective, gap_by_objective=objective_gap,
                 chosen_is_fastest_program=same)

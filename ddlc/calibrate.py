@@ -231,16 +231,18 @@ def _modeled_parts(gm, mesh) -> tuple[float, int, float, float, float]:
     return timeline.compute_time, operators, startups, timeline.communication_time - startups, links
 
 
-def _reference_times(rank: int, profile: str, reference, warmup: int = 3, steps: int = 10) -> list:
+def _reference_times(rank: int, profile: str, reference, cache: str, warmup: int = 3, steps: int = 10) -> list:
     """Per ``reference`` step (as :data:`REFERENCE`): :func:`_modeled_parts` of this rank's program, its
-    operators measured alone (rank 0, while its peers wait; no contention), and this
-    rank's step times with every rank stepping (interleaved, after a barrier)."""
+    operators measured alone (rank 0, while its peers wait; no contention) into the
+    measured cache directory ``cache``, and this rank's step times with every rank
+    stepping (interleaved, after a barrier)."""
     import dataclasses
     import os
     torch.set_num_threads(1)
     world = dist.get_world_size()
     compiled = [_reference_step(sizes, batch, plan, world, profile) for _, sizes, batch, plan in reference]
     os.environ["DDLC_SHARING"] = "1"    # operator times as measured alone
+    os.environ["DDLC_CACHE_DIR"] = cache
     modeled = []
     for step, _ in compiled:
         dist.barrier()
@@ -271,13 +273,12 @@ def measure_contention(world_size: int, profile: dict, reference=REFERENCE) -> d
     where ``world_size`` has none."""
     import os
     import tempfile
-    from unittest import mock
     reference = [r for r in reference if r[3] != "2d" or _mesh_2d(world_size)]
-    with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {"DDLC_CACHE_DIR": tmp}):
+    with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "profile.json")
         with open(path, "w") as f:
             json.dump(profile, f)
-        results = spawn(_reference_times, world_size, path, reference, timeout=300, deadline=900)
+        results = spawn(_reference_times, world_size, path, reference, tmp, timeout=300, deadline=900)
     modeled, steps = results[0][0], len(results[0][1][0])
     measured = [statistics.median(max(r[1][k][i] for r in results) for i in range(steps))
                 for k in range(len(reference))]
