@@ -339,8 +339,9 @@ def worker(rank, configs, warmup, steps, common):
 
 # -- warming the measured cache in this process ---------------------------------------------
 def prewarm(configs, world, common) -> float:
-    """Trace, plan and lower rank 0's program of every plan here (one thread, alone), so that
-    measured mode times its operators before the ranks start. Returns the seconds spent."""
+    """Trace, plan (``choose_plan``, as ``ddlc.compile`` does) and lower rank 0's program of
+    every plan here (one thread, alone), so that measured mode times its operators before
+    the ranks start. Returns the seconds spent."""
     from ddlc import pipeline
     from ddlc.mesh import Mesh
     from ddlc.options import CompileOptions
@@ -362,9 +363,15 @@ def prewarm(configs, world, common) -> float:
                     mesh = Mesh(shape, profile=opts.profile or "cpu-gloo")
                     mesh = mesh.with_(profile=dataclasses.replace(mesh.profile, compute=opts.compute))
                     fixed = pipeline.resolve_placements(gm, opts.placements, mesh.ndim)
-                    pipeline.plan(gm, mesh, opts, fixed)
-                    pipeline.lower(gm, mesh, (0,) * mesh.ndim, axis_group_names(mesh), opts)
-                    program_timeline(gm, mesh.profile)
+                    groups = axis_group_names(mesh)
+                    # as ddlc.compile plans: the search weighed against data parallelism and
+                    # replication, whose operators (a replicated step's whole batch) count too
+                    chosen = pipeline.choose_plan(gm, mesh, opts, fixed, groups)
+                    program = chosen.program
+                    if program is None:
+                        pipeline.lower(gm, mesh, (0,) * mesh.ndim, groups, opts, chosen.choices)
+                        program = gm
+                    program_timeline(program, mesh.profile)
                 except Exception as e:
                     print(f"  prewarm {name} {plan}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
         flush_all()
