@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run 
 __all__ = ["MetaKey", "Origin", "InputSpec", "OutputSpec", "StepSignature", "Signature",
            "NdSignature", "CollectiveInfo", "Piece", "ROLES", "ORIGIN", "ROLE", "SHARDING",
            "COLLECTIVE", "PIECE", "FUSED", "GLOBAL_VAL", "STEP", "BUCKET_CAP", "PIECE_BYTES",
-           "RECOMPUTE", "RECOMPUTED", "UPDATES", "RankArg", "RANK_ARG", "DRAW_ORDER", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait", "is_mutating", "in_update",
+           "RECOMPUTE", "RECOMPUTED", "UPDATES", "RankArg", "RANK_ARG", "DRAW_ORDER", "SHARED_READ", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait", "is_mutating", "in_update",
            "collective_kind", "collective_sequence", "name_alike", "is_scalar_valued", "output_scalars"]
 
 T = TypeVar("T")
@@ -464,6 +464,9 @@ RANK_ARG: MetaKey[RankArg] = MetaKey("ddlc_rank_arg", RankArg)
 #: a random draw that eager makes in another memory order than row-major (dropout's mask of
 #: a permuted activation): its dims from outermost to innermost in eager's memory
 DRAW_ORDER: MetaKey[tuple] = MetaKey("ddlc_draw_order", tuple)
+#: an alias that ``passes.shared_reads`` put between a tensor and its readers, so that the
+#: search prices one redistribution shared by them; lowering drops it after the collectives
+SHARED_READ: MetaKey[bool] = MetaKey("ddlc_shared_read", bool)
 
 
 def in_update(node: fx.Node) -> bool:

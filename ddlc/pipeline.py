@@ -9,13 +9,16 @@
       canonicalize   mean reductions -> sum / count, so batch splits give partial sums
       recompute      backward reads recomputed copies of activation-checkpointed calls'
                      values (torch.utils.checkpoint), as eager autograd recomputes them
+      shared_reads   an alias between an activation and its several readers, whose placement
+                     the search chooses: one redistribution they share, priced once
       shard          every node's SBP signature (AutoDDL): ir.SHARDING on every node
       decouple       gradient all-reduce -> reduce-scatter + update on the shard + all-gather
       (choose_plan)  where nothing is pinned: data parallelism instead, if its lowered
                      program's modeled step is shorter than the searched plan's
     lowering  (every rank, for its own mesh coordinate; rank 0 first, whose searched choices
                for fuse, partition and schedule the others take, see ddlc.runtime)
-      collectives    boxing collectives on every edge whose SBP changes (ir.COLLECTIVE)
+      collectives    boxing collectives on every edge whose SBP changes (ir.COLLECTIVE);
+                     then the aliases of shared_reads go
       localize       global -> per-rank shapes and arguments (ir.GLOBAL_VAL keeps the global)
       random         random ops draw their global shape from the program's generator and
                      keep this rank's piece (ddlc.rng: ranks agree, single-device numbers)
@@ -65,6 +68,7 @@ from passes.localize import localize
 from passes.partition import partition, partition_search
 from passes.random import draw_globally
 from passes.recompute import recompute_checkpointed
+from passes.shared_reads import insert_shared_reads, remove_shared_reads
 from passes.retarget import for_coordinate
 from passes.schedule import check_waits, follow, schedule, searches_updates
 from passes.sharding import mesh_shapes, replicate, shard
@@ -88,7 +92,7 @@ __all__ = ["PLANNING", "LOWERING", "run_pass", "collections_deferred", "trace_st
 log = logging.getLogger("ddlc.pipeline")
 
 #: The passes, in the order they run.
-PLANNING = ("trace", "canonicalize", "recompute", "shard", "decouple")
+PLANNING = ("trace", "canonicalize", "recompute", "shared_reads", "shard", "decouple")
 LOWERING = ("collectives", "localize", "random", "fuse", "partition", "schedule", "views", "inplace")
 
 
@@ -126,12 +130,14 @@ def collections_deferred():
 
 def trace_step(model: nn.Module, example_inputs, loss_fn, optimizer,
                options: CompileOptions) -> fx.GraphModule:
-    """trace, canonicalize, recompute: the step graph at global shapes, mean losses as sum /
-    count, checkpointed activations recomputed in backward."""
+    """trace, canonicalize, recompute, shared_reads: the step graph at global shapes, mean
+    losses as sum / count, checkpointed activations recomputed in backward, an alias where
+    several operators read one activation (the search prices one redistribution for them)."""
     gm = run_pass("trace", trace, model, example_inputs, loss_fn, optimizer,
                   num_targets=options.num_targets, clip_grad_norm=options.clip_grad_norm)
     gm = run_pass("canonicalize", canonicalize, gm)
-    return run_pass("recompute", recompute_checkpointed, gm)
+    gm = run_pass("recompute", recompute_checkpointed, gm)
+    return run_pass("shared_reads", insert_shared_reads, gm)
 
 
 def resolve_placements(gm: fx.GraphModule, placements: Mapping[str, object],
@@ -481,6 +487,7 @@ def _lower_passes(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int], groups: 
     ``gm.recompile()``; a traced step is a lazy graph module, whose code is generated once,
     when the program first runs."""
     run_pass("collectives", insert_collectives, gm, mesh, groups, coord)
+    remove_shared_reads(gm)
     run_pass("localize", localize, gm, mesh, coord)
     run_pass("random", draw_globally, gm, mesh, coord)
     # from here on, shapes are local and every collective carries ir.COLLECTIVE

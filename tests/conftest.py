@@ -61,16 +61,16 @@ OPTIMIZERS = {
 def model_and_loss(model_name: str):
     """One of :data:`MODELS` with the parameters of seed 0, and its loss function."""
     torch.manual_seed(0)
-    model = {"mlp": MLP, "gpt": GPT, "gpt_tied": lambda: GPT(tied=True),
+    model = {"mlp": MLP, "mlp_deep": lambda: MLP(depth=3), "gpt": GPT, "gpt_tied": lambda: GPT(tied=True),
              "gpt_checkpointed": lambda: GPT(checkpoint=True), "cnn": CNN}[model_name]()
-    loss = {"mlp": F.mse_loss, "cnn": F.cross_entropy}.get(model_name, lm_loss)
+    loss = {"mlp": F.mse_loss, "mlp_deep": F.mse_loss, "cnn": F.cross_entropy}.get(model_name, lm_loss)
     return model, loss
 
 
 def batches(model_name: str, batch: int = 4):
     """:data:`STEPS` (input, target) batches for ``model_name`` (2 * ``batch`` rows for the MLP)."""
     g = torch.Generator().manual_seed(1)
-    if model_name == "mlp":
+    if model_name.startswith("mlp"):
         return [(torch.randn(2 * batch, 32, generator=g), torch.randn(2 * batch, 16, generator=g))
                 for _ in range(STEPS)]
     if model_name.startswith("gpt"):
