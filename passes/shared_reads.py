@@ -50,16 +50,19 @@ def _shared(node: fx.Node) -> bool:
 
 
 def insert_shared_reads(gm: fx.GraphModule) -> fx.GraphModule:
-    """An alias (``ir.SHARED_READ``) between each tensor of the module docstring and its
-    readers, in place: the alias comes right after the tensor (after the last placeholder
-    for a batch input), carries its value and origin, and every reader reads it instead."""
+    """An alias (``ir.SHARED_READ``, named ``<tensor>_shared``) between each tensor of the
+    module docstring and its readers, in place: the alias comes right after the tensor
+    (after the placeholders for a batch input, in their order), carries its value and
+    origin, and every reader reads it instead."""
     graph = gm.graph
-    placeholders = graph.find_nodes(op="placeholder")
+    first_operator = next(n for n in graph.nodes if n.op != "placeholder")
     for node in list(graph.nodes):
         if not _shared(node):
             continue
-        with graph.inserting_after(placeholders[-1] if node.op == "placeholder" else node):
-            alias = graph.call_function(torch.ops.aten.alias.default, (node,))
+        batch_input = node.op == "placeholder"
+        with graph.inserting_before(first_operator) if batch_input else graph.inserting_after(node):
+            alias = graph.create_node("call_function", torch.ops.aten.alias.default, (node,),
+                                      name=f"{node.name}_shared")
         alias.meta["val"] = node.meta["val"]
         if ORIGIN.has(node):
             ORIGIN.set(alias, ORIGIN(node))

@@ -22,7 +22,9 @@ with candidate ``k``:
   is shared by many tensors instead of paid per tensor.
 
 The objective of an assignment is the sum of unary and edge costs: the modeled
-step time without overlap (the scheduling pass hides what it can later).
+step time without overlap (the scheduling pass hides what it can later). An activation
+that several operators read reaches them through an alias (:mod:`passes.shared_reads`),
+a variable like any node: one redistribution to the alias's placement serves them all.
 
 The solvers' shared pieces live here too: :func:`fold_block` (the sub-problem of a
 block of variables with the rest fixed; also :meth:`ShardingProblem.local_cost`) and
