@@ -3,8 +3,12 @@
 Per device: achievable float32 matmul FLOP/s (one thread per rank, as the
 workers run), memory bandwidth (a 64 MiB copy) and cache bandwidth (a copy
 whose working set is CACHE_BYTES, which the roofline uses for ops that small). Per link: all-reduce, all-gather, reduce-scatter and all-to-all of
-sizes from 4 KiB to 16 MiB on ``world_size`` local gloo processes, each fitted by
-non-negative least squares (relative error) to its ring model (:data:`RING`; the
+sizes from 4 KiB to 16 MiB on ``world_size`` local gloo processes, timed on every group
+of :func:`collective_groups` (the world and the axes of a 2-D mesh, or the axes of
+``--mesh``: all the groups of an axis at once, as a plan runs them), each kind fitted over
+all of them by non-negative least squares (relative error) to its ring model
+(:data:`RING`, the ring's steps by each group's size; each group's own fit is reported
+beside it; the
 all-reduce's ``t = 2(p-1)·α + 2(p-1)/p · n/bandwidth`` gives the links, every other
 kind's fit is stored as its factors against it: ``collective_factors``, which the cost
 models apply to that kind on every link; gloo's reduce-scatter, an all-reduce plus a
@@ -22,6 +26,7 @@ as the machine is quiet.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -33,7 +38,7 @@ from tqdm import tqdm
 
 from .launch import spawn
 
-__all__ = ["RING", "REFERENCE", "measure_compute", "measure_link", "measure_contention", "fit_ring",
+__all__ = ["RING", "REFERENCE", "measure_compute", "collective_groups", "measure_link", "measure_contention", "fit_ring",
            "fit_errors", "fit_contention", "calibrate", "calibrated_profile"]
 
 SIZES = [2**12, 2**16, 2**20, 2**22, 2**24]  # bytes
@@ -83,73 +88,111 @@ RING = {"all_reduce": lambda p: (2 * (p - 1), 2 * (p - 1) / p),
 EMULATED = {"reduce_scatter": "all_reduce"}
 
 
-def _run_collective(kind: str, nbytes: int):
+def _run_collective(kind: str, nbytes: int, group=None):
     """A function that runs one ``kind`` over ``nbytes`` (the whole tensor on the group:
-    the gathered result, the reduced input, the exchanged total) on the default group."""
-    p = dist.get_world_size()
+    the gathered result, the reduced input, the exchanged total) on ``group`` (default:
+    the world)."""
+    p = dist.get_world_size(group)
     whole, piece = torch.ones(nbytes // 4), torch.ones(max(nbytes // 4 // p, 1))
     out = torch.empty_like(whole)
-    return {"all_reduce": lambda: dist.all_reduce(whole),
-            "all_gather": lambda: dist.all_gather_single(out[:piece.numel() * p], piece),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(piece, whole[:piece.numel() * p]),
-            "all_to_all": lambda: dist.all_to_all_single(out, whole)}[kind]
+    return {"all_reduce": lambda: dist.all_reduce(whole, group=group),
+            "all_gather": lambda: dist.all_gather_single(out[:piece.numel() * p], piece, group=group),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(piece, whole[:piece.numel() * p],
+                                                                 group=group),
+            "all_to_all": lambda: dist.all_to_all_single(out, whole, group=group)}[kind]
 
 
-def _collective_times(rank: int, repeats: int = 10) -> list:
+def collective_groups(world: int, shape: tuple[int, ...] | None = None) -> list[tuple[str, list[list[int]]]]:
+    """The ways calibration groups ``world`` ranks, each as (label, rank groups that run
+    their collectives at once, as a plan's axis does): the axes of ``shape`` longer than 1
+    (``--mesh``); by default the whole world and the axes of the 2-D mesh of the reference
+    steps (:func:`_mesh_2d`), so the links are fitted on the group sizes the plans use."""
+    from .mesh import Mesh
+    shapes = [shape] if shape is not None else [(world,)] + ([_mesh_2d(world)] if _mesh_2d(world) else [])
+    found = []
+    for s in shapes:
+        mesh = Mesh(s)
+        for axis in range(mesh.ndim):
+            if mesh.shape[axis] > 1:
+                label = "world" if len(s) == 1 and shape is None else f"{mesh} axis {axis}"
+                found.append((label, mesh.axis_groups(axis)))
+    return found
+
+
+def _collective_times(rank: int, groups, repeats: int = 10, sizes=SIZES) -> list:
+    """Per label of ``groups`` (:func:`collective_groups`), per collective, its seconds at
+    each of ``sizes`` bytes on this rank's group, every group running at once; then this
+    rank's :func:`measure_compute`."""
     torch.set_num_threads(1)
+    mine = []
+    for _, ranks in groups:
+        made = [dist.new_group(g) for g in ranks]   # every rank makes every group, in order
+        mine.append(next(h for g, h in zip(ranks, made) if rank in g))
     times = {}
     quiet = rank != 0 or not sys.stderr.isatty()
-    cases = [(kind, n) for kind in RING for n in SIZES]
-    for kind, nbytes in tqdm(cases, desc="collectives", unit="size", file=sys.stderr, disable=quiet):
-        one = _run_collective(kind, nbytes)
+    cases = [(i, kind, n) for i in range(len(groups)) for kind in RING for n in sizes]
+    for i, kind, nbytes in tqdm(cases, desc="collectives", unit="size", file=sys.stderr, disable=quiet):
+        one = _run_collective(kind, nbytes, mine[i])
 
         def run():
             for _ in range(repeats):
                 one()
         dist.barrier()
-        times.setdefault(kind, []).append(_median_seconds(run, 3) / repeats)
+        times.setdefault(groups[i][0], {}).setdefault(kind, []).append(_median_seconds(run, 3) / repeats)
     return [times, *measure_compute()]
 
 
-def fit_ring(kind: str, sizes, times, p: int) -> tuple[float, float]:
+def fit_ring(kind: str, sizes, times, p) -> tuple[float, float]:
     """(α, bandwidth) of ``kind``'s ring model (:data:`RING`) fitted to its times over
-    ``sizes`` bytes by non-negative least squares in relative error."""
-    a, b = RING[kind](p)
-    rows = [[a / t, b * n / t] for n, t in zip(sizes, times)]
+    ``sizes`` bytes on groups of ``p`` ranks (one size for all, or one per time) by
+    non-negative least squares in relative error."""
+    ps = p if isinstance(p, (list, tuple)) else [p] * len(sizes)
+    rows = [[RING[kind](q)[0] / t, RING[kind](q)[1] * n / t] for n, t, q in zip(sizes, times, ps)]
     (alpha, beta), _ = nnls(rows, [1.0] * len(sizes))
     return max(alpha, 1e-9), 1.0 / max(beta, 1e-15)
 
 
-def fit_errors(sizes, times, p: int, alpha: float, bandwidth: float,
+def fit_errors(sizes, times, p, alpha: float, bandwidth: float,
                kind: str = "all_reduce") -> list[dict]:
-    """Per size: bytes, measured and modeled seconds of ``kind``'s ring fit, and the
-    relative error (model / measured - 1)."""
-    a, b = RING[kind](p)
+    """Per size: bytes, group size (``p``, as :func:`fit_ring` takes it), measured and
+    modeled seconds of ``kind``'s ring fit, and the relative error (model / measured - 1)."""
+    ps = p if isinstance(p, (list, tuple)) else [p] * len(sizes)
     rows = []
-    for n, t in zip(sizes, times):
+    for n, t, q in zip(sizes, times, ps):
+        a, b = RING[kind](q)
         model = a * alpha + b * n / bandwidth
-        rows.append({"bytes": n, "measured": t, "model": model, "error": model / t - 1})
+        rows.append({"bytes": n, "ranks": q, "measured": t, "model": model, "error": model / t - 1})
     return rows
 
 
-def measure_link(world_size: int) -> tuple[float, float, float, float, float, dict, dict, dict]:
+def measure_link(world_size: int, shape: tuple[int, ...] | None = None):
     """(α seconds, bandwidth bytes/s of the all-reduce ring, FLOP/s, memory and cache
     bytes/s, per other collective that is not :data:`EMULATED` its (latency, bandwidth)
     factors against the all-reduce's fit, per collective its fitted latency and bandwidth,
-    and its fit errors) from ``world_size`` gloo ranks measuring at once (each size's
-    time: the slowest rank's)."""
-    results = spawn(_collective_times, world_size, timeout=120, deadline=900)
-    fits, errors = {}, {}
+    its fit errors, and per group of :func:`collective_groups` each collective's own fit)
+    from ``world_size`` gloo ranks measuring at once (each size's time: the slowest
+    rank's). Each collective's fit is one over every group (the ring's steps per group
+    size), so the links price the group sizes of the plans; each group's own fit is kept
+    beside it."""
+    groups = collective_groups(world_size, shape)
+    results = spawn(_collective_times, world_size, groups, timeout=120, deadline=900)
+    fits, errors, per_group = {}, {}, {}
     for kind in RING:
-        times = [max(r[0][kind][i] for r in results) for i in range(len(SIZES))]
-        fits[kind] = fit_ring(kind, SIZES, times, world_size)
-        errors[kind] = fit_errors(SIZES, times, world_size, *fits[kind], kind=kind)
+        sizes, times, ps = [], [], []
+        for label, ranks in groups:
+            p = len(ranks[0])
+            measured = [max(r[0][label][kind][i] for r in results) for i in range(len(SIZES))]
+            sizes, times, ps = sizes + SIZES, times + measured, ps + [p] * len(SIZES)
+            alpha, bandwidth = fit_ring(kind, SIZES, measured, p)
+            per_group.setdefault(label, {})[kind] = {"ranks": p, "latency": alpha, "bandwidth": bandwidth}
+        fits[kind] = fit_ring(kind, sizes, times, ps)
+        errors[kind] = fit_errors(sizes, times, ps, *fits[kind], kind=kind)
     alpha, bandwidth = fits["all_reduce"]
     factors = {kind: {"latency": a / alpha, "bandwidth": bw / bandwidth}
                for kind, (a, bw) in fits.items() if kind not in ("all_reduce", *EMULATED)}
     flops, memory, cache = (statistics.median(r[i] for r in results) for i in (1, 2, 3))
     fitted = {kind: {"latency": a, "bandwidth": bw} for kind, (a, bw) in fits.items()}
-    return alpha, bandwidth, flops, memory, cache, factors, fitted, errors
+    return alpha, bandwidth, flops, memory, cache, factors, fitted, errors, per_group
 
 
 #: The training steps the contention is fitted to: (label, zoo MLP sizes, global batch,
@@ -305,8 +348,11 @@ def fit_contention(modeled, measured) -> tuple[float, float, float, float, float
     return tuple(float(f) for f in factors)
 
 
-def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
-    alpha, bandwidth, flops, memory, cache, factors, fitted, errors = measure_link(world_size)
+def calibrate(world_size: int = 4, name: str = "calibrated", shape: tuple[int, ...] | None = None) -> dict:
+    """The profile of this host for ``world_size`` local gloo ranks (collectives timed on
+    the groups of :func:`collective_groups`, ``shape`` the mesh whose axes to time)."""
+    alpha, bandwidth, flops, memory, cache, factors, fitted, errors, per_group = \
+        measure_link(world_size, shape)
     link = {"latency": alpha, "bandwidth": bandwidth}
     profile = {"name": name,
                "description": f"measured by `python -m ddlc calibrate` with {world_size} local gloo "
@@ -321,6 +367,7 @@ def calibrate(world_size: int = 4, name: str = "calibrated") -> dict:
                "links": {"intra_node": link, "inter_node": link},
                "collective_factors": factors,
                "fits": fitted,
+               "fits_per_group": per_group,
                "fit": errors}
     profile["contention"] = measure_contention(world_size, profile)
     return profile
@@ -357,10 +404,13 @@ def format_fit(profile: dict) -> str:
         priced = profile.get("emulated_collectives", {}).get(kind)
         lines += [f"{kind} ring fit: latency {fit['latency'] * 1e6:.1f} us, "
                   f"bandwidth {fit['bandwidth'] / 1e9:.3g} GB/s"
-                  + (f" (priced as {priced}, which the backend runs)" if priced else ""),
-                  f"{'bytes':>10}  {'measured ms':>11}  {'model ms':>9}  {'error':>7}"]
-        lines += [f"{r['bytes']:>10}  {r['measured'] * 1e3:>11.3f}  {r['model'] * 1e3:>9.3f}  "
-                  f"{r['error']:>+7.1%}" for r in rows]
+                  + (f" (priced as {priced}, which the backend runs)" if priced else "")]
+        lines += [f"  {label} ({own[kind]['ranks']} ranks) on its own: latency "
+                  f"{own[kind]['latency'] * 1e6:.1f} us, bandwidth {own[kind]['bandwidth'] / 1e9:.3g} GB/s"
+                  for label, own in profile.get("fits_per_group", {}).items() if kind in own]
+        lines += [f"{'ranks':>5}  {'bytes':>10}  {'measured ms':>11}  {'model ms':>9}  {'error':>7}"]
+        lines += [f"{r.get('ranks', ''):>5}  {r['bytes']:>10}  {r['measured'] * 1e3:>11.3f}  "
+                  f"{r['model'] * 1e3:>9.3f}  {r['error']:>+7.1%}" for r in rows]
     contention = profile.get("contention")
     if contention:
         lines += [f"contention of {contention['local_ranks']} local ranks: operators "
@@ -375,7 +425,10 @@ def format_fit(profile: dict) -> str:
 
 
 def main(args) -> int:
-    profile = calibrate(args.world_size, args.name)
+    from .mesh import Mesh
+    shape = Mesh(args.mesh).shape if getattr(args, "mesh", None) else None
+    world = math.prod(shape) if shape else args.world_size
+    profile = calibrate(world, args.name, shape)
     print(format_fit(profile), file=sys.stderr)
     text = json.dumps(profile, indent=2)
     if args.out:

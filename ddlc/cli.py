@@ -137,6 +137,9 @@ def _parser() -> argparse.ArgumentParser:
     calibrate = commands.add_parser("calibrate", help="measure a hardware profile (compute and "
                                     "gloo links) on this machine and print it as JSON")
     calibrate.add_argument("--world-size", type=int, default=4, help="local gloo processes")
+    calibrate.add_argument("--mesh", metavar="SHAPE", help="time the collectives on each axis of "
+                           "this mesh (e.g. 2x2; its size is the world size) instead of on the "
+                           "whole world and the axes of its 2-D mesh")
     calibrate.add_argument("--name", default="calibrated", help="the profile's name")
     calibrate.add_argument("--out", metavar="FILE.json", help="also write the profile here")
     calibrate.add_argument("-v", "--verbose", action="store_true", help="log to stderr; tracebacks")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ddlc
-from ddlc.calibrate import RING, SIZES, fit_ring, measure_compute
+from ddlc.calibrate import RING, SIZES, collective_groups, fit_errors, fit_ring, measure_compute
 
 
 def test_fit_recovers_alpha_and_bandwidth_from_ring_times():
@@ -177,3 +177,46 @@ def test_the_contention_is_measured_on_reference_steps_and_loads_into_a_profile(
     loaded = HardwareProfile.from_dict(profile | {"contention": contention, "compute": "measured"})
     assert loaded.shared_cores.per_operator == contention["per_operator"]
     assert loaded.for_local_ranks(2) is loaded and loaded.for_local_ranks(4).contention is None
+
+
+def test_one_fit_over_groups_of_several_sizes_recovers_the_link():
+    """Times of 4-rank and 2-rank rings of one link: fitted together, each with its ring's
+    steps, they give that link back, and the errors name each row's group size."""
+    alpha, bandwidth = 5e-4, 1e9
+    sizes, times, ranks = [], [], []
+    for p in (4, 2):
+        a, b = RING["all_gather"](p)
+        sizes += SIZES
+        times += [a * alpha + b * n / bandwidth for n in SIZES]
+        ranks += [p] * len(SIZES)
+    fitted = fit_ring("all_gather", sizes, times, ranks)
+    assert fitted == pytest.approx((alpha, bandwidth), rel=1e-6)
+    rows = fit_errors(sizes, times, ranks, *fitted, kind="all_gather")
+    assert [r["ranks"] for r in rows] == ranks
+    assert max(abs(r["error"]) for r in rows) < 1e-6
+
+
+def test_collectives_are_timed_on_the_world_and_on_each_axis():
+    assert collective_groups(4) == [("world", [[0, 1, 2, 3]]),
+                                    ("2x2(dp,tp) axis 0", [[0, 2], [1, 3]]),
+                                    ("2x2(dp,tp) axis 1", [[0, 1], [2, 3]])]
+    assert collective_groups(2) == [("world", [[0, 1]])]
+    assert collective_groups(8, (2, 1, 4)) == [("2x1x4(dp,tp,pp) axis 0", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+                                               ("2x1x4(dp,tp,pp) axis 2", [[0, 1, 2, 3], [4, 5, 6, 7]])]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_every_group_of_an_axis_times_its_collectives_at_once():
+    """4 gloo ranks build every group of each axis (the same groups in the same order on
+    every rank, or they would hang) and time each collective on their own."""
+    from ddlc.calibrate import _collective_times
+    from ddlc.launch import spawn
+    groups = collective_groups(4)
+    results = spawn(_collective_times, 4, groups, 2, [4096, 65536], timeout=120, deadline=170)
+    for times, *compute in results:
+        assert sorted(times) == sorted(label for label, _ in groups)
+        for per_kind in times.values():
+            assert sorted(per_kind) == sorted(RING)
+            assert all(len(t) == 2 and min(t) > 0 for t in per_kind.values())
+        assert all(x > 0 for x in compute)
