@@ -20,12 +20,14 @@ from ddlc.ir import SHARDING, output_scalars
 from ddlc.zoo import CNN, GPT, MLP, lm_loss
 from passes.canonicalize import canonicalize
 from passes.rules import NdSignature, selected_leaf, signatures_nd, tensor_inputs
+from passes.shared_reads import insert_shared_reads
 from passes.sharding import build_problem, compute_seconds, mesh_shapes, search_mesh_shapes, shard
 
 
 def _step(model, batch, loss_fn, optimizer=torch.optim.SGD, **kw):
+    """The step graph as the pipeline plans it: traced, canonicalized, with shared reads."""
     opt = optimizer(model.parameters(), lr=0.1, **kw)
-    return canonicalize(ddlc.trace(model, batch, loss_fn, opt))
+    return insert_shared_reads(canonicalize(ddlc.trace(model, batch, loss_fn, opt)))
 
 
 def _two_layer(batch: int, width: int, hidden: int):
@@ -164,9 +166,8 @@ def test_a_tensor_read_as_several_arguments_is_priced_per_argument():
 def test_objective_equals_closed_form():
     """Two bias-free linear layers, SGD, 4 devices. The step runs 5 matmuls (2 forward; in
     backward the second layer's input gradient and both weight gradients) of 2·m·k·n FLOPs.
-    On a ring of p = 4 a reduce-scatter moves (p-1)/p·n bytes, an all-reduce 2(p-1)/p·n."""
+    On a ring of p = 4 an all-reduce moves 2(p-1)/p·n bytes."""
     mesh = _flops_and_bytes_mesh()
-    reduce_scatter = lambda nbytes: 0.75 * nbytes / _BANDWIDTH  # noqa: E731
     all_reduce = lambda nbytes: 1.5 * nbytes / _BANDWIDTH  # noqa: E731
 
     # data parallel: every matmul on a quarter of the 4096 rows; all-reduce the 4-byte loss
@@ -179,13 +180,15 @@ def test_objective_equals_closed_form():
 
     # Megatron: first weight split by output rows, second by input columns, every matmul a
     # quarter of 2·8·1024·4096 FLOPs; the second layer's partial-sum output (8x1024) is
-    # reduce-scattered into row shards for the loss (whose 4-byte partial sums are then
-    # all-reduced) and all-reduced for its backward
+    # all-reduced once (its shared read, passes/shared_reads.py), which its backward and
+    # the loss read whole (the loss computed on every device: no all-reduce of it);
+    # pricing each reader alone, it was reduce-scattered for the loss as well and the
+    # loss's 4-byte partial sums all-reduced
     gm = _two_layer(batch=8, width=1024, hidden=4096)
     plan = shard(gm, mesh)
     assert _sbp(gm, "p_0_weight") == NdSBP((S(0),)) and _sbp(gm, "p_1_weight") == NdSBP((S(1),))
-    megatron = (5 * 2 * 8 * 1024 * 4096 / 4 / _FLOPS + reduce_scatter(8 * 1024 * 4) + all_reduce(4)
-                + all_reduce(8 * 1024 * 4))
+    assert _sbp(gm, "mse_loss", "inputs", 0) == NdSBP((B,))
+    megatron = 5 * 2 * 8 * 1024 * 4096 / 4 / _FLOPS + all_reduce(8 * 1024 * 4)
     assert plan.objective == pytest.approx(megatron, rel=1e-12)
     assert plan.objective == pytest.approx(shard(gm, mesh, solver="exact").objective, rel=1e-9)
 
@@ -246,7 +249,7 @@ def test_an_exactly_eliminable_problem_is_descended_once_from_the_best_seed(monk
     the exact optimum all the same."""
     from passes.sharding import descent
     gm = _example("gpt")
-    mesh = ddlc.Mesh((2, 2))
+    mesh = ddlc.Mesh((4,))
     descents = []
     original = descent._descend
     monkeypatch.setattr(descent, "_descend", lambda problem, choice, budget, paths, regions, sweeps:
