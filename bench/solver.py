@@ -29,6 +29,7 @@ from ddlc import B, NdSBP, S
 from ddlc.errors import ShardingError
 from ddlc.zoo import GPT, lm_loss
 from passes.canonicalize import canonicalize
+from passes.shared_reads import insert_shared_reads
 from passes.sharding import shard
 
 COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "fc.weight", "fc.bias")  # split the output dim
@@ -40,7 +41,7 @@ def trace_gpt(layers: int):
     model = GPT(vocab=50304, d_model=768, n_heads=12, n_layers=layers, seq_len=1024)
     idx = torch.zeros(8, 1024, dtype=torch.long)
     opt = torch.optim.AdamW(model.parameters())
-    return canonicalize(ddlc.trace(model, (idx, idx), lm_loss, opt))
+    return insert_shared_reads(canonicalize(ddlc.trace(model, (idx, idx), lm_loss, opt)))
 
 
 def _megatron(key: str, axis_sbp) -> object:
