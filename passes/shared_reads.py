@@ -16,7 +16,10 @@ redistributes once and shares. Lowering redistributes exactly so, and
 in placement ``a``).
 
 Which tensors: those of the forward and backward passes (computed, or a batch input)
-with two or more readers, all of them operators of those passes. Parameters and
+with two or more readers, all of them operators of those passes and none a replay of a
+view through eager's strides (:data:`passes.collectives.STRIDED_READERS`: lowering gives
+such a reader eager's layout back after a redistribution on its own edge, which an
+alias's edge would skip). Parameters and
 optimizer state (priced as bucketed parameter traffic) and gradients entering the update
 are left alone.
 """
@@ -26,6 +29,7 @@ import torch
 from torch import fx
 
 from ddlc.ir import ORIGIN, ROLE, SHARED_READ
+from passes.collectives import STRIDED_READERS
 from passes.rules import is_tensor_node
 
 __all__ = ["insert_shared_reads", "remove_shared_reads"]
@@ -46,7 +50,8 @@ def _shared(node: fx.Node) -> bool:
         return False
     if not is_tensor_node(node) or len(node.users) < 2:
         return False
-    return all(u.op == "call_function" and _phase(u) in _PHASES for u in node.users)
+    return all(u.op == "call_function" and _phase(u) in _PHASES and u.target not in STRIDED_READERS
+               for u in node.users)
 
 
 def insert_shared_reads(gm: fx.GraphModule) -> fx.GraphModule:

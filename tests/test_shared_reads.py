@@ -102,3 +102,22 @@ def test_a_plan_with_shared_reads_matches_single_device_on_4_ranks():
     assert "all_reduce" in got.pop("collectives")
     got.pop("most_in_flight")
     assert_matches_reference(got, reference("mlp_deep", "adamw"), **GLOO_TOLERANCES)
+
+
+def test_no_alias_for_a_tensor_that_autograds_view_replays_read():
+    """A replay of a view (``as_strided``) reads its input through eager's strides, which
+    lowering restores after a redistribution on the replay's own edge: a tensor that
+    replays read keeps its edges (an alias's redistribution would hand them row-major
+    data)."""
+    from passes.collectives import STRIDED_READERS
+    from test_simulated_ranks import _SolvedInPlaces
+    torch.manual_seed(0)
+    model = _SolvedInPlaces().double()
+    batch = (torch.randn(8, 16, 16, dtype=torch.float64), torch.randint(0, 3, (8,)))
+    gm = pipeline.trace_step(model, batch, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                             CompileOptions())
+    replayed = [n for n in gm.graph.nodes if n.op == "call_function" and len(n.users) >= 2
+                and any(u.target in STRIDED_READERS for u in n.users)]
+    assert replayed   # read by two replays: it would have had an alias
+    assert not any(SHARED_READ.get(n, False) and any(u.target in STRIDED_READERS for u in n.users)
+                   for n in gm.graph.nodes)
