@@ -3,7 +3,7 @@
 Per device: achievable float32 matmul FLOP/s (one thread per rank, as the
 workers run), memory bandwidth (a 64 MiB copy) and cache bandwidth (a copy
 whose working set is CACHE_BYTES, which the roofline uses for ops that small). Per link: all-reduce, all-gather, reduce-scatter and all-to-all of
-sizes from 4 KiB to 16 MiB on ``world_size`` local gloo processes, timed on every group
+sizes from 4 KiB to 256 MiB on ``world_size`` local gloo processes, timed on every group
 of :func:`collective_groups` (the world and the axes of a 2-D mesh, or the axes of
 ``--mesh``: all the groups of an axis at once, as a plan runs them), each kind fitted over
 all of them by non-negative least squares (relative error) to its ring model
@@ -41,7 +41,10 @@ from .launch import spawn
 __all__ = ["RING", "REFERENCE", "measure_compute", "collective_groups", "measure_link", "measure_contention", "fit_ring",
            "fit_errors", "fit_contention", "calibrate", "calibrated_profile"]
 
-SIZES = [2**12, 2**16, 2**20, 2**22, 2**24]  # bytes
+SIZES = [2**12, 2**16, 2**20, 2**22, 2**24, 2**26, 2**28]  # bytes: 4 KiB to 256 MiB
+
+#: bytes a size's timed loop moves at most (its repeats shrink above it, to one)
+LOOP_BYTES = 2**26
 
 
 def _median_seconds(fn, repeats: int = 5) -> float:
@@ -119,6 +122,14 @@ def collective_groups(world: int, shape: tuple[int, ...] | None = None) -> list[
     return found
 
 
+def _repeated(fn, times: int):
+    """A function that calls ``fn`` ``times`` times."""
+    def run():
+        for _ in range(times):
+            fn()
+    return run
+
+
 def _collective_times(rank: int, groups, repeats: int = 10, sizes=SIZES) -> list:
     """Per label of ``groups`` (:func:`collective_groups`), per collective, its seconds at
     each of ``sizes`` bytes on this rank's group, every group running at once; then this
@@ -132,13 +143,11 @@ def _collective_times(rank: int, groups, repeats: int = 10, sizes=SIZES) -> list
     quiet = rank != 0 or not sys.stderr.isatty()
     cases = [(i, kind, n) for i in range(len(groups)) for kind in RING for n in sizes]
     for i, kind, nbytes in tqdm(cases, desc="collectives", unit="size", file=sys.stderr, disable=quiet):
-        one = _run_collective(kind, nbytes, mine[i])
-
-        def run():
-            for _ in range(repeats):
-                one()
+        loops = max(1, min(repeats, LOOP_BYTES // nbytes))
+        run = _repeated(_run_collective(kind, nbytes, mine[i]), loops)
         dist.barrier()
-        times.setdefault(groups[i][0], {}).setdefault(kind, []).append(_median_seconds(run, 3) / repeats)
+        times.setdefault(groups[i][0], {}).setdefault(kind, []).append(_median_seconds(run, 3) / loops)
+        del run  # its buffers (up to 256 MiB each) go before the next size's are made
     return [times, *measure_compute()]
 
 
