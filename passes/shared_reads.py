@@ -19,9 +19,8 @@ Which tensors: those of the forward and backward passes (computed, or a batch in
 with two or more readers, all of them operators of those passes and none a replay of a
 view through eager's strides (:data:`passes.collectives.STRIDED_READERS`: lowering gives
 such a reader eager's layout back after a redistribution on its own edge, which an
-alias's edge would skip). Parameters and
-optimizer state (priced as bucketed parameter traffic) and gradients entering the update
-are left alone.
+alias's edge would skip). Parameters and optimizer state (priced as bucketed parameter
+traffic) and gradients entering the update are left alone.
 """
 from __future__ import annotations
 
@@ -43,6 +42,7 @@ def _phase(node: fx.Node) -> str | None:
 
 
 def _shared(node: fx.Node) -> bool:
+    """Whether ``node`` is a tensor of the module docstring's, which gets an alias."""
     if node.op == "placeholder":
         if ROLE.get(node) != "input":
             return False
