@@ -151,12 +151,18 @@ def _collective_times(rank: int, groups, repeats: int = 10, sizes=SIZES) -> list
     return [times, *measure_compute()]
 
 
+def _group_sizes(p, count: int) -> list[int]:
+    """The group size of each of ``count`` times: ``p`` itself where it is one per time,
+    else ``p`` for all."""
+    return list(p) if isinstance(p, (list, tuple)) else [p] * count
+
+
 def fit_ring(kind: str, sizes, times, p) -> tuple[float, float]:
     """(α, bandwidth) of ``kind``'s ring model (:data:`RING`) fitted to its times over
     ``sizes`` bytes on groups of ``p`` ranks (one size for all, or one per time) by
     non-negative least squares in relative error."""
-    ps = p if isinstance(p, (list, tuple)) else [p] * len(sizes)
-    rows = [[RING[kind](q)[0] / t, RING[kind](q)[1] * n / t] for n, t, q in zip(sizes, times, ps)]
+    rings = [RING[kind](q) for q in _group_sizes(p, len(sizes))]
+    rows = [[a / t, b * n / t] for n, t, (a, b) in zip(sizes, times, rings)]
     (alpha, beta), _ = nnls(rows, [1.0] * len(sizes))
     return max(alpha, 1e-9), 1.0 / max(beta, 1e-15)
 
@@ -165,9 +171,8 @@ def fit_errors(sizes, times, p, alpha: float, bandwidth: float,
                kind: str = "all_reduce") -> list[dict]:
     """Per size: bytes, group size (``p``, as :func:`fit_ring` takes it), measured and
     modeled seconds of ``kind``'s ring fit, and the relative error (model / measured - 1)."""
-    ps = p if isinstance(p, (list, tuple)) else [p] * len(sizes)
     rows = []
-    for n, t, q in zip(sizes, times, ps):
+    for n, t, q in zip(sizes, times, _group_sizes(p, len(sizes))):
         a, b = RING[kind](q)
         model = a * alpha + b * n / bandwidth
         rows.append({"bytes": n, "ranks": q, "measured": t, "model": model, "error": model / t - 1})

@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run 
 __all__ = ["MetaKey", "Origin", "InputSpec", "OutputSpec", "StepSignature", "Signature",
            "NdSignature", "CollectiveInfo", "Piece", "ROLES", "ORIGIN", "ROLE", "SHARDING",
            "COLLECTIVE", "PIECE", "FUSED", "GLOBAL_VAL", "STEP", "BUCKET_CAP", "PIECE_BYTES",
-           "RECOMPUTE", "RECOMPUTED", "UPDATES", "RankArg", "RANK_ARG", "DRAW_ORDER", "SHARED_READ", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait", "is_mutating", "in_update",
+           "RECOMPUTE", "RECOMPUTED", "UPDATES", "RankArg", "RANK_ARG", "DRAW_ORDER", "SHARED_READ", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait", "is_mutating", "phase_of", "in_update",
            "collective_kind", "collective_sequence", "name_alike", "is_scalar_valued", "output_scalars"]
 
 T = TypeVar("T")
@@ -469,10 +469,15 @@ DRAW_ORDER: MetaKey[tuple] = MetaKey("ddlc_draw_order", tuple)
 SHARED_READ: MetaKey[bool] = MetaKey("ddlc_shared_read", bool)
 
 
+def phase_of(node: fx.Node) -> str | None:
+    """The ``ORIGIN`` phase of ``node`` (forward, backward, optimizer, input); None if it has none."""
+    origin = ORIGIN.get(node)
+    return origin.phase if origin is not None else None
+
+
 def in_update(node: fx.Node) -> bool:
     """Whether ``node`` is an operator of the optimizer update (its ``ORIGIN`` phase)."""
-    origin = ORIGIN.get(node)
-    return origin is not None and origin.phase == "optimizer"
+    return phase_of(node) == "optimizer"
 
 
 def where(node: fx.Node) -> str:

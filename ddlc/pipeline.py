@@ -68,9 +68,9 @@ from passes.localize import localize
 from passes.partition import partition, partition_search
 from passes.random import draw_globally
 from passes.recompute import recompute_checkpointed
-from passes.shared_reads import insert_shared_reads, remove_shared_reads
 from passes.retarget import for_coordinate
 from passes.schedule import check_waits, follow, schedule, searches_updates
+from passes.shared_reads import insert_shared_reads, remove_shared_reads
 from passes.sharding import mesh_shapes, replicate, shard
 from passes.views import views_as_views
 from passes.waits import wait_at_once

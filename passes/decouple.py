@@ -52,7 +52,7 @@ from torch import fx
 
 from cost_models.collectives import affine_fit, axis_time
 from cost_models.layer_schedules import LayerProfile, search_schedule
-from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, NdSignature, is_getitem, leaves
+from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, NdSignature, is_getitem, leaves, phase_of
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, divides, local_shape, padded_shape
 from passes.rules import selected_leaf, signatures_1d, signatures_nd, tensor_inputs
@@ -71,14 +71,12 @@ def gradient_scalars(graph: fx.Graph) -> set[fx.Node]:
     """The optimizer-phase scalars computed from several parameters' gradients: the global
     norm and the coefficient of ``clip_grad_norm``, which every parameter's update reads
     but which belong to none (their inputs are every parameter's norm term)."""
-    def phase(n):
-        return getattr(ORIGIN.get(n), "phase", None)
     many = object()
     source: dict[fx.Node, object] = {}  # optimizer node -> the one gradient it reads, or many
     for node in graph.nodes:
-        if node.op != "call_function" or phase(node) != "optimizer":
+        if node.op != "call_function" or phase_of(node) != "optimizer":
             continue
-        found = {a if phase(a) == "backward" else source.get(a) for a in node.all_input_nodes} - {None}
+        found = {a if phase_of(a) == "backward" else source.get(a) for a in node.all_input_nodes} - {None}
         if found:
             source[node] = found.pop() if len(found) == 1 else many
     return {n for n, s in source.items() if s is many and getattr(n.meta.get("val"), "dim", lambda: -1)() == 0}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ddlc.ir import ORIGIN, ROLE, SHARED_READ
+from ddlc.ir import ORIGIN, ROLE, SHARED_READ, phase_of
 from passes.collectives import STRIDED_READERS
 from passes.rules import is_tensor_node
 
@@ -37,20 +37,16 @@ __all__ = ["insert_shared_reads", "remove_shared_reads"]
 _PHASES = frozenset({"forward", "backward"})
 
 
-def _phase(node: fx.Node) -> str | None:
-    return getattr(ORIGIN.get(node), "phase", None)
-
-
 def _shared(node: fx.Node) -> bool:
     """Whether ``node`` is a tensor of the module docstring's, which gets an alias."""
     if node.op == "placeholder":
         if ROLE.get(node) != "input":
             return False
-    elif node.op != "call_function" or _phase(node) not in _PHASES:
+    elif node.op != "call_function" or phase_of(node) not in _PHASES:
         return False
     if not is_tensor_node(node) or len(node.users) < 2:
         return False
-    return all(u.op == "call_function" and _phase(u) in _PHASES and u.target not in STRIDED_READERS
+    return all(u.op == "call_function" and phase_of(u) in _PHASES and u.target not in STRIDED_READERS
                for u in node.users)
 
 

@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten
 from cost_models.boxing import boxing_table
 from cost_models.compute import op_time
 from ddlc.errors import ShardingError
-from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, is_scalar_valued, leaves, map_leaves, output_scalars, where
+from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, is_scalar_valued, leaves, map_leaves, output_scalars, phase_of, where
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, local_shape, plannable, why_not_plannable
 from passes.rules import NdSignature, call_key, is_tensor_node, selected_leaf, signatures_nd, tensor_inputs
@@ -522,8 +522,7 @@ def _parameter_traffic(arg: fx.Node, user: fx.Node) -> bool:
     backward-phase value) entering the optimizer update."""
     if arg.op == "placeholder":
         return ROLE.get(arg) in ("param", "opt_state")
-    phase = lambda n: getattr(ORIGIN.get(n), "phase", None)  # noqa: E731
-    return phase(arg) == "backward" and phase(user) == "optimizer"
+    return phase_of(arg) == "backward" and phase_of(user) == "optimizer"
 
 
 def _edge_matrix(arg: fx.Node, leaf: int | None, src_cands: Sequence[NdSignature],
