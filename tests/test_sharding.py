@@ -327,6 +327,36 @@ def test_a_loss_with_no_gradient_all_reduce_to_ride_pays_its_start_ups():
     assert "lone_scalar_axes" not in plan.stats
 
 
+def test_the_loss_rides_only_with_all_reduces_read_after_it():
+    """The loss's all-reduce shares a bucket only with all-reduces whose results are read
+    after the loss exists (:mod:`passes.fuse`): those of the backward and the update, not a
+    forward one (a row-split matmul's output). On a (2, 2) plan of an MLP that has forward
+    all-reduces, wherever the search priced the loss's all-reduce as riding (every axis
+    but ``lone_scalar_axes``), the lowered program has no all-reduce of scalars alone."""
+    from ddlc import pipeline
+    from ddlc.ir import COLLECTIVE, phase_of
+    from ddlc.options import CompileOptions
+    from passes.sharding import lone_scalar_axes
+    torch.manual_seed(0)
+    model = MLP(d_in=256, d_hidden=1024, d_out=64, depth=4)
+    batch = (torch.randn(256, 256), torch.randn(256, 64))
+    options = CompileOptions()
+    gm = pipeline.trace_step(model, batch, F.mse_loss, torch.optim.AdamW(model.parameters()), options)
+    mesh = ddlc.Mesh((2, 2), profile="cpu-gloo")
+    pipeline.plan(gm, mesh, options, {})
+    forward_all_reduces = {
+        a for n in gm.graph.nodes if n.op == "call_function" and phase_of(n) == "forward"
+        for arg, dst in zip(tensor_inputs(n), SHARDING(n).inputs) if dst is not None and SHARDING.has(arg)
+        and n.target is not operator.getitem
+        for a, (x, y) in enumerate(zip(SHARDING(arg).outputs[0], dst)) if x.is_partial and y.is_broadcast}
+    assert forward_all_reduces  # the case this test is about
+    lone = lone_scalar_axes(gm, mesh)
+    pipeline.lower(gm, mesh, (0, 0), ["axis0", "axis1"], options)
+    scalar_only = [(info.axis, info.nbytes) for n in gm.graph.nodes
+                   if (info := COLLECTIVE.get(n)) is not None and info.kind == "all_reduce" and info.nbytes <= 8]
+    assert all(axis in lone for axis, _ in scalar_only), (scalar_only, lone)
+
+
 def test_plan_is_identical_under_hash_seeds():
     """The plan made here (this process's hash seed) and in a process with another seed."""
     script = ("import torch, ddlc, torch.nn.functional as F\n"

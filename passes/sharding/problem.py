@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten
 from cost_models.boxing import boxing_table
 from cost_models.compute import op_time
 from ddlc.errors import ShardingError
-from ddlc.ir import ORIGIN, ROLE, SHARDING, STEP, is_scalar_valued, leaves, map_leaves, output_scalars, phase_of, where
+from ddlc.ir import ORIGIN, ROLE, SHARDING, SHARED_READ, STEP, is_scalar_valued, leaves, map_leaves, output_scalars, phase_of, where
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, local_shape, plannable, why_not_plannable
 from passes.rules import NdSignature, call_key, is_tensor_node, selected_leaf, signatures_nd, tensor_inputs
@@ -480,9 +480,23 @@ def gradient_only_rides(gm: fx.GraphModule, mesh: Mesh) -> frozenset[int]:
     return frozenset(a for a, dtype in needs if (a, dtype) not in others)
 
 
+def _read_after_the_loss(reader: fx.Node, tail: set[fx.Node]) -> bool:
+    """Whether ``reader`` takes what it reads after the loss exists, so that an all-reduce
+    on its edge can share a bucket with the loss's (:mod:`passes.fuse` fuses collectives
+    whose inputs all exist before any result is read, and moves the scalar arithmetic of
+    outputs, ``tail``, to the end): a backward or update operator, a tail scalar, or a
+    shared read (:mod:`passes.shared_reads`) or getitem whose readers all do (the count
+    of a cross-entropy, read by its backward). A forward operator needs its input before
+    the loss is computed."""
+    if SHARED_READ.get(reader, False) or reader.target is operator.getitem:
+        return all(_read_after_the_loss(user, tail) for user in reader.users)
+    return reader in tail or reader.op == "output" or phase_of(reader) in ("backward", "optimizer")
+
+
 def _all_reduces(gm: fx.GraphModule, mesh: Mesh) -> tuple[set, set, set]:
     """The all-reduces of the annotated plan of ``gm`` as ``(mesh axis, dtype)`` pairs: of
-    scalars that only outputs read, of the rest, and of the rest but gradients."""
+    scalars that only outputs read, of the rest that the loss's can share a bucket with
+    (read in backward or the update), and of those but gradients."""
     tail = output_scalars(gm.graph)
     needs, rides, others = set(), set(), set()
 
@@ -509,7 +523,7 @@ def _all_reduces(gm: fx.GraphModule, mesh: Mesh) -> tuple[set, set, set]:
             found = {(a, val.dtype) for a in reduced(outs[0], dst)}
             if n.op == "output" or n in tail:
                 needs |= found
-            else:
+            elif _read_after_the_loss(n, tail):
                 rides |= found
                 if not _parameter_traffic(arg, n):
                     others |= found
