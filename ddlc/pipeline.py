@@ -95,6 +95,12 @@ log = logging.getLogger("ddlc.pipeline")
 PLANNING = ("trace", "canonicalize", "recompute", "shared_reads", "shard", "decouple")
 LOWERING = ("collectives", "localize", "random", "fuse", "partition", "schedule", "views", "inplace")
 
+#: How far the searched plan's lowered program may exceed its objective (beyond the one
+#: all-reduce start-up the objective leaves out by design) before :func:`choose_plan` also
+#: weighs the plan searched with parameter traffic's start-ups priced
+#: (:func:`plan_startups_priced`): a program that pays start-ups the objective did not see.
+UNPRICED_SLACK = 0.05
+
 
 def run_pass(name: str, fn: Callable, *args, **kwargs) -> Any:
     """``fn(*args, **kwargs)``, timed, with one INFO line: the pass, its milliseconds and
@@ -165,11 +171,13 @@ def resolve_placements(gm: fx.GraphModule, placements: Mapping[str, object],
 
 
 def plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
-         fixed: Mapping[str, NdSBP]) -> Plan:
-    """shard, decouple: annotate every node of ``gm`` with its signature; return the plan."""
+         fixed: Mapping[str, NdSBP], bucket_traffic: bool = True) -> Plan:
+    """shard, decouple: annotate every node of ``gm`` with its signature; return the plan.
+    ``bucket_traffic=False``: the search prices parameter traffic with every collective's
+    start-ups (:func:`passes.sharding.shard`)."""
     result = run_pass("shard", shard, gm, mesh, solver=options.solver,
                       memory_budget=options.memory_budget, fixed=fixed,
-                      move_activations=options.move_activations)
+                      move_activations=options.move_activations, bucket_traffic=bucket_traffic)
     # invariant: every node but the output carries ir.SHARDING
     if options.decouple:
         decoupled = run_pass("decouple", decouple, gm, mesh, options.ag_placement, frozenset(fixed),
@@ -235,17 +243,23 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     (:func:`unsharded_compute`), is modeled below the searched plan's step: the lowered
     program's, or where the search chose data parallelism and nothing else is lowered
     yet, the plan's objective plus one all-reduce start-up (the objective prices gradient
-    traffic as if bucketed, without one). ``gm`` keeps the plan whose program has the
+    traffic as if bucketed, without one). Where the searched program's step exceeds its
+    objective by more than that start-up and :data:`UNPRICED_SLACK` of it (it pays
+    start-ups the objective did not see: bucketing shares a start-up only among
+    collectives of one kind, axis and time), the plan searched with parameter traffic's
+    start-ups all priced is weighed too (:func:`plan_startups_priced`), the other bound of
+    what bucketing shares. ``gm`` keeps the plan whose program has the
     shortest modeled step (:func:`cost_models.program.program_makespan`; ties: the searched
-    plan, then data parallelism; a candidate that cannot be made, e.g. over the memory
+    plan, then data parallelism, then replication; a candidate that cannot be made, e.g. over the memory
     budget, is left out): adopting a candidate sets its decisions on ``gm``. The kept
     plan's choices come with it (:func:`lower` takes them instead of searching again), and
     its program where this process lowered it (``groups`` names the program's process
     groups, default ``axis0``, ``axis1``, ...), with the searched program's
     :func:`cost_models.program.program_timeline` where ``timeline`` is set (``ddlc plan``
     reports it: worked out before waiting for ``data_parallel()``, not after). ``stats`` record the steps compared
-    (``searched_step``, ``data_parallel_step``, ``replicated_step``), which won
-    (``chosen_over_search``: data parallelism; ``replicated_chosen``) and why data
+    (``searched_step``, ``data_parallel_step``, ``replicated_step``,
+    ``startups_priced_step``), which won (``chosen_over_search``: data parallelism;
+    ``replicated_chosen``; ``startups_priced_chosen``) and why data
     parallelism was not compared (``data_parallel_none``).
     Deterministic: rank 0 runs it and broadcasts the decisions (``ddlc.runtime``)."""
     reference = data_parallel_reference(gm, mesh, options, fixed)
@@ -264,24 +278,33 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     mine, *my_program = _lowered_step(named_alike_copy(gm), mesh, options, groups, timeline=timeline)
     stats: dict[str, Any] = {"searched_step": mine}
     best, kept = mine, None
+    known = [decisions_of(gm)]  # the plans weighed
     if not searched_data_parallel and reference is not None:
         candidate = data_parallel() if data_parallel is not None else \
             plan_pinned(gm, mesh, options, reference, groups)
         if isinstance(candidate, NoCandidate):
             stats["data_parallel_none"] = candidate.reason
         else:
+            known.append(candidate.decisions)
             stats["data_parallel_step"] = candidate.step
             if candidate.step < best:
                 best, kept = candidate.step, (candidate, "chosen_over_search")
     if compute < best:
         candidate = plan_replicated(gm, mesh, options, groups)
         if isinstance(candidate, Candidate):
+            known.append(candidate.decisions)
             stats["replicated_step"] = candidate.step
             if candidate.step < best:
                 best, kept = candidate.step, (candidate, "replicated_chosen")
+    if mine > searched.objective * (1 + UNPRICED_SLACK) + _one_startup(mesh):
+        candidate = plan_startups_priced(gm, mesh, options, groups, known)
+        if isinstance(candidate, Candidate):
+            stats["startups_priced_step"] = candidate.step
+            if candidate.step < best:
+                best, kept = candidate.step, (candidate, "startups_priced_chosen")
     log.info("modeled step of the searched plan %.3f ms%s", mine * 1e3, "".join(
         f", {name.removesuffix('_step').replace('_', ' ')} {stats[name] * 1e3:.3f} ms"
-        for name in ("data_parallel_step", "replicated_step") if name in stats))
+        for name in ("data_parallel_step", "replicated_step", "startups_priced_step") if name in stats))
     if kept is None:
         searched.stats.update(stats)
         return ChosenPlan(searched, *my_program)
@@ -327,6 +350,17 @@ def plan_pinned(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
         planned, mesh, replace(options, move_activations=False), reference), on_copy)
 
 
+def plan_startups_priced(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
+                         groups: Sequence[str] | None = None, known: Sequence[dict] = ()) -> Candidate | NoCandidate:
+    """The :class:`Candidate` of the plan searched with parameter traffic priced with the
+    start-ups of all its collectives (``bucket_traffic=False``), as :func:`plan_pinned`
+    makes its: the other bound of what bucketing shares, where the searched plan's program
+    pays start-ups its objective left out (:func:`choose_plan`). Not lowered where it is
+    one of the ``known`` plans."""
+    return _candidate(gm, mesh, options, groups, None,
+                      lambda planned: plan(planned, mesh, options, {}, bucket_traffic=False), known=known)
+
+
 def plan_replicated(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
                     groups: Sequence[str] | None = None) -> Candidate | NoCandidate:
     """The :class:`Candidate` of replication (``passes.sharding.replicate``: every rank
@@ -337,9 +371,10 @@ def plan_replicated(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
 
 def _candidate(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions, groups: Sequence[str] | None,
                coord: Sequence[int] | None, planner: Callable[[fx.GraphModule], Plan],
-               on_copy: bool = True) -> Candidate | NoCandidate:
+               on_copy: bool = True, known: Sequence[dict] = ()) -> Candidate | NoCandidate:
     """``planner`` run on a copy of ``gm`` (``gm`` itself where not ``on_copy``), and that
-    lowered (see :func:`plan_pinned`)."""
+    lowered (see :func:`plan_pinned`); not lowered where its decisions are one of the
+    ``known`` ones (plans weighed already: a :class:`NoCandidate` says so)."""
     # planning annotates every node afresh: as if unplanned
     planned = named_alike_copy(gm) if on_copy else gm
     try:
@@ -347,11 +382,18 @@ def _candidate(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions, groups: 
     except ShardingError as e:
         log.info("candidate plan: none (%s)", str(e).splitlines()[0])
         return NoCandidate(str(e).splitlines()[0])
-    decisions = {n.name: SHARDING(n) for n in planned.graph.nodes if SHARDING.has(n)}
+    decisions = decisions_of(planned)
+    if decisions in known:
+        return NoCandidate("the same plan as one weighed already")
     wanted = tuple(coord) if coord is not None else (0,) * mesh.ndim
     lowered_for = wanted if splits_evenly(planned, mesh) else (0,) * mesh.ndim
     step, choices, program, _ = _lowered_step(planned, mesh, options, groups, lowered_for)
     return Candidate(result, decisions, step, choices, program if lowered_for == wanted else None)
+
+
+def decisions_of(gm: fx.GraphModule) -> dict:
+    """The plan annotated on ``gm``: node name -> ``ir.SHARDING``."""
+    return {n.name: SHARDING(n) for n in gm.graph.nodes if SHARDING.has(n)}
 
 
 def named_alike_copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -244,8 +244,9 @@ def _format_step(plan: Plan, b: StepBreakdown) -> list[str]:
 
 #: the steps ``choose_plan`` compares (its plan's stats) and how the report names them
 _COMPARED = (("searched_step", "searched"), ("data_parallel_step", "data parallel"),
-             ("replicated_step", "replicated"))
-_CANDIDATE_NAMES = {"data parallel": "data parallelism", "replicated": "replication"}
+             ("replicated_step", "replicated"), ("startups_priced_step", "start-ups priced"))
+_CANDIDATE_NAMES = {"data parallel": "data parallelism", "replicated": "replication",
+                    "start-ups priced": "the plan searched with every start-up priced"}
 
 
 def format_report(plan: Plan, rows: list[ModuleRow], step: StepBreakdown,
@@ -257,7 +258,9 @@ def format_report(plan: Plan, rows: list[ModuleRow], step: StepBreakdown,
     steps = [(label, stats[key]) for key, label in _COMPARED if key in stats]
     kept = ("replication (every rank runs the whole step; nothing is communicated)"
             if stats.get("replicated_chosen") else
-            "data parallelism" if stats.get("chosen_over_search") else "the searched plan")
+            "data parallelism" if stats.get("chosen_over_search") else
+            "the plan searched with every start-up priced" if stats.get("startups_priced_chosen") else
+            "the searched plan")
     if "data_parallel_none" in stats:
         lines.append(f"checked against data parallelism: none could be planned "
                      f"({stats['data_parallel_none']})" + ("" if len(steps) > 1 else f": kept {kept}"))

@@ -61,9 +61,11 @@ OPTIMIZERS = {
 def model_and_loss(model_name: str):
     """One of :data:`MODELS` with the parameters of seed 0, and its loss function."""
     torch.manual_seed(0)
-    model = {"mlp": MLP, "mlp_deep": lambda: MLP(depth=3), "gpt": GPT, "gpt_tied": lambda: GPT(tied=True),
+    model = {"mlp": MLP, "mlp_deep": lambda: MLP(depth=3), "mlp_wide": lambda: MLP(d_hidden=1024, depth=3),
+             "gpt": GPT, "gpt_tied": lambda: GPT(tied=True),
              "gpt_checkpointed": lambda: GPT(checkpoint=True), "cnn": CNN}[model_name]()
-    loss = {"mlp": F.mse_loss, "mlp_deep": F.mse_loss, "cnn": F.cross_entropy}.get(model_name, lm_loss)
+    loss = {"mlp": F.mse_loss, "mlp_deep": F.mse_loss, "mlp_wide": F.mse_loss,
+            "cnn": F.cross_entropy}.get(model_name, lm_loss)
     return model, loss
 
 

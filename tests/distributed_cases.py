@@ -55,7 +55,8 @@ def compiled_run_preferring_data_parallel(rank: int, mesh, cases):
 
 def compiled_run_recording_the_kept_plan(rank: int, mesh, cases):
     """:func:`compiled_run`; rank 0's first result also holds which plan its first
-    ``choose_plan`` kept (``kept``: "data parallel", "replicated" or "searched")."""
+    ``choose_plan`` kept (``kept``: "data parallel", "replicated", "start-ups priced" or
+    "searched")."""
     from ddlc import pipeline
     kept = []
     choose_plan = pipeline.choose_plan
@@ -64,7 +65,8 @@ def compiled_run_recording_the_kept_plan(rank: int, mesh, cases):
         result = choose_plan(*args, **kwargs)
         stats = result.plan.stats
         kept.append("replicated" if stats.get("replicated_chosen") else
-                    "data parallel" if stats.get("chosen_over_search") else "searched")
+                    "data parallel" if stats.get("chosen_over_search") else
+                    "start-ups priced" if stats.get("startups_priced_chosen") else "searched")
         return result
 
     pipeline.choose_plan = recording

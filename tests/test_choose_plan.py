@@ -7,6 +7,7 @@ import torch
 import ddlc
 from conftest import TOLERANCES, assert_matches_reference, batches, model_and_loss, optimizer, reference
 from ddlc import pipeline
+from cost_models.program import program_makespan
 from ddlc.ir import SHARDING, STEP, collective_sequence
 from ddlc.launch import spawn
 from ddlc.options import CompileOptions
@@ -218,6 +219,47 @@ def test_replication_is_not_tried_for_a_model_it_cannot_win(monkeypatch):
     gm = pipeline.trace_step(model, batches("gpt", 64)[0], loss_fn, optimizer("adamw", model), CompileOptions())
     chosen = pipeline.choose_plan(gm, ddlc.Mesh((4,), links=[FAST]), CompileOptions(), {})
     assert "replicated_step" not in chosen.plan.stats
+    # nor the plan searched with start-ups priced: the searched program is within its objective
+    assert "startups_priced_step" not in chosen.plan.stats
+
+
+def test_the_plan_searched_with_start_ups_priced_is_kept_where_the_search_left_them_out():
+    """The search prices parameter traffic as bucketed, without start-ups, but a bucket
+    shares one only among collectives of one kind, axis and time. The tests' wide MLP (32 -
+    1024 x2 - 16, batch 8) on (2, 2) on the default CPU profile (4 gloo ranks on 2 cores):
+    the searched plan's program pays start-ups its objective did not see, so the plan
+    searched with every start-up priced is weighed too; its program models faster than
+    the searched plan's, data parallelism's and replication's, and is kept."""
+    gm = traced("mlp_wide")
+    mesh = ddlc.Mesh((2, 2))
+    chosen = pipeline.choose_plan(gm, mesh, CompileOptions(), {})
+    stats = chosen.plan.stats
+    assert stats["searched_step"] > stats["startups_priced_step"] * 1.2
+    assert stats["startups_priced_chosen"] is True
+    assert stats["startups_priced_step"] < min(stats["data_parallel_step"], stats["replicated_step"])
+    assert program_makespan(chosen.program, mesh.profile) == pytest.approx(stats["startups_priced_step"])
+    # replanning priced so gives the kept plan again: gm holds it
+    again = pipeline.named_alike_copy(gm)
+    pipeline.plan(again, mesh, CompileOptions(), {}, bucket_traffic=False)
+    assert pipeline.decisions_of(again) == pipeline.decisions_of(gm)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_plan_searched_with_start_ups_priced_matches_single_device():
+    """The plan above, kept by rank 0 and adopted by every rank of (2, 2) gloo processes,
+    matches single device."""
+    cases = [("mlp_wide", "adamw", "train", None)]
+    per_rank = spawn(compiled_run_recording_the_kept_plan, 4, (2, 2), cases, timeout=120, deadline=240)
+    got = per_rank[0][0]
+    assert got.pop("kept") == "start-ups priced"
+    assert got.pop("collectives")
+    assert got.pop("most_in_flight") <= 1
+    assert_matches_reference(got, reference("mlp_wide", "adamw"), "mlp_wide/adamw",
+                             **dict.fromkeys(TOLERANCES, (1e-4, 1e-5)))
+    for results in per_rank[1:]:
+        for a, b in zip(got["losses"], results[0]["losses"]):
+            torch.testing.assert_close(a, b)
 
 
 @pytest.mark.multiprocess

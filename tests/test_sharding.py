@@ -357,6 +357,34 @@ def test_the_loss_rides_only_with_all_reduces_read_after_it():
     assert all(axis in lone for axis, _ in scalar_only), (scalar_only, lone)
 
 
+def test_parameter_traffic_priced_with_its_start_ups():
+    """``bucket_traffic=False`` prices parameter traffic as if nothing were bucketed: a
+    data-parallel plan's objective rises by exactly the start-ups of its gradients'
+    all-reduces (each one's price on the mesh less its price on start-up-free links)."""
+    model = MLP()
+    batch = (torch.randn(32, 32), torch.randn(32, 16))
+    gm = _step(model, batch, F.mse_loss, torch.optim.AdamW)
+    names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
+    mesh = ddlc.Mesh((4,))
+    fixed = {names[k]: NdSBP((S(0),)) for k in ("input0", "input1")} | \
+        {names[k]: NdSBP((B,)) for k, _ in model.named_parameters()}
+    plan = shard(gm, mesh, fixed=fixed)
+    bucketed, each = (build_problem(gm, mesh, fixed, lone_scalars=plan.stats.get("lone_scalar_axes", ()),
+                                    bucket_traffic=b) for b in (True, False))
+    startups, reduced = 0.0, 0
+    for n in gm.graph.nodes:
+        for arg, dst in zip(tensor_inputs(n), SHARDING(n).inputs) if n.op == "call_function" else ():
+            src = SHARDING(arg).outputs[0]
+            if n.meta["ddlc_origin"].phase == "optimizer" and arg.meta["ddlc_origin"].phase == "backward" \
+                    and src != dst:
+                shape, size = tuple(arg.meta["val"].shape), arg.meta["val"].element_size()
+                startups += boxing_seconds(shape, size, src, dst, mesh) - \
+                    boxing_seconds(shape, size, src, dst, mesh.bucketed())
+                reduced += 1
+    assert reduced == len(list(model.parameters())) and startups > 0
+    assert each.objective(plan.choice) - bucketed.objective(plan.choice) == pytest.approx(startups, rel=1e-9)
+
+
 def test_plan_is_identical_under_hash_seeds():
     """The plan made here (this process's hash seed) and in a process with another seed."""
     script = ("import torch, ddlc, torch.nn.functional as F\n"

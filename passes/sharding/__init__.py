@@ -42,12 +42,13 @@ MORE_EDGES = 8
 
 def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
           memory_budget: float | None = None, fixed: Mapping[str, NdSBP] | None = None,
-          time_limit: float = 60.0, move_activations: bool = True) -> Plan:
+          time_limit: float = 60.0, move_activations: bool = True, bucket_traffic: bool = True) -> Plan:
     """Choose a signature for every node of ``gm`` on ``mesh``; annotate and return the plan.
 
     ``memory_budget`` (bytes per device) defaults to the profile's device memory;
     ``fixed`` pins graph inputs by placeholder name; ``move_activations=False`` forbids
-    every collective but those of parameter traffic, outputs and scalars
+    every collective but those of parameter traffic, outputs and scalars; with
+    ``bucket_traffic=False`` parameter traffic pays the start-ups of all its collectives
     (:func:`~passes.sharding.problem.build_problem`).
     """
     if solver not in ("cd", "exact"):
@@ -55,7 +56,8 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
     start = time.perf_counter()
     budget = mesh.profile.memory_capacity if memory_budget is None else memory_budget
     prices = PriceCache(mesh)  # shared with the rebuild below: most of its prices are the same
-    problem = build_problem(gm, mesh, fixed, move_activations=move_activations, prices=prices)
+    problem = build_problem(gm, mesh, fixed, move_activations=move_activations, prices=prices,
+                            bucket_traffic=bucket_traffic)
     need, dominant = problem.min_memory()
     if need > budget:
         _refuse_budget(budget, need, dominant)
@@ -87,7 +89,7 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
             break
         lone = found
         problem = build_problem(gm, mesh, fixed, lone_scalars=lone, move_activations=move_activations,
-                                prices=prices)
+                                prices=prices, bucket_traffic=bucket_traffic)
         other, other_stats = solve(problem, start=choice)
         stats["lone_scalar_axes"] = sorted(lone)
         if problem.objective(other) < problem.objective(choice):

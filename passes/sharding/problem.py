@@ -314,7 +314,7 @@ def _hyperparameter_scalars(nodes: Sequence[fx.Node]) -> set[fx.Node]:
 
 def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | None = None,
                   lone_scalars: Collection[int] = (), move_activations: bool = True,
-                  prices: "PriceCache | None" = None) -> ShardingProblem:
+                  prices: "PriceCache | None" = None, bucket_traffic: bool = True) -> ShardingProblem:
     """Enumerate candidates and price them for every node of ``gm`` on ``mesh``.
 
     ``fixed`` pins placeholders (by node name) to one placement, e.g. the batch.
@@ -325,7 +325,9 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | N
     an edge that is neither parameter traffic nor a scalar may only be redistributed by
     local steps (a slice, keeping one copy): a collective on it costs :data:`FORBIDDEN`.
     ``prices``: the :class:`PriceCache` of an earlier build of ``gm`` on ``mesh`` to reuse
-    (default: a new one).
+    (default: a new one). ``bucket_traffic=False`` prices parameter traffic with the
+    start-ups of every collective it needs, as if nothing were bucketed: the pessimistic
+    bound of what bucketing shares (see :func:`ddlc.pipeline.choose_plan`).
     """
     fixed = dict(fixed or {})
     sig = STEP.get(gm)
@@ -402,7 +404,7 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | N
             if leaf is not None and not isinstance(leaves(arg.meta["val"])[leaf], torch.Tensor):
                 continue  # a getitem of a None output (e.g. an input gradient nobody needs)
             traffic = _parameter_traffic(arg, n)
-            bucketed = traffic or (riding if n in tail else False)
+            bucketed = (traffic and bucket_traffic) or (riding if n in tail else False)
             pinned = not (move_activations or traffic or
                           leaves(arg.meta["val"])[leaf or 0].numel() <= 1)
             edges.append(Edge(u, v, prices.cached(
@@ -420,9 +422,9 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | N
             target = loop_target[k]
             t = var_of[target]
             edges.append(Edge(u, t, prices.cached(
-                ("loop", kinds[u], kinds[t]),
+                ("loop", kinds[u], kinds[t], bucket_traffic),
                 lambda: _edge_matrix(arg, None, candidates[u], [c.outputs[0] for c in candidates[t]],
-                                     prices, True)), f"{arg.name} -> next step's {target.name}"))
+                                     prices, bucket_traffic)), f"{arg.name} -> next step's {target.name}"))
         else:
             bucketed = riding if is_scalar_valued(arg) else False
             sink[u] = sink[u] + prices.cached(("sink", kinds[u], bucketed), lambda: _edge_matrix(
