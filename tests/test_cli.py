@@ -101,7 +101,7 @@ def test_plan_prints_the_report(runs):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert text.startswith("plan on mesh 2x2(dp,tp), profile fast-gloo, solver cd")
-    assert "layers.[0-2]" in text  # the layers planned alike share one row
+    assert "layers.[1-2]" in text  # the layers planned alike share one row
     for part in ("module", "parameters", "activation", "modeled step", "communication exposed",
                  "communication hidden", "peak memory per device", "collectives per step",
                  "rank 0's program by module", "[forward] layers.0"):
@@ -117,7 +117,7 @@ def test_plan_json_loads_as_a_plan(runs):
     assert plan.mesh_shape == (2, 2) and plan.nodes
     data = json.loads(path.read_text())
     assert data["modeled_step"]["step"] > 0
-    assert any(row["module"] == "layers.[0-2]" and row["layers"] == 3 for row in data["modules"])
+    assert any(row["module"] == "layers.[1-2]" and row["layers"] == 2 for row in data["modules"])
     assert data["collectives"] and all(c["count"] >= 1 for c in data["collectives"])
 
 
@@ -137,9 +137,9 @@ def test_plan_svg_and_html_render(runs):
     svg = ET.parse(runs[0] / "plan.svg").getroot()
     ids = {e.get("id") for e in svg.iter() if e.get("id")}
     assert {"column:forward", "column:backward", "column:optimizer"} <= ids
-    assert {"module:forward:layers.3", "module:forward:layers.[0-2]", "module:optimizer:layers.[0-2]"} <= ids
+    assert {"module:forward:layers.3", "module:forward:layers.[1-2]", "module:optimizer:layers.[1-2]"} <= ids
     texts = " ".join("".join(e.itertext()) for e in svg.iter() if e.tag.endswith("text"))
-    assert "layers.[0-2]  ×3" in texts and "placement (" in texts
+    assert "layers.[1-2]  ×2" in texts and "placement (" in texts
     collectives = [e for e in svg.iter() if (e.get("id") or "").startswith("collective:")]
     assert collectives
     assert any(kind in "".join(e.itertext()) for e in collectives for kind in ("all_gather", "reduce_scatter",
