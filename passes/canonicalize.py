@@ -36,11 +36,11 @@ def _with_val(node: fx.Node, fn, *args) -> fx.Node:
     return node
 
 
-def _emit(graph: fx.Graph, target, args: tuple, like: fx.Node) -> fx.Node:
-    """A new ``target(*args)`` node at the insertion point, with its fake value and the
-    origin of the node it replaces (``like``)."""
-    node = graph.call_function(target, args)
-    _with_val(node, target, *args)
+def _emit(graph: fx.Graph, target, args: tuple, like: fx.Node, **kwargs) -> fx.Node:
+    """A new ``target(*args, **kwargs)`` node at the insertion point, with its fake value
+    and the origin of the node it replaces (``like``)."""
+    node = graph.call_function(target, args, kwargs)
+    _with_val(node, lambda *vals: target(*vals, **kwargs), *args)
     _copy_origin(node, like)
     return node
 
@@ -59,11 +59,22 @@ def _rewrite_nll_mean(graph: fx.Graph, node: fx.Node) -> None:
     _with_val(node, node.target, *node.args)
     loss_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
     weight_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
-    with graph.inserting_after(node):
-        total = weight_users[0] if weight_users else graph.call_function(operator.getitem, (node, 1))
-        if not weight_users:
-            total.meta["val"] = node.meta["val"][1]
-            _copy_origin(total, node)
+    if weight is None and isinstance(target, fx.Node):
+        # without class weights the total weight is the count of targets not ignored: from
+        # the target alone, so that a plan keeping the (small) target whole counts on every
+        # rank instead of all-reducing a partial count that backward waits for
+        with graph.inserting_before(node):
+            kept = _emit(graph, aten.ne.Scalar, (target, ignore_index), node)
+            total = _emit(graph, aten.sum.default, (kept,), node, dtype=x.meta["val"].dtype)
+        for getter in weight_users:
+            getter.replace_all_uses_with(total)
+            graph.erase_node(getter)
+    else:
+        with graph.inserting_after(node):
+            total = weight_users[0] if weight_users else graph.call_function(operator.getitem, (node, 1))
+            if not weight_users:
+                total.meta["val"] = node.meta["val"][1]
+                _copy_origin(total, node)
     for getter in loss_users:
         getter.meta["val"] = node.meta["val"][0]
         anchor = max(getter, total, key=lambda n: _position(graph, n))

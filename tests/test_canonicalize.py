@@ -18,14 +18,40 @@ def _run(gm, model, batch):
 
 
 def test_mean_loss_becomes_sum_over_total_weight():
+    """Without class weights the total weight is the count of targets not ignored, counted
+    from the target (a plan keeping the target whole counts on every rank); ignored
+    targets (-100) included, the step computes what it did."""
     torch.manual_seed(0)
     model = GPT(n_layers=1)
-    batch = (torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
+    targets = torch.randint(0, 64, (2, 16))
+    targets[0, :5] = -100
+    batch = (torch.randint(0, 64, (2, 16)), targets)
     gm = ddlc.trace(model, batch, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     before = _run(gm, model, batch)
     canonicalize(gm)
-    nll = [n for n in gm.graph.nodes if n.target == aten.nll_loss_forward.default]
-    assert [n.args[3] for n in nll] == [2]  # reduction=sum
+    (nll,) = [n for n in gm.graph.nodes if n.target == aten.nll_loss_forward.default]
+    assert nll.args[3] == 2  # reduction=sum
+    assert all(u.args[1] == 0 for u in nll.users)  # its total weight is read no more
+    (count,) = [n for n in gm.graph.nodes if n.target == aten.sum.default and n.args[0].target == aten.ne.Scalar]
+    assert count.args[0].args == (nll.args[1], -100) and count.kwargs["dtype"] == torch.float32
+    readers = {u.target for u in count.users}
+    assert readers == {aten.div.Tensor, aten.nll_loss_backward.default}
+    after = _run(gm, model, batch)
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_class_weighted_mean_loss_divides_by_its_total_weight():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    weight = torch.tensor([1.0, 2.0, 0.5, 3.0])
+    batch = (torch.randn(6, 8), torch.tensor([0, 1, 2, 3, -100, 1]))
+    gm = ddlc.trace(model, batch, lambda out, y: F.cross_entropy(out, y, weight=weight),
+                    torch.optim.SGD(model.parameters(), lr=0.1))
+    before = _run(gm, model, batch)
+    canonicalize(gm)
+    (nll,) = [n for n in gm.graph.nodes if n.target == aten.nll_loss_forward.default]
+    assert {u.args[1] for u in nll.users} == {0, 1}  # the loss sum and its total weight
     after = _run(gm, model, batch)
     for a, b in zip(before, after):
         torch.testing.assert_close(a, b)

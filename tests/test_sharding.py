@@ -248,7 +248,7 @@ def test_an_exactly_eliminable_problem_is_descended_once_from_the_best_seed(monk
     compared undescended and only the best is descended, with that block: the result is
     the exact optimum all the same."""
     from passes.sharding import descent
-    gm = _example("gpt")
+    gm = _example("cnn")
     mesh = ddlc.Mesh((4,))
     descents = []
     original = descent._descend
@@ -383,6 +383,29 @@ def test_parameter_traffic_priced_with_its_start_ups():
                 reduced += 1
     assert reduced == len(list(model.parameters())) and startups > 0
     assert each.objective(plan.choice) - bucketed.objective(plan.choice) == pytest.approx(startups, rel=1e-9)
+
+
+def test_a_data_parallel_cross_entropy_counts_its_targets_without_an_all_reduce():
+    """The mean cross-entropy's count of targets comes from the target alone: with the
+    batch split, the plan keeps the (small) target whole, every rank counts, and the only
+    all-reduce left is the gradients' bucket carrying the loss's sum. (The count read by
+    backward was all-reduced on its own before: a start-up of its own every step.)"""
+    from ddlc import pipeline
+    from ddlc.ir import COLLECTIVE
+    from ddlc.options import CompileOptions
+    torch.manual_seed(0)
+    model = GPT()
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 64, (16, 16), generator=g), torch.randint(0, 64, (16, 16), generator=g))
+    options = CompileOptions()
+    gm = pipeline.trace_step(model, batch, lm_loss, torch.optim.AdamW(model.parameters()), options)
+    mesh = ddlc.Mesh((4,), links=[ddlc.LinkModel(5e-5, 2e9)])
+    pipeline.plan(gm, mesh, options, pipeline.resolve_placements(gm, {"input0": "(S0)"}, 1))
+    pipeline.lower(gm, mesh, (0,), ["axis0"], options)
+    moved = [(COLLECTIVE(n).kind, COLLECTIVE(n).nbytes) for n in gm.graph.nodes
+             if COLLECTIVE.has(n) and COLLECTIVE(n).communicates]
+    gradients = 4 * sum(p.numel() for p in model.parameters())
+    assert moved == [("all_reduce", gradients + 4)]
 
 
 def test_plan_is_identical_under_hash_seeds():
