@@ -68,7 +68,8 @@ class CompileOptions:
     partition: Union[bool, float] = True
     #: bytes of issued-but-unwaited collectives the scheduler allows
     max_inflight_bytes: float = math.inf
-    #: peak live bytes the scheduler may not raise by issuing early
+    #: peak live bytes the scheduler may not raise by issuing early (waiting late, a
+    #: collective's input lives until its result is read: not capped)
     max_live_bytes: Union[float, None] = None
     #: optimizer updates at the end of the step, inside backward, or as modeled faster
     #: ("auto": the faster whole order, then per parameter or bucket in the final schedule)
