@@ -248,9 +248,9 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     start-ups the objective did not see: bucketing shares a start-up only among
     collectives of one kind, axis and time), the plan searched with parameter traffic's
     start-ups all priced is weighed too (:func:`plan_startups_priced`), the other bound of
-    what bucketing shares. ``gm`` keeps the plan whose program has the
-    shortest modeled step (:func:`cost_models.program.program_makespan`; ties: the searched
-    plan, then data parallelism, then replication; a candidate that cannot be made, e.g. over the memory
+    what bucketing shares. ``gm`` keeps the plan whose program has the shortest modeled
+    step (:func:`cost_models.program.program_makespan`; ties: the searched plan, then data
+    parallelism, then replication; a candidate that cannot be made, e.g. over the memory
     budget, is left out): adopting a candidate sets its decisions on ``gm``. The kept
     plan's choices come with it (:func:`lower` takes them instead of searching again), and
     its program where this process lowered it (``groups`` names the program's process
@@ -351,7 +351,8 @@ def plan_pinned(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
 
 
 def plan_startups_priced(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
-                         groups: Sequence[str] | None = None, known: Sequence[dict] = ()) -> Candidate | NoCandidate:
+                         groups: Sequence[str] | None = None,
+                         known: Sequence[dict] = ()) -> Candidate | NoCandidate:
     """The :class:`Candidate` of the plan searched with parameter traffic priced with the
     start-ups of all its collectives (``bucket_traffic=False``), as :func:`plan_pinned`
     makes its: the other bound of what bucketing shares, where the searched plan's program

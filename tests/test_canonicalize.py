@@ -32,7 +32,8 @@ def test_mean_loss_becomes_sum_over_total_weight():
     (nll,) = [n for n in gm.graph.nodes if n.target == aten.nll_loss_forward.default]
     assert nll.args[3] == 2  # reduction=sum
     assert all(u.args[1] == 0 for u in nll.users)  # its total weight is read no more
-    (count,) = [n for n in gm.graph.nodes if n.target == aten.sum.default and n.args[0].target == aten.ne.Scalar]
+    (count,) = [n for n in gm.graph.nodes
+                if n.target == aten.sum.default and n.args[0].target == aten.ne.Scalar]
     assert count.args[0].args == (nll.args[1], -100) and count.kwargs["dtype"] == torch.float32
     readers = {u.target for u in count.users}
     assert readers == {aten.div.Tensor, aten.nll_loss_backward.default}

@@ -352,8 +352,8 @@ def test_the_loss_rides_only_with_all_reduces_read_after_it():
     assert forward_all_reduces  # the case this test is about
     lone = lone_scalar_axes(gm, mesh)
     pipeline.lower(gm, mesh, (0, 0), ["axis0", "axis1"], options)
-    scalar_only = [(info.axis, info.nbytes) for n in gm.graph.nodes
-                   if (info := COLLECTIVE.get(n)) is not None and info.kind == "all_reduce" and info.nbytes <= 8]
+    scalar_only = [(info.axis, info.nbytes) for n in gm.graph.nodes if (info := COLLECTIVE.get(n)) is not None
+                   and info.kind == "all_reduce" and info.nbytes <= 8]
     assert all(axis in lone for axis, _ in scalar_only), (scalar_only, lone)
 
 
