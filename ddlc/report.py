@@ -247,6 +247,10 @@ _COMPARED = (("searched_step", "searched"), ("data_parallel_step", "data paralle
              ("replicated_step", "replicated"), ("startups_priced_step", "start-ups priced"))
 _CANDIDATE_NAMES = {"data parallel": "data parallelism", "replicated": "replication",
                     "start-ups priced": "the plan searched with every start-up priced"}
+#: the flag ``choose_plan`` sets in its plan's stats when a candidate won, and the plan kept
+_KEPT = (("replicated_chosen", "replication (every rank runs the whole step; nothing is communicated)"),
+         ("chosen_over_search", "data parallelism"),
+         ("startups_priced_chosen", "the plan searched with every start-up priced"))
 
 
 def format_report(plan: Plan, rows: list[ModuleRow], step: StepBreakdown,
@@ -256,11 +260,7 @@ def format_report(plan: Plan, rows: list[ModuleRow], step: StepBreakdown,
     lines = [f"plan on mesh {mesh}, profile {plan.profile}, solver {plan.solver}"]
     stats = plan.stats
     steps = [(label, stats[key]) for key, label in _COMPARED if key in stats]
-    kept = ("replication (every rank runs the whole step; nothing is communicated)"
-            if stats.get("replicated_chosen") else
-            "data parallelism" if stats.get("chosen_over_search") else
-            "the plan searched with every start-up priced" if stats.get("startups_priced_chosen") else
-            "the searched plan")
+    kept = next((text for flag, text in _KEPT if stats.get(flag)), "the searched plan")
     if "data_parallel_none" in stats:
         lines.append(f"checked against data parallelism: none could be planned "
                      f"({stats['data_parallel_none']})" + ("" if len(steps) > 1 else f": kept {kept}"))
