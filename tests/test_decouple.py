@@ -14,7 +14,8 @@ from ddlc.ir import COLLECTIVE, SHARDING, collective_sequence
 from ddlc.options import CompileOptions
 from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
 from ddlc.zoo import MLP
-from passes.decouple import decouple
+import passes.decouple
+from passes.decouple import auto_placement, decouple
 
 
 def _kinds(gm, mesh):
@@ -57,6 +58,23 @@ def test_decoupled_updates_match_single_device(opt_name, placement):
     losses, params, opt_state, _ = simulate_steps(gm, mesh, params, {}, data)
     assert_matches_reference({"losses": losses, "params": params, "opt_state": opt_state},
                              reference("mlp", opt_name, batch=DP_BATCH))
+
+
+def test_auto_placement_is_searched_only_where_an_update_is_decoupled(monkeypatch):
+    """"auto" asks the layer-schedule search (a noticeable part of a second on a large
+    model) only once an update is decoupled, and places it as the search made up front
+    would."""
+    gm, mesh, _, _ = data_parallel_mlp("adamw")
+    replicate_updates(gm, mesh)
+    up_front = copy.deepcopy(gm)
+    placement = auto_placement(up_front, mesh)
+    decouple(up_front, mesh, placement, always=True)
+    assert decouple(gm, mesh, "auto", always=True)
+    assert {n.name: SHARDING(n) for n in gm.graph.nodes if SHARDING.has(n)} == \
+        {n.name: SHARDING(n) for n in up_front.graph.nodes if SHARDING.has(n)}
+    # the updates are on shards now: nothing is fed by an all-reduce, nothing is searched
+    monkeypatch.setattr(passes.decouple, "auto_placement", lambda *a: pytest.fail("searched"))
+    decouple(gm, mesh, "auto", always=True)
 
 
 def test_pinned_parameters_keep_their_placement():
