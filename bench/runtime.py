@@ -32,7 +32,9 @@ interleaved (one step of each per round, the order rotating every round) so mach
 hits all of them alike. Before each timed step every rank waits at a barrier; a step's time
 is the slowest rank's ``time.perf_counter`` interval from leaving the barrier to having the
 new parameters (rank 0's for ``eager``), and the reported figure is the median over the
-timed steps. Each is printed as a ratio to DDP. Bytes moved per step: ddlc's from its
+timed steps. Each is printed as a ratio to DDP, and as the median of its per-round ratios
+to DDP's step of the same round with that median's 95% interval (:func:`paired_ratio`: an
+interval containing 1.00 means this run cannot tell the two apart). Bytes moved per step: ddlc's from its
 program's collectives (:func:`ddlc.ir.collective_sequence`); FSDP2's counted on its first
 (untimed) step by wrapping the ``torch.distributed`` collectives it calls; DDP's is the bytes of every
 gradient, which it all-reduces once a step. All count each collective's whole buffer on one
@@ -340,6 +342,20 @@ def worker(rank, configs, warmup, steps, unavailable):
 
 
 # -- report -----------------------------------------------------------------------------------
+def paired_ratio(times, reference, level: float = 0.95) -> tuple[float, float, float]:
+    """(median, low, high) of the per-round ratios ``times[i] / reference[i]`` of two
+    variants timed in the same rounds, with the distribution-free interval of that median
+    at ``level`` (order statistics k and n + 1 - k, k from the binomial distribution of the
+    sign test: at least ``level`` coverage from 6 rounds on at 95%; below, (min, max)).
+    Pairing a round's two steps cancels the machine's drift between rounds,
+    which the ratio of the two medians does not."""
+    from scipy.stats import binom
+    ratios = sorted(t / r for t, r in zip(times, reference))
+    n = len(ratios)
+    k = max(1, int(binom.ppf((1 - level) / 2, n, 0.5)))  # P(Binom(n, 1/2) < k) <= (1 - level) / 2
+    return statistics.median(ratios), ratios[k - 1], ratios[n - k]
+
+
 def describe(variant: str, info: dict) -> str:
     if "collectives" in info:
         sbps = ", ".join(f"{n}x{s}" for s, n in sorted(info["param_sbps"].items()))
@@ -359,7 +375,7 @@ def report(name, kwargs, global_batch, world, r):
     print(f"\n== {name} {kwargs}: {sum(p.numel() for p in model.parameters()):,} parameters, "
           f"global batch {global_batch} ({global_batch // world} per rank)")
     print(f"  {'variant':14s} {'median ms':>10s} {'/ DDP':>7s} {'p25 ms':>8s} {'p75 ms':>8s} "
-          f"{'MiB/step':>9s} {'max |loss - eager|':>19s}  notes")
+          f"{'paired / DDP [95% CI]':>22s} {'MiB/step':>9s} {'max |loss - eager|':>19s}  notes")
     ok = True
     for v in VARIANTS:
         info = infos[v]
@@ -371,8 +387,10 @@ def report(name, kwargs, global_batch, world, r):
             if len(steps[v]) > 1 else [med[v]] * 3
         diff = max(abs(a - b) for a, b in zip(losses[v], losses["eager"]))
         ok &= diff <= 1e-4 * max(1.0, abs(losses["eager"][0]))
+        paired = "%.2f [%.2f, %.2f]" % paired_ratio(steps[v], steps["DDP"])
         print(f"  {v:14s} {med[v] * 1e3:10.1f} {med[v] / med['DDP']:7.2f} {q1 * 1e3:8.1f} "
-              f"{q3 * 1e3:8.1f} {info['comm_bytes'] / 2**20:9.2f} {diff:19.2e}  {describe(v, info)}")
+              f"{q3 * 1e3:8.1f} {paired:>22s} {info['comm_bytes'] / 2**20:9.2f} {diff:19.2e}  "
+              f"{describe(v, info)}")
     print("  losses " + ("MATCH eager's at every step (rel. tol 1e-4)" if ok else
                          "DIFFER from eager's (rel. tol 1e-4)"))
     return ok
