@@ -62,7 +62,8 @@ interpreter adds a few microseconds per node, so its compute is an upper bound.
 Printed: every plan's modeled and measured milliseconds and their ratio, the median
 absolute error (|modeled / measured - 1|), Spearman's rank correlation between the
 modeled and the measured order, and whether ddlc's choice is the fastest measured plan
-or within 5 % of it. ``--json OUT`` keeps the rows (``bench/plots.py`` draws them).
+or within 5 % of it; where it is not the fastest, also the median of the per-round ratios
+of the two with its 95% interval (``bench/runtime.py``'s :func:`paired_ratio`). ``--json OUT`` keeps the rows (``bench/plots.py`` draws them).
 """
 from __future__ import annotations
 
@@ -86,6 +87,9 @@ from torch import fx  # noqa: E402
 
 import ddlc  # noqa: E402
 from ddlc.zoo import CNN, GPT, MLP, lm_loss  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from runtime import paired_ratio  # noqa: E402
 
 LR, EPS = 1e-3, 1e-4
 TARGET_ERROR, TARGET_RHO, TARGET_CHOICE = 0.15, 0.9, 0.05
@@ -422,7 +426,7 @@ def report(name, kwargs, result) -> dict:
                          measured_compute=compute, measured_comm=comm,
                          objective=info[p]["objective"], note=info[p].get("note", ""),
                          collectives=info[p]["collectives"], comm_bytes=info[p]["comm_bytes"],
-                         loss=result["losses"][p][0]))
+                         loss=result["losses"][p][0], per_step=per_step))
     # dp, dp+decoupled and zero move no activation (move_activations=False), but the search
     # still places each optimizer update: where it shards one, that gradient is
     # reduce-scattered and the parameter gathered, more bytes than one all-reduce
@@ -475,6 +479,10 @@ def report(name, kwargs, result) -> dict:
         return tuple(r["info"][plan]["program"] for r in ranks)
     same = chosen_row is not None and chosen_row is not fastest_row \
         and program(chosen) == program(fastest_row["plan"])
+    if chosen_row is not None and chosen_row is not fastest_row:
+        paired = paired_ratio(chosen_row["per_step"], fastest_row["per_step"])
+        print(f"  (paired by round, {chosen} against {fastest_row['plan']}: {paired[0] - 1:+.1%}, 95% "
+              f"interval {paired[1] - 1:+.1%} to {paired[2] - 1:+.1%})")
     if same:   # the gap is two runs of one program
         print(f"  ({chosen} runs the very program of {fastest_row['plan']} on every rank: its "
               f"{gap:+.1%} is the noise between two runs of one program)")
