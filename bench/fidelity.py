@@ -501,6 +501,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compute", choices=("measured", "roofline"), default="measured")
     ap.add_argument("--profile", default=None, help="hardware profile name or JSON path; "
                     "'calibrated': calibrate this machine on first use and cache it")
+    ap.add_argument("--recalibrate", action="store_true",
+                    help="with --profile calibrated: calibrate now (about a minute) rather than "
+                    "reuse a cached calibration, which holds the speed of the hour it was made")
     ap.add_argument("--no-prewarm", dest="prewarm", action="store_false",
                     help="skip measuring in this process first: rank 0 measures while it plans "
                     "(faster; its peers may run meanwhile, which inflates those times)")
@@ -510,6 +513,8 @@ def main(argv=None) -> int:
                     "since a cache from another hour holds another speed of a shared machine")
     ap.add_argument("--json", default=None, help="write the rows here (bench/plots.py reads it)")
     args = ap.parse_args(argv)
+    if args.recalibrate and args.profile != "calibrated":
+        ap.error("--recalibrate needs --profile calibrated")
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     steps = args.steps if args.steps is not None else (5 if args.quick else 10)
     table = QUICK if args.quick else FULL
@@ -518,7 +523,7 @@ def main(argv=None) -> int:
     common = {"compute": args.compute}
     if args.profile == "calibrated":   # measured on first use, then cached (ddlc.calibrate)
         from ddlc.calibrate import calibrated_profile
-        args.profile = calibrated_profile(world)
+        args.profile = calibrated_profile(world, refresh=args.recalibrate)
         print(f"calibrated profile {args.profile}")
     if args.profile:
         common["profile"] = args.profile
