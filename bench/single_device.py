@@ -16,7 +16,9 @@ backward, AdamW update) of
 
 The variants step in turn on the same batches (the order rotating every round), so
 machine noise hits them alike; the figure is the median step over the timed rounds, and
-each is printed as a ratio to eager. The issue's target is ddlc at most 1.05x eager.
+each is printed as a ratio to eager, and as the median of its per-round ratios to eager's
+step of the same round with that median's 95% interval (``bench/runtime.py``'s
+``paired_ratio``). The issue's target is ddlc at most 1.05x eager.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import torch  # noqa: E402
 
 import ddlc  # noqa: E402
 from ddlc.inductor import has_compiler  # noqa: E402
-from runtime import FULL, QUICK, build, eager_step, make_batches, make_optimizer  # noqa: E402
+from runtime import FULL, QUICK, build, eager_step, make_batches, make_optimizer, paired_ratio  # noqa: E402
 
 
 def _variants(name: str, kwargs: dict, batch0) -> dict:
@@ -70,7 +72,8 @@ def _worker(rank: int, models: dict, warmup: int, timed: int) -> dict:
                 if i >= warmup:
                     times[variant].append(elapsed)
         results[name] = {v: (statistics.median(times[v]),
-                             max(abs(a - b) for a, b in zip(losses[v], losses["eager"])))
+                             max(abs(a - b) for a, b in zip(losses[v], losses["eager"])),
+                             paired_ratio(times[v], times["eager"]))
                          for v in order}
     return results
 
@@ -90,9 +93,11 @@ def main(argv=None) -> int:
     for name, rows in results.items():
         base = rows["eager"][0]
         print(f"\n== {name} {models[name][0]}, batch {models[name][1]}")
-        print(f"  {'variant':<15}{'median ms':>10}{'/ eager':>9}{'max |loss - eager|':>20}")
-        for variant, (seconds, gap) in rows.items():
-            print(f"  {variant:<15}{seconds * 1e3:>10.1f}{seconds / base:>9.2f}{gap:>20.2e}")
+        print(f"  {'variant':<15}{'median ms':>10}{'/ eager':>9}{'paired / eager [95% CI]':>25}"
+              f"{'max |loss - eager|':>20}")
+        for variant, (seconds, gap, paired) in rows.items():
+            print(f"  {variant:<15}{seconds * 1e3:>10.1f}{seconds / base:>9.2f}"
+                  f"{'%.2f [%.2f, %.2f]' % paired:>25}{gap:>20.2e}")
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
