@@ -3,7 +3,9 @@
 Run: ``python bench/fidelity.py`` (all four models, a few minutes) or ``--models gpt,mlp``,
 ``--quick`` (smaller models, fewer steps). ``--compute roofline`` prices with the roofline
 instead of the measured operator times; ``--profile FILE`` plans for a calibrated profile
-(``python -m ddlc calibrate --out FILE``).
+(``python -m ddlc calibrate --out FILE``); ``--profile calibrated --recalibrate`` calibrates
+this machine first, in the same run (about a minute), so that links and contention are
+measured at the hour of the steps.
 
 For the zoo GPT, MLP and CNN and Hugging Face's ``GPT2LMHeadModel`` (a small config, its
 own loss), each of these plans is compiled with ``ddlc.compile`` on ``--world-size`` 4
@@ -63,7 +65,8 @@ Printed: every plan's modeled and measured milliseconds and their ratio, the med
 absolute error (|modeled / measured - 1|), Spearman's rank correlation between the
 modeled and the measured order, and whether ddlc's choice is the fastest measured plan
 or within 5 % of it; where it is not the fastest, also the median of the per-round ratios
-of the two with its 95% interval (``bench/runtime.py``'s :func:`paired_ratio`). ``--json OUT`` keeps the rows (``bench/plots.py`` draws them).
+of the two with its 95% interval (``bench/runtime.py``'s :func:`paired_ratio`).
+``--json OUT`` keeps the rows (``bench/plots.py`` draws them).
 """
 from __future__ import annotations
 

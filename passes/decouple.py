@@ -419,9 +419,10 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
         if margins:
             log.info("axis %d: %d of the %d updates fed by an all-reduce decoupled (the rest "
                      "modeled faster with their all-reduce)", axis, len(chosen), len(margins))
-        for key, _ in sig.optimizer:
-            if key not in proposed or (key in margins and key not in chosen):
-                continue
+        decoupled = [key for key, _ in sig.optimizer if key in proposed and (key not in margins or key in chosen)]
+        # asked before this axis re-annotates anything: the search reads the plan as it was
+        gathered_in = {key: placement(key) for key in decoupled}
+        for key in decoupled:
             new, d, even = proposed[key]
             param = placeholders[key]
             shape = tuple(param.meta["val"].shape)
@@ -431,7 +432,7 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
             for state in states:
                 if tuple(state.meta["val"].shape) == shape:
                     SHARDING.set(state, NdSignature((), (_sbp(state).replace(axis, S(d)),)))
-            if placement(key) == "forward" and param.name not in pinned and _gatherable(param, chain, axis, even):
+            if gathered_in[key] == "forward" and param.name not in pinned and _gatherable(param, chain, axis, even):
                 SHARDING.set(param, NdSignature((), (_sbp(param).replace(axis, S(d)),)))
             done.add(key)
     return [key for key, _ in sig.optimizer if key in done]
@@ -473,7 +474,8 @@ def _placement(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict):
     """Parameter name -> "forward" or "backward", as ``ag_placement`` places its
     all-gather; "auto" searches (:func:`auto_placement`) on the first question only: most
     plans decouple no update, and the search takes a noticeable part of a second on a
-    large model."""
+    large model. :func:`decouple` asks before it re-annotates the graph, so the search
+    sees the plan it would have seen up front."""
     if ag_placement != "auto":
         return lambda key: ag_placement if isinstance(ag_placement, str) else ag_placement.get(key, "forward")
     found: list[dict[str, str]] = []
