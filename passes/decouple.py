@@ -369,7 +369,6 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
     sig = STEP(gm)
     if not sig.optimizer:  # inference, gradients only, or no trainable parameter
         return []
-    placement = _placement(gm, mesh, ag_placement)
     index = GraphIndex.of(gm.graph)
     placeholders = {i.key: index.placeholders[i.name] for i in sig.inputs}
     shared = gradient_scalars(gm.graph)
@@ -420,8 +419,11 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
             log.info("axis %d: %d of the %d updates fed by an all-reduce decoupled (the rest "
                      "modeled faster with their all-reduce)", axis, len(chosen), len(margins))
         decoupled = [key for key, _ in sig.optimizer if key in proposed and (key not in margins or key in chosen)]
-        # asked before this axis re-annotates anything: the search reads the plan as it was
-        gathered_in = {key: placement(key) for key in decoupled}
+        if decoupled and ag_placement == "auto":
+            # searched once, by the first axis that decouples and before it re-annotates
+            # (the search reads the plan): most plans decouple nothing, and the search
+            # takes a noticeable part of a second on a large model
+            ag_placement = auto_placement(gm, mesh)
         for key in decoupled:
             new, d, even = proposed[key]
             param = placeholders[key]
@@ -432,7 +434,8 @@ def decouple(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict = "forward
             for state in states:
                 if tuple(state.meta["val"].shape) == shape:
                     SHARDING.set(state, NdSignature((), (_sbp(state).replace(axis, S(d)),)))
-            if gathered_in[key] == "forward" and param.name not in pinned and _gatherable(param, chain, axis, even):
+            where = ag_placement if isinstance(ag_placement, str) else ag_placement.get(key, "forward")
+            if where == "forward" and param.name not in pinned and _gatherable(param, chain, axis, even):
                 SHARDING.set(param, NdSignature((), (_sbp(param).replace(axis, S(d)),)))
             done.add(key)
     return [key for key, _ in sig.optimizer if key in done]
@@ -468,23 +471,6 @@ def layer_profile(gm: fx.GraphModule, mesh: Mesh, axis: int = 0) -> dict:
             "layers": [{"name": m or "<root>", "params": sum(numel[k] for k in keys),
                         "forward": times[m]["forward"], "backward": times[m]["backward"]}
                        for m, keys in owners.items()]}
-
-
-def _placement(gm: fx.GraphModule, mesh: Mesh, ag_placement: str | dict):
-    """Parameter name -> "forward" or "backward", as ``ag_placement`` places its
-    all-gather; "auto" searches (:func:`auto_placement`) on the first question only: most
-    plans decouple no update, and the search takes a noticeable part of a second on a
-    large model. :func:`decouple` asks before it re-annotates the graph, so the search
-    sees the plan it would have seen up front."""
-    if ag_placement != "auto":
-        return lambda key: ag_placement if isinstance(ag_placement, str) else ag_placement.get(key, "forward")
-    found: list[dict[str, str]] = []
-
-    def placement(key: str) -> str:
-        if not found:
-            found.append(auto_placement(gm, mesh))
-        return found[0].get(key, "forward")
-    return placement
 
 
 def auto_placement(gm: fx.GraphModule, mesh: Mesh) -> dict[str, str]:
