@@ -209,8 +209,9 @@ def test_padding_mask_matters(name):
                for k, p in masked.named_parameters())
 
 
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)], ids=["4", "2x2"])
 @pytest.mark.parametrize("name", ["llama_gqa", "bert", "t5", "swin"])
-def test_data_parallel_needs_no_activation_moved(name):
+def test_data_parallel_needs_no_activation_moved(name, mesh):
     """Data parallelism as a user writes it (the batch split, parameters whole, no
     activation redistributed: ``move_activations=False``, the candidate ``choose_plan``
     compares with) plans for a model with a padding mask, and three AdamW steps on
@@ -220,12 +221,12 @@ def test_data_parallel_needs_no_activation_moved(name):
     from ddlc.pipeline import data_parallel_placements  # imported on use, as in conftest
     model, data = build(name), batches(name)
     reference = copy.deepcopy(model)
-    losses, params, _, _ = simulated(model, None, adamw, data, (4,), pins=data_parallel_placements,
+    losses, params, _, _ = simulated(model, None, adamw, data, mesh, pins=data_parallel_placements,
                                      move_activations=False)
     want, _ = eager(reference, None, adamw, data, seed=0)
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())},
-                             label=f"{name} data parallel on (4,)")
+                             label=f"{name} data parallel on {mesh}")
 
 
 def test_git_plans_of_uneven_reader_pieces_lower_on_every_rank():

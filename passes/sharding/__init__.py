@@ -9,6 +9,10 @@ every mesh shape of a world size (:func:`mesh_shapes`) and keeps the best.
 Solvers: ``solver="cd"`` (default), AutoDDL's coordinate descent
 (:mod:`passes.sharding.descent`, whose docstring states the algorithm);
 ``solver="exact"``, the MILP of :mod:`passes.sharding.exact` over the same problem.
+Where every plan coordinate descent reaches needs a forbidden redistribution (an S->P,
+or with ``move_activations=False`` any move of an activation), the MILP, held to
+:data:`FEASIBILITY_NODE_LIMIT` branch-and-bound nodes, looks for one that needs none
+before ``shard`` refuses the step.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from ddlc.sbp import NdSBP
 from passes.rules import has_rule
 
 from .descent import SEEDS, coordinate_descent
-from .exact import smallest_footprint, solve_exact
+from .exact import smallest_footprint, solve_exact, solve_milp
 from .problem import (FORBIDDEN, PriceCache, ShardingProblem, build_problem, compute_seconds,
                       lone_scalar_axes, reduce_problem)
 
@@ -38,6 +42,11 @@ __all__ = ["shard", "replicate", "make_plan", "coordinate_descent", "search_mesh
 
 #: How many forbidden redistributions beyond the first a refusal names.
 MORE_EDGES = 8
+
+#: Branch-and-bound nodes of the exact solver where coordinate descent found no plan
+#: without a forbidden redistribution (a deterministic limit, unlike a time limit: every
+#: run plans alike).
+FEASIBILITY_NODE_LIMIT = 2000
 
 
 def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
@@ -63,16 +72,19 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         _refuse_budget(budget, need, dominant)
     build_seconds = time.perf_counter() - start
 
-    def solve(problem, start=None):
-        """(choice, stats); coordinate descent from ``start`` (a choice of an earlier
-        problem of the same variables) instead of the seeds, where given."""
+    def solve(problem, start=None, method=solver):
+        """(choice, stats) by ``method``; coordinate descent from ``start`` (a choice of an
+        earlier problem of the same variables) instead of the seeds, where given."""
         core, expand, fixed_memory = reduce_problem(problem, budget)
-        if solver == "cd":
+        if method == "cd":
             warm = None if start is None else [start[problem.var_of[m[0]]] for m in core.members]
             core_choice, stats = coordinate_descent(core, budget - fixed_memory, start=warm,
                                                     group_moves=start is None)
-        else:
+        elif method == "exact":
             core_choice, stats = solve_exact(core, budget - fixed_memory, time_limit)
+        else:  # the exact solver, held to a deterministic number of branch-and-bound nodes
+            core_choice, stats = solve_milp(core.unary, core.memory, core.edges, budget - fixed_memory,
+                                            time_limit, node_limit=FEASIBILITY_NODE_LIMIT)
         stats["core_variables"] = core.num_vars
         return expand(core_choice), stats
 
@@ -94,6 +106,20 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         stats["lone_scalar_axes"] = sorted(lone)
         if problem.objective(other) < problem.objective(choice):
             choice, stats = other, {**other_stats, "lone_scalar_axes": sorted(lone)}
+    if solver == "cd" and problem.objective(choice) >= FORBIDDEN:
+        # every plan coordinate descent reached needs a forbidden redistribution; one that
+        # needs none may still exist, reached only by changing many variables at once (a
+        # BERT's data parallelism on (2, 2) with activations kept in place: the descent
+        # ended with the embeddings' sum and the first layer norm split along the
+        # sequence, where the pinned batch wants them split along the batch): the exact
+        # solver decides, and a refusal below stands only where it finds none either
+        try:
+            other, other_stats = solve(problem, method="feasibility")
+        except ShardingError:
+            pass
+        else:
+            if problem.objective(other) < FORBIDDEN:
+                choice, stats = other, {**other_stats, "exact_fallback": True}
     if problem.memory_of(choice) > budget:
         # the search stayed above the budget: the smallest footprint any plan without a
         # forbidden redistribution can have decides whether one fits
