@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -615,3 +616,34 @@ def test_a_data_parallel_refusal_names_the_operators_without_a_rule():
     with pytest.raises(ShardingError, match="without a sharding rule.*logcumsumexp"):
         shard(gm, ddlc.Mesh((4,)), fixed={names["input0"]: NdSBP((S(0),)), names["input1"]: NdSBP((S(0),))},
               move_activations=False)
+
+
+def _toy_problem(unary, edges):
+    """A stand-in for a ShardingProblem as :func:`feasible_start` reads it: unary costs per
+    variable and (src, dst, cost) edges."""
+    from types import SimpleNamespace
+
+    from passes.sharding.problem import Edge
+    edges = [Edge(s, d, np.asarray(c, dtype=float), f"{s}->{d}") for s, d, c in edges]
+    incident = [[i for i, e in enumerate(edges) if v in (e.src, e.dst)] for v in range(len(unary))]
+    return SimpleNamespace(num_vars=len(unary), unary=[np.asarray(u, dtype=float) for u in unary],
+                           edges=edges, incident=incident)
+
+
+def test_constraint_propagation_finds_the_plan_a_greedy_start_misses():
+    """a -> b -> c: a's second candidate is cheaper, b must match a, and c accepts only b's
+    first. Placing each variable at its cheapest candidate given those before it (the
+    seeds' greedy) takes a's second and ends with a forbidden edge; propagation prunes
+    b and then a to their first candidates and finds the one plan without it. Where no
+    pair of an edge is allowed, it proves that none exists."""
+    from passes.sharding.descent import NoPlanWithoutForbiddenMoves, feasible_start
+    from passes.sharding.problem import FORBIDDEN
+    match = [[0, FORBIDDEN], [FORBIDDEN, 0]]
+    problem = _toy_problem([[1.0, 0.0], [0.0, 0.0], [0.0]],
+                           [(0, 1, match), (1, 2, [[0], [FORBIDDEN]])])
+    greedy = [int(np.argmin(problem.unary[0]))]
+    greedy.append(int(np.argmin(problem.edges[0].cost[greedy[0]])))
+    assert problem.edges[1].cost[greedy[1], 0] >= FORBIDDEN  # the myopic placement fails
+    assert feasible_start(problem) == [0, 0, 0]
+    with pytest.raises(NoPlanWithoutForbiddenMoves):
+        feasible_start(_toy_problem([[0.0], [0.0, 0.0]], [(0, 1, [[FORBIDDEN, FORBIDDEN]])]))

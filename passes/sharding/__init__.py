@@ -10,9 +10,10 @@ Solvers: ``solver="cd"`` (default), AutoDDL's coordinate descent
 (:mod:`passes.sharding.descent`, whose docstring states the algorithm);
 ``solver="exact"``, the MILP of :mod:`passes.sharding.exact` over the same problem.
 Where every plan coordinate descent reaches needs a forbidden redistribution (an S->P,
-or with ``move_activations=False`` any move of an activation), the MILP, held to
-:data:`FEASIBILITY_NODE_LIMIT` branch-and-bound nodes, looks for one that needs none
-before ``shard`` refuses the step.
+or with ``move_activations=False`` any move of an activation), descent starts again from
+a plan without one that constraint propagation finds (:func:`~passes.sharding.descent.feasible_start`),
+and where that finds none the MILP, held to :data:`FEASIBILITY_NODE_LIMIT`
+branch-and-bound nodes, looks for one before ``shard`` refuses the step.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ddlc.printing import format_bytes, op_name
 from ddlc.sbp import NdSBP
 from passes.rules import has_rule
 
-from .descent import SEEDS, coordinate_descent
+from .descent import SEEDS, NoPlanWithoutForbiddenMoves, coordinate_descent, feasible_start
 from .exact import smallest_footprint, solve_exact, solve_milp
 from .problem import (FORBIDDEN, PriceCache, ShardingProblem, build_problem, compute_seconds,
                       lone_scalar_axes, reduce_problem)
@@ -82,6 +83,11 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
                                                     group_moves=start is None)
         elif method == "exact":
             core_choice, stats = solve_exact(core, budget - fixed_memory, time_limit)
+        elif method == "propagation":  # coordinate descent from a start without a forbidden move
+            feasible = feasible_start(core)
+            if feasible is None:
+                raise ShardingError("constraint propagation found no plan without a forbidden move")
+            core_choice, stats = coordinate_descent(core, budget - fixed_memory, start=feasible)
         else:  # the exact solver, held to a deterministic number of branch-and-bound nodes
             core_choice, stats = solve_milp(core.unary, core.memory, core.edges, budget - fixed_memory,
                                             time_limit, node_limit=FEASIBILITY_NODE_LIMIT)
@@ -112,14 +118,18 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         # BERT's data parallelism on (2, 2) with activations kept in place: the descent
         # ended with the embeddings' sum and the first layer norm split along the
         # sequence, where the pinned batch wants them split along the batch): the exact
-        # solver decides, and a refusal below stands only where it finds none either
-        try:
-            other, other_stats = solve(problem, method="feasibility")
-        except ShardingError:
-            pass
-        else:
+        # solver decides, and a refusal below stands only where it finds none either;
+        # first, cheaper, descent from a start that constraint propagation found
+        for method in ("propagation", "feasibility"):
+            try:
+                other, other_stats = solve(problem, method=method)
+            except NoPlanWithoutForbiddenMoves:
+                break  # proved: the refusal below stands
+            except ShardingError:
+                continue
             if problem.objective(other) < FORBIDDEN:
-                choice, stats = other, {**other_stats, "exact_fallback": True}
+                choice, stats = other, {**other_stats, "repaired_by": method}
+                break
     if problem.memory_of(choice) > budget:
         # the search stayed above the budget: the smallest footprint any plan without a
         # forbidden redistribution can have decides whether one fits

@@ -59,9 +59,9 @@ from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, divides
 
 from .exact import MAX_TABLE, elimination_order, solve_elimination, solve_milp
-from .problem import Edge, ShardingProblem, fold_block, reduce_costs
+from .problem import FORBIDDEN, Edge, ShardingProblem, fold_block, reduce_costs
 
-__all__ = ["coordinate_descent", "SEEDS", "MAX_TABLE_WHOLE", "MAX_BLOCK", "BLOCK_NODE_LIMIT"]
+__all__ = ["coordinate_descent", "feasible_start", "NoPlanWithoutForbiddenMoves", "SEEDS", "MAX_TABLE_WHOLE", "MAX_BLOCK", "BLOCK_NODE_LIMIT"]
 
 
 def _split_batch(node: fx.Node, mesh: Mesh, split: NdSBP) -> NdSBP:
@@ -146,6 +146,80 @@ def _initial(problem: ShardingProblem, seed, budget: float) -> list[int]:
             if e.dst == v and e.src != v and choice[e.src] >= 0:
                 cost += e.cost[choice[e.src], :]
         choice[v] = int(np.argmin(cost))
+    return choice
+
+
+class NoPlanWithoutForbiddenMoves(ShardingError):
+    """Proved by :func:`feasible_start`: every choice of the problem needs a forbidden
+    redistribution."""
+
+
+def feasible_start(problem: ShardingProblem) -> list[int] | None:
+    """A choice without a forbidden redistribution (every edge's cost below FORBIDDEN),
+    or None where this finds none: a start for coordinate descent where the seeds all
+    end with one (their greedy placement is myopic: a tensor that can be split freely
+    takes a split that a reader three operators on cannot take).
+
+    Constraint propagation: a candidate is *supported* by a neighbour when some
+    candidate the neighbour still has is joined to it by an allowed edge (cost below
+    FORBIDDEN). Arc consistency removes every unsupported candidate until none is left (a
+    variable left without candidates proves that no choice exists); then each variable in
+    order takes its cheapest remaining candidate given those placed before it, and the
+    candidates are made arc consistent again (maintained arc consistency). The graph has
+    cycles, so a placement can still empty a set; there is no backtracking: None. Raises
+    :class:`NoPlanWithoutForbiddenMoves` where arc consistency alone empties a set (every
+    cost is non-negative, so every choice then costs FORBIDDEN or more)."""
+    n = problem.num_vars
+    allowed = [e.cost < FORBIDDEN for e in problem.edges]
+    domains = [np.asarray(u < FORBIDDEN) for u in problem.unary]
+    for e, ok in zip(problem.edges, allowed):
+        if e.src == e.dst:
+            domains[e.src] = domains[e.src] & np.diag(ok)
+
+    def consistent(changed) -> bool:
+        """Arc consistency from the variables ``changed``; False where a set empties."""
+        pending = list(changed)
+        queued = set(pending)
+        while pending:
+            v = pending.pop(0)
+            queued.discard(v)
+            for i in problem.incident[v]:
+                e, ok = problem.edges[i], allowed[i]
+                if e.src == e.dst:
+                    continue
+                if e.src == v:
+                    w, support = e.dst, ok[domains[v], :].any(axis=0)
+                else:
+                    w, support = e.src, ok[:, domains[v]].any(axis=1)
+                kept = domains[w] & support
+                if not kept.any():
+                    return False
+                if (kept != domains[w]).any():
+                    domains[w] = kept
+                    if w not in queued:
+                        pending.append(w)
+                        queued.add(w)
+        return True
+
+    if not all(d.any() for d in domains) or not consistent(range(n)):
+        raise NoPlanWithoutForbiddenMoves("no plan without a forbidden redistribution exists "
+                                          "(constraint propagation)")
+    choice = [-1] * n
+    for v in range(n):
+        cost = problem.unary[v].copy()
+        for i in problem.incident[v]:
+            e = problem.edges[i]
+            if e.src == e.dst:
+                cost = cost + np.diag(e.cost)
+            elif e.dst == v and choice[e.src] >= 0:
+                cost = cost + e.cost[choice[e.src], :]
+            elif e.src == v and choice[e.dst] >= 0:
+                cost = cost + e.cost[:, choice[e.dst]]
+        cost = np.where(domains[v], cost, np.inf)
+        choice[v] = int(np.argmin(cost))
+        domains[v] = np.arange(len(cost)) == choice[v]
+        if not consistent([v]):
+            return None
     return choice
 
 
