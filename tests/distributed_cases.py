@@ -116,3 +116,22 @@ def sync_batchnorm_steps(rank, steps: int):
     step = ddlc.compile(model, (4,), batch, F.cross_entropy, opt, placements={"input0": "(S0)"})
     losses = [step.step(*batch) for _ in range(steps)]
     return losses, step.state_dict()
+
+
+def hf_data_parallel_in_place(rank: int, name: str, mesh):
+    """Worker: the Hugging Face model ``name`` of ``test_hf_models`` compiled data parallel
+    with no activation moved (every batch key split along dim 0 over every mesh axis,
+    every parameter whole, ``move_activations=False``), three AdamW steps; rank 0 returns
+    the losses, the trained parameters and how the search found its plan."""
+    import ddlc
+    from test_hf_models import adamw, batches, build
+    model, data = build(name), batches(name)
+    split, whole = (f"({', '.join([x] * len(mesh))})" for x in ("S0", "B"))
+    placements = {k: split for k in data[0]} | {k: whole for k, _ in model.named_parameters()}
+    step = ddlc.compile(model, mesh, data[0], optimizer=adamw(model), placements=placements,
+                        move_activations=False)
+    losses = [step.step(b) for b in data]
+    params = step.state_dict()  # a collective: every rank gathers
+    if rank:
+        return {"losses": losses}
+    return {"losses": losses, "params": params, "repaired_by": step.plan.stats.get("repaired_by")}

@@ -229,6 +229,26 @@ def test_data_parallel_needs_no_activation_moved(name, mesh):
                              label=f"{name} data parallel on {mesh}")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_data_parallel_plan_repaired_by_propagation_trains_on_gloo():
+    """LLaMA pinned data parallel with no activation moved on (2, 2): coordinate descent
+    alone ends with a forbidden move, the plan comes from its restart at a start that
+    constraint propagation found (``passes/sharding/descent.py::feasible_start``), and
+    on 4 gloo processes three AdamW steps equal eager's."""
+    from ddlc.launch import spawn
+    from distributed_cases import hf_data_parallel_in_place
+    per_rank = spawn(hf_data_parallel_in_place, 4, "llama_gqa", (2, 2), timeout=120, deadline=240)
+    got = per_rank[0]
+    assert got.pop("repaired_by") == "propagation"
+    model, data = build("llama_gqa"), batches("llama_gqa")
+    want, _ = eager(model, None, adamw, data, seed=0)
+    assert_matches_reference(got, {"losses": want, "params": dict(model.named_parameters())},
+                             label="llama_gqa data parallel on (2, 2) gloo")
+    for other in per_rank[1:]:
+        torch.testing.assert_close(other["losses"], got["losses"])
+
+
 def test_git_plans_of_uneven_reader_pieces_lower_on_every_rank():
     """GitForCausalLM planned for slow compute over fast links on (2, 2): every tensor's
     placement divides it, but a reader asks for an uneven piece of one (``local_chunk``), so
