@@ -115,11 +115,10 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
     if solver == "cd" and problem.objective(choice) >= FORBIDDEN:
         # every plan coordinate descent reached needs a forbidden redistribution; one that
         # needs none may still exist, reached only by changing many variables at once (a
-        # BERT's data parallelism on (2, 2) with activations kept in place: the descent
-        # ended with the embeddings' sum and the first layer norm split along the
-        # sequence, where the pinned batch wants them split along the batch): the exact
-        # solver decides, and a refusal below stands only where it finds none either;
-        # first, cheaper, descent from a start that constraint propagation found
+        # BERT's data parallelism on (2, 2) with activations kept in place: the seeds split
+        # its embeddings along the sequence where the pinned batch wants dim 0). Descend
+        # again from a start propagation finds, else ask the node-capped MILP; the refusal
+        # below stands only where neither finds one
         for method in ("propagation", "feasibility"):
             try:
                 other, other_stats = solve(problem, method=method)

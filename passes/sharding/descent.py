@@ -46,6 +46,7 @@ all solve the sub-problem :func:`~passes.sharding.problem.fold_block` builds.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 from dataclasses import dataclass
@@ -178,10 +179,10 @@ def feasible_start(problem: ShardingProblem) -> list[int] | None:
 
     def consistent(changed) -> bool:
         """Arc consistency from the variables ``changed``; False where a set empties."""
-        pending = list(changed)
+        pending = collections.deque(changed)
         queued = set(pending)
         while pending:
-            v = pending.pop(0)
+            v = pending.popleft()
             queued.discard(v)
             for i in problem.incident[v]:
                 e, ok = problem.edges[i], allowed[i]
