@@ -144,6 +144,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
             loss, updated = run_forward({**train_params, **frozen}, buffer_values, xs,
                                         lambda out: _loss_of(out, loss_fn, xs[n_model_inputs:]))
             annotator.phase("backward")
+            annotator.watch_backward(loss)
             return loss, updated
 
         grads, (loss, updated) = grad_and_value(compute_loss, has_aux=True)(
@@ -816,6 +817,7 @@ class _ModuleAnnotator:
         self.regions = 0        # checkpointed calls entered so far
         self.region: int | None = None  # the outermost one running now
         self.fresh_draws: set[int] = set()  # regions whose recomputation draws afresh in eager
+        self.grad_fn: int | None = None  # the autograd node whose backward runs now
 
     def phase(self, name: str) -> None:
         self.current_phase = name
@@ -825,7 +827,34 @@ class _ModuleAnnotator:
         forward = self.current_phase == "forward"
         module = self.stack[-1] if self.stack and forward else None
         fx_traceback.current_meta["custom"] = {"ddlc_phase": self.current_phase, "ddlc_module": module,
-                                               "ddlc_recompute": self.region if forward else None}
+                                               "ddlc_recompute": self.region if forward else None,
+                                               "ddlc_grad_fn": None if forward else self.grad_fn}
+
+    def watch_backward(self, loss: torch.Tensor) -> None:
+        """Stamp each backward node with the sequence number of the autograd node whose
+        backward made it: a forward node's ``meta["seq_nr"]`` is the sequence number of the
+        autograd node its op created, so the two meet in :func:`_annotate_origins` (as
+        aot_autograd pairs them). Hooks on every node of ``loss``'s autograd graph set the
+        number before the node's backward runs and clear it after; what the autograd engine
+        runs between nodes (summing a tensor's gradients from several readers) gets none."""
+        root = loss.grad_fn if isinstance(loss, torch.Tensor) else None
+        seen, todo = set(), [root] if root is not None else []
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            node.register_prehook(functools.partial(self._entered, node._sequence_nr()))
+            node.register_hook(self._left)
+            todo.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+    def _entered(self, sequence_nr: int, grad_outputs) -> None:
+        self.grad_fn = sequence_nr
+        self._publish()
+
+    def _left(self, grad_inputs, grad_outputs) -> None:
+        self.grad_fn = None
+        self._publish()
 
     @contextlib.contextmanager
     def checkpointed(self, preserve_rng_state: bool = True):
@@ -1082,11 +1111,16 @@ def _rename_placeholder(node: fx.Node, spec: InputSpec) -> str:
 def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],
                       annotator: _ModuleAnnotator) -> None:
     """Record an Origin per node, and the checkpointed region of a forward node traced in
-    one (``ir.RECOMPUTE``). Backward nodes borrow the module of their first
-    forward-phase input (a saved activation or parameter), else of any input; then,
-    walking backwards, a backward node whose users all sit in one submodule of its
-    module moves into that submodule."""
+    one (``ir.RECOMPUTE``). A backward node made by an autograd node's backward takes the
+    module and source line of the forward op that created that autograd node (the two
+    share its sequence number: :meth:`_ModuleAnnotator.watch_backward`). Other nodes
+    borrow an input's origin: a backward node (the engine summing a tensor's gradients)
+    that of its latest-computed input, where the sum completes; an optimizer node (or
+    a forward op outside any module) that of its first forward-phase input (a parameter
+    or an activation), else of its first input."""
     by_name = {i.name: i for i in inputs}
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    forward_origin: dict[int, Origin] = {}  # autograd sequence number -> its forward op's origin
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             spec = by_name[node.name]
@@ -1098,23 +1132,22 @@ def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],
         phase = custom.get("ddlc_phase", "optimizer" if node.op == "output" else "forward")
         module = custom.get("ddlc_module")
         source = sources.source_from_stack(node.meta.get("stack_trace"))
-        if module is None:
+        made_by = forward_origin.get(custom.get("ddlc_grad_fn")) if phase == "backward" else None
+        if made_by is not None:
+            module, source = made_by.module, source or made_by.source
+        elif module is None:
             origins = [ORIGIN.get(a) for a in node.all_input_nodes if ORIGIN.get(a)]
-            preferred = [o for o in origins if o.phase in ("forward", "input")] or origins
+            if phase == "backward":
+                latest = max(node.all_input_nodes, key=position.__getitem__, default=None)
+                preferred = [ORIGIN.get(latest)] if latest is not None else []
+            else:
+                preferred = [o for o in origins if o.phase in ("forward", "input")] or origins
             module = preferred[0].module if preferred else ""
             if phase == "backward":
                 source = source or next((o.source for o in preferred if o.source), "")
-        ORIGIN.set(node, Origin(phase, module, source))
-        if custom.get("ddlc_recompute") is not None and phase == "forward":
-            RECOMPUTE.set(node, custom["ddlc_recompute"])
-    # Weight-gradient chains read only activations of the module *before*; refine a
-    # backward node to the one module all its users belong to when that is a submodule.
-    for node in reversed(gm.graph.nodes):
-        origin = ORIGIN.get(node)
-        if origin is None or origin.phase != "backward":
-            continue
-        users = {ORIGIN.get(u).module for u in node.users if u.op != "output" and ORIGIN.get(u)}
-        if len(users) == 1:
-            (module,) = users
-            if module != origin.module and (not origin.module or module.startswith(origin.module + ".")):
-                ORIGIN.set(node, Origin(origin.phase, module, origin.source))
+        origin = Origin(phase, module, source)
+        ORIGIN.set(node, origin)
+        if phase == "forward":
+            forward_origin.setdefault(node.meta.get("seq_nr"), origin)
+            if custom.get("ddlc_recompute") is not None:
+                RECOMPUTE.set(node, custom["ddlc_recompute"])

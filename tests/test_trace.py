@@ -81,7 +81,43 @@ def test_nodes_know_phase_module_and_source_line():
     assert "zoo.py" in origins[attn[0].name].source and "scaled_dot_product" in origins[attn[0].name].source
     attn_bwd = [n for n in gm.graph.nodes if "flash_attention_for_cpu_backward" in str(n.target)]
     assert origins[attn_bwd[0].name].phase == "backward"
-    assert origins[attn_bwd[0].name].module.startswith("blocks.0.attn")
+    assert origins[attn_bwd[0].name].module == "blocks.0.attn"
+    assert "scaled_dot_product" in origins[attn_bwd[0].name].source
+
+
+class PreNorm(torch.nn.Module):
+    """Residual blocks ``x + fc(norm(x))`` and a final norm, as LLaMA's layers."""
+
+    def __init__(self, width=8, layers=3):
+        super().__init__()
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(width) for _ in range(layers))
+        self.fcs = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x):
+        for norm, fc in zip(self.norms, self.fcs):
+            x = x + fc(norm(x))
+        return self.norm(x)
+
+
+def test_backward_nodes_belong_to_the_module_of_their_forward_op():
+    """A backward node is attributed to the module whose forward op it differentiates,
+    not to the module of the gradient it reads: the final norm's backward is its own
+    layer-norm backward alone, and each linear's gradients stay in that linear."""
+    model = PreNorm()
+    gm = ddlc.trace(model, (torch.randn(4, 8), torch.randn(4, 8)), torch.nn.functional.mse_loss,
+                    torch.optim.SGD(model.parameters(), lr=0.1))
+    backward = [(n, n.meta["ddlc_origin"]) for n in gm.graph.nodes
+                if n.meta.get("ddlc_origin") and n.meta["ddlc_origin"].phase == "backward"]
+    in_final_norm = {str(n.target) for n, o in backward if o.module == "norm"}
+    # the loss, outside any module, takes the module of what it reads, in forward and backward
+    assert in_final_norm == {"aten.native_layer_norm_backward.default", "<built-in function getitem>",
+                             "aten.mse_loss_backward.default", "aten.ones_like.default"}
+    matmuls = [(n, o) for n, o in backward if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
+    assert len(matmuls) == 2 * len(model.fcs)
+    assert {o.module for _, o in matmuls} == {f"fcs.{i}" for i in range(len(model.fcs))}
+    norms = [o.module for n, o in backward if n.target == torch.ops.aten.native_layer_norm_backward.default]
+    assert norms == ["norm", "norms.2", "norms.1", "norms.0"]
 
 
 class Branchy(torch.nn.Module):
