@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.func import functionalize, grad_and_value
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules import module as module_mod
@@ -818,6 +819,7 @@ class _ModuleAnnotator:
         self.region: int | None = None  # the outermost one running now
         self.fresh_draws: set[int] = set()  # regions whose recomputation draws afresh in eager
         self.grad_fn: int | None = None  # the autograd node whose backward runs now
+        self.graph: fx.Graph | None = None  # the graph being traced, once backward starts
 
     def phase(self, name: str) -> None:
         self.current_phase = name
@@ -837,6 +839,8 @@ class _ModuleAnnotator:
         aot_autograd pairs them). Hooks on every node of ``loss``'s autograd graph set the
         number before the node's backward runs and clear it after; what the autograd engine
         runs between nodes (summing a tensor's gradients from several readers) gets none."""
+        mode = proxy_tensor.get_proxy_mode()
+        self.graph = mode.tracer.graph if mode is not None else None
         root = loss.grad_fn if isinstance(loss, torch.Tensor) else None
         seen, todo = set(), [root] if root is not None else []
         while todo:
@@ -847,6 +851,17 @@ class _ModuleAnnotator:
             node.register_prehook(functools.partial(self._entered, node._sequence_nr()))
             node.register_hook(self._left)
             todo.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+    def backward_source(self) -> str | None:
+        """The user's line of the forward op whose backward runs now (where tracing fails
+        inside backward, whose frames are torch's alone), else None."""
+        if self.grad_fn is None or self.graph is None:
+            return None
+        forward = next((n for n in self.graph.nodes if n.meta.get("seq_nr") == self.grad_fn
+                        and (n.meta.get("custom") or {}).get("ddlc_phase") == "forward"), None)
+        if forward is None:
+            return None
+        return sources.source_from_stack(forward.meta.get("stack_trace")) or None
 
     def _entered(self, sequence_nr: int, grad_outputs) -> None:
         self.grad_fn = sequence_nr
@@ -960,7 +975,7 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
     except (UnsupportedInputError, TraceError):
         raise
     except Exception as e:  # torch raises many types; name the cause and the user's line
-        line = sources.user_frame(e)
+        line = sources.user_frame(e) or annotator.backward_source()
         text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         custom = sources.custom_operator(e)
         if custom is not None and _CUSTOM_FUNCTION.search(f"{type(e).__name__} {e}"):

@@ -413,13 +413,16 @@ def test_tensors_sized_by_tensor_values_are_refused():
 def test_a_mean_over_a_boolean_mask_is_refused_naming_the_mask():
     """``loss[mask].mean()``: the mean's gradient needs the masked size as a number, and
     torch fails inside autograd ("SymIntArrayRef expected to contain only concrete
-    integers"); the refusal names the boolean mask and the fixed-size rewrite."""
+    integers"); the refusal names the boolean mask and the fixed-size rewrite, and the
+    user's line of the forward op whose gradient failed (torch's frames alone are on the
+    stack then)."""
     mask = torch.tensor([1, 0, 0, 1], dtype=torch.bool)
 
     def masked_loss(out, y):
         return F.cross_entropy(out, y, reduction="none")[mask].mean()
-    with pytest.raises(TraceError, match=r"boolean-mask index .*torch\.where\(mask, loss, 0\)"):
+    with pytest.raises(TraceError, match=r"boolean-mask index .*torch\.where\(mask, loss, 0\)") as info:
         ddlc.trace(torch.nn.Linear(6, 3), (torch.randn(4, 6), torch.randint(0, 3, (4,))), masked_loss)
+    assert "test_trace.py" in str(info.value) and "[mask].mean()" in str(info.value)
 
 
 @pytest.mark.parametrize("style", ["ctx", "setup_context"])
