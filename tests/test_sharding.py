@@ -592,10 +592,15 @@ def test_a_step_that_must_move_activations_is_refused_when_told_not_to():
     torch.manual_seed(0)
     model = resnet18(num_classes=10, width=4)  # batch norm in training mode
     batch = (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
-    # the batch norms' statistics need the batch whole: every move of the plan found is named
-    with pytest.raises(ShardingError, match=r"without redistributing activations.*plan found moves "
-                                            r"\w+ -> \w+ \(read by [\w.]+\); and \d+ more: \w+ -> \w+"):
+    # the batch norms' statistics need the batch whole: the refusal is at the first batch
+    # norm, where constraint propagation proves the placements conflict, and every move of
+    # the plan found is named
+    with pytest.raises(ShardingError, match=r"without redistributing activations.*fits the placements "
+                                            r"around it without a move \(proved by constraint propagation\)"
+                                            r".*plan found moves \w+ -> \w+ \(read by [\w.]+\); and \d+ "
+                                            r"more: \w+ -> \w+\n  at \w+ \[bn1\] .*zoo.py") as info:
         _pinned_plan(model, batch, F.cross_entropy, "(B)", ddlc.Mesh((4,)))
+    assert "self.bn1(" in str(info.value)
 
 
 def test_a_data_parallel_refusal_names_the_operators_without_a_rule():
@@ -627,7 +632,7 @@ def _toy_problem(unary, edges):
     edges = [Edge(s, d, np.asarray(c, dtype=float), f"{s}->{d}") for s, d, c in edges]
     incident = [[i for i, e in enumerate(edges) if v in (e.src, e.dst)] for v in range(len(unary))]
     return SimpleNamespace(num_vars=len(unary), unary=[np.asarray(u, dtype=float) for u in unary],
-                           edges=edges, incident=incident)
+                           edges=edges, incident=incident, members=[[f"v{v}"] for v in range(len(unary))])
 
 
 def test_constraint_propagation_finds_the_plan_a_greedy_start_misses():
@@ -635,7 +640,8 @@ def test_constraint_propagation_finds_the_plan_a_greedy_start_misses():
     first. Placing each variable at its cheapest candidate given those before it (the
     seeds' greedy) takes a's second and ends with a forbidden edge; propagation prunes
     b and then a to their first candidates and finds the one plan without it. Where no
-    pair of an edge is allowed, it proves that none exists."""
+    pair of an edge is allowed, it proves that none exists, naming the variable it left
+    without a candidate."""
     from passes.sharding.descent import NoPlanWithoutForbiddenMoves, feasible_start
     from passes.sharding.problem import FORBIDDEN
     match = [[0, FORBIDDEN], [FORBIDDEN, 0]]
@@ -645,5 +651,6 @@ def test_constraint_propagation_finds_the_plan_a_greedy_start_misses():
     greedy.append(int(np.argmin(problem.edges[0].cost[greedy[0]])))
     assert problem.edges[1].cost[greedy[1], 0] >= FORBIDDEN  # the myopic placement fails
     assert feasible_start(problem) == [0, 0, 0]
-    with pytest.raises(NoPlanWithoutForbiddenMoves):
+    with pytest.raises(NoPlanWithoutForbiddenMoves) as info:
         feasible_start(_toy_problem([[0.0], [0.0, 0.0]], [(0, 1, [[FORBIDDEN, FORBIDDEN]])]))
+    assert info.value.node == "v1"

@@ -112,6 +112,7 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         stats["lone_scalar_axes"] = sorted(lone)
         if problem.objective(other) < problem.objective(choice):
             choice, stats = other, {**other_stats, "lone_scalar_axes": sorted(lone)}
+    proof: NoPlanWithoutForbiddenMoves | None = None
     if solver == "cd" and problem.objective(choice) >= FORBIDDEN:
         # every plan coordinate descent reached needs a forbidden redistribution; one that
         # needs none may still exist, reached only by changing many variables at once (a
@@ -122,7 +123,8 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         for method in ("propagation", "feasibility"):
             try:
                 other, other_stats = solve(problem, method=method)
-            except NoPlanWithoutForbiddenMoves:
+            except NoPlanWithoutForbiddenMoves as e:
+                proof = e
                 break  # proved: the refusal below stands
             except ShardingError:
                 continue
@@ -152,14 +154,18 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
                           and n.all_input_nodes and not has_rule(n)})
         unruled = f"; operators without a sharding rule in ddlc yet, which every rank computes on " \
             f"whole tensors (their inputs gathered): {', '.join(unruled)}" if unruled else ""
+        found = f"the least costly plan found moves {edge.what} (read by {op_name(reader)}){more}"
+        if proof is not None:  # name where the placements conflict, not the plan's pick
+            found = (f"no signature of {proof.node.name} ({op_name(proof.node)}) fits the "
+                     f"placements around it without a move (proved by constraint propagation); {found}")
+            reader = proof.node
         raise ShardingError("no plan runs this step without redistributing activations "
                             f"(move_activations=False) on mesh {mesh} with these placements: "
-                            f"the least costly plan found moves {edge.what} (read by "
-                            f"{op_name(reader)}){more}{unruled}",
-                            where=where(reader))
+                            f"{found}{unruled}", where=where(reader))
     if problem.objective(choice) >= FORBIDDEN:
         raise ShardingError("every sharding found needs a forbidden redistribution (S->P); "
-                            "the rules are missing a signature for some operator")
+                            "the rules are missing a signature for some operator",
+                            where=where(proof.node) if proof is not None else None)
     return make_plan(problem, choice, solver, stats)
 
 

@@ -152,7 +152,12 @@ def _initial(problem: ShardingProblem, seed, budget: float) -> list[int]:
 
 class NoPlanWithoutForbiddenMoves(ShardingError):
     """Proved by :func:`feasible_start`: every choice of the problem needs a forbidden
-    redistribution."""
+    redistribution. ``node`` is the representative node of a variable that arc
+    consistency left without a candidate: where the placements conflict."""
+
+    def __init__(self, message: str, node: fx.Node):
+        super().__init__(message)
+        self.node = node
 
 
 def feasible_start(problem: ShardingProblem) -> list[int] | None:
@@ -177,6 +182,8 @@ def feasible_start(problem: ShardingProblem) -> list[int] | None:
         if e.src == e.dst:
             domains[e.src] = domains[e.src] & np.diag(ok)
 
+    emptied: list[int] = []  # the variable arc consistency left without a candidate
+
     def consistent(changed) -> bool:
         """Arc consistency from the variables ``changed``; False where a set empties."""
         pending = collections.deque(changed)
@@ -194,6 +201,7 @@ def feasible_start(problem: ShardingProblem) -> list[int] | None:
                     w, support = e.src, ok[:, domains[v]].any(axis=1)
                 kept = domains[w] & support
                 if not kept.any():
+                    emptied.append(w)
                     return False
                 if (kept != domains[w]).any():
                     domains[w] = kept
@@ -202,9 +210,10 @@ def feasible_start(problem: ShardingProblem) -> list[int] | None:
                         queued.add(w)
         return True
 
-    if not all(d.any() for d in domains) or not consistent(range(n)):
+    emptied.extend(v for v, d in enumerate(domains) if not d.any())
+    if emptied or not consistent(range(n)):
         raise NoPlanWithoutForbiddenMoves("no plan without a forbidden redistribution exists "
-                                          "(constraint propagation)")
+                                          "(constraint propagation)", problem.members[emptied[0]][0])
     choice = [-1] * n
     for v in range(n):
         cost = problem.unary[v].copy()
