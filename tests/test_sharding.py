@@ -595,7 +595,7 @@ def test_a_step_that_must_move_activations_is_refused_when_told_not_to():
     # the batch norms' statistics need the batch whole: the refusal is at the first batch
     # norm, where constraint propagation proves the placements conflict, and every move of
     # the plan found is named
-    with pytest.raises(ShardingError, match=r"without redistributing activations.*fits the placements "
+    with pytest.raises(ShardingError, match=r"without redistributing activations.*in module bn1\) fits the placements "
                                             r"around it without a move \(proved by constraint propagation\)"
                                             r".*plan found moves \w+ -> \w+ \(read by [\w.]+\); and \d+ "
                                             r"more: \w+ -> \w+\n  at \w+ \[bn1\] .*zoo.py") as info:

@@ -156,7 +156,9 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
             f"whole tensors (their inputs gathered): {', '.join(unruled)}" if unruled else ""
         found = f"the least costly plan found moves {edge.what} (read by {op_name(reader)}){more}"
         if proof is not None:  # name where the placements conflict, not the plan's pick
-            found = (f"no signature of {proof.node.name} ({op_name(proof.node)}) fits the "
+            origin = ORIGIN.get(proof.node)
+            module = f" in module {origin.module}" if origin is not None and origin.module else ""
+            found = (f"no signature of {proof.node.name} ({op_name(proof.node)}{module}) fits the "
                      f"placements around it without a move (proved by constraint propagation); {found}")
             reader = proof.node
         raise ShardingError("no plan runs this step without redistributing activations "
