@@ -152,12 +152,7 @@ def _initial(problem: ShardingProblem, seed, budget: float) -> list[int]:
 
 class NoPlanWithoutForbiddenMoves(ShardingError):
     """Proved by :func:`feasible_start`: every choice of the problem needs a forbidden
-    redistribution. ``node`` is the representative node of a variable that arc
-    consistency left without a candidate: where the placements conflict."""
-
-    def __init__(self, message: str, node: fx.Node):
-        super().__init__(message)
-        self.node = node
+    redistribution."""
 
 
 def feasible_start(problem: ShardingProblem) -> list[int] | None:
@@ -182,8 +177,6 @@ def feasible_start(problem: ShardingProblem) -> list[int] | None:
         if e.src == e.dst:
             domains[e.src] = domains[e.src] & np.diag(ok)
 
-    emptied: list[int] = []  # the variable arc consistency left without a candidate
-
     def consistent(changed) -> bool:
         """Arc consistency from the variables ``changed``; False where a set empties."""
         pending = collections.deque(changed)
@@ -201,7 +194,6 @@ def feasible_start(problem: ShardingProblem) -> list[int] | None:
                     w, support = e.src, ok[:, domains[v]].any(axis=1)
                 kept = domains[w] & support
                 if not kept.any():
-                    emptied.append(w)
                     return False
                 if (kept != domains[w]).any():
                     domains[w] = kept
@@ -210,10 +202,9 @@ def feasible_start(problem: ShardingProblem) -> list[int] | None:
                         queued.add(w)
         return True
 
-    emptied.extend(v for v, d in enumerate(domains) if not d.any())
-    if emptied or not consistent(range(n)):
+    if not all(d.any() for d in domains) or not consistent(range(n)):
         raise NoPlanWithoutForbiddenMoves("no plan without a forbidden redistribution exists "
-                                          "(constraint propagation)", problem.members[emptied[0]][0])
+                                          "(constraint propagation)")
     choice = [-1] * n
     for v in range(n):
         cost = problem.unary[v].copy()
@@ -231,6 +222,32 @@ def feasible_start(problem: ShardingProblem) -> list[int] | None:
         if not consistent([v]):
             return None
     return choice
+
+
+def first_conflict(problem: ShardingProblem) -> fx.Node | None:
+    """The first node, in graph order, left without a candidate when each variable keeps
+    only the candidates (cost below FORBIDDEN) its *earlier* neighbours support:
+    propagation along the data flow, one pass over the variables of an unreduced problem
+    (numbered in graph order). That is the first operator that cannot take what reaches
+    it without a forbidden move, where a refusal's cause lies (an uneven batch split
+    meeting a flatten, batch norm statistics over a split batch); full arc consistency
+    also propagates back from the loss, and where two such fronts meet says little, and a
+    reduced problem's folded costs carry later constraints into earlier variables. None
+    where this weaker propagation empties nothing."""
+    allowed = [e.cost < FORBIDDEN for e in problem.edges]
+    domains = [np.asarray(u < FORBIDDEN) for u in problem.unary]
+    for v in range(problem.num_vars):
+        for i in problem.incident[v]:
+            e, ok = problem.edges[i], allowed[i]
+            if e.dst == v and e.src < v:
+                domains[v] = domains[v] & ok[domains[e.src], :].any(axis=0)
+            elif e.src == v and e.dst < v:
+                domains[v] = domains[v] & ok[:, domains[e.dst]].any(axis=1)
+            elif e.src == e.dst == v:
+                domains[v] = domains[v] & np.diag(ok)
+        if not domains[v].any():
+            return problem.members[v][0]
+    return None
 
 
 def _smallest_footprint(problem: ShardingProblem) -> list[int]:
