@@ -1151,11 +1151,11 @@ def _annotate_origins(gm: fx.GraphModule, inputs: Sequence[InputSpec],
         if made_by is not None:
             module, source = made_by.module, source or made_by.source
         elif module is None:
-            origins = [ORIGIN.get(a) for a in node.all_input_nodes if ORIGIN.get(a)]
             if phase == "backward":
                 latest = max(node.all_input_nodes, key=position.__getitem__, default=None)
                 preferred = [ORIGIN.get(latest)] if latest is not None else []
             else:
+                origins = [ORIGIN.get(a) for a in node.all_input_nodes if ORIGIN.get(a)]
                 preferred = [o for o in origins if o.phase in ("forward", "input")] or origins
             module = preferred[0].module if preferred else ""
             if phase == "backward":

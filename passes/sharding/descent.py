@@ -155,6 +155,23 @@ class NoPlanWithoutForbiddenMoves(ShardingError):
     redistribution."""
 
 
+def _allowed_pairs(problem: ShardingProblem) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per edge, which candidate pairs it allows (cost below FORBIDDEN); per variable, the
+    candidates its unary cost and its self-loops allow."""
+    allowed = [e.cost < FORBIDDEN for e in problem.edges]
+    domains = [np.asarray(u < FORBIDDEN) for u in problem.unary]
+    for e, ok in zip(problem.edges, allowed):
+        if e.src == e.dst:
+            domains[e.src] = domains[e.src] & np.diag(ok)
+    return allowed, domains
+
+
+def _support(e: Edge, ok: np.ndarray, domains: list[np.ndarray], w: int) -> np.ndarray:
+    """The candidates of ``w``, an endpoint of ``e``, that some candidate left at its other
+    endpoint is allowed with."""
+    return ok[domains[e.src], :].any(axis=0) if w == e.dst else ok[:, domains[e.dst]].any(axis=1)
+
+
 def feasible_start(problem: ShardingProblem) -> list[int] | None:
     """A choice without a forbidden redistribution (every edge's cost below FORBIDDEN),
     or None where this finds none: a start for coordinate descent where the seeds all
@@ -171,11 +188,7 @@ def feasible_start(problem: ShardingProblem) -> list[int] | None:
     :class:`NoPlanWithoutForbiddenMoves` where arc consistency alone empties a set (every
     cost is non-negative, so every choice then costs FORBIDDEN or more)."""
     n = problem.num_vars
-    allowed = [e.cost < FORBIDDEN for e in problem.edges]
-    domains = [np.asarray(u < FORBIDDEN) for u in problem.unary]
-    for e, ok in zip(problem.edges, allowed):
-        if e.src == e.dst:
-            domains[e.src] = domains[e.src] & np.diag(ok)
+    allowed, domains = _allowed_pairs(problem)
 
     def consistent(changed) -> bool:
         """Arc consistency from the variables ``changed``; False where a set empties."""
@@ -188,11 +201,8 @@ def feasible_start(problem: ShardingProblem) -> list[int] | None:
                 e, ok = problem.edges[i], allowed[i]
                 if e.src == e.dst:
                     continue
-                if e.src == v:
-                    w, support = e.dst, ok[domains[v], :].any(axis=0)
-                else:
-                    w, support = e.src, ok[:, domains[v]].any(axis=1)
-                kept = domains[w] & support
+                w = e.dst if e.src == v else e.src
+                kept = domains[w] & _support(e, ok, domains, w)
                 if not kept.any():
                     return False
                 if (kept != domains[w]).any():
@@ -234,17 +244,12 @@ def first_conflict(problem: ShardingProblem) -> fx.Node | None:
     also propagates back from the loss, and where two such fronts meet says little, and a
     reduced problem's folded costs carry later constraints into earlier variables. None
     where this weaker propagation empties nothing."""
-    allowed = [e.cost < FORBIDDEN for e in problem.edges]
-    domains = [np.asarray(u < FORBIDDEN) for u in problem.unary]
+    allowed, domains = _allowed_pairs(problem)
     for v in range(problem.num_vars):
         for i in problem.incident[v]:
-            e, ok = problem.edges[i], allowed[i]
-            if e.dst == v and e.src < v:
-                domains[v] = domains[v] & ok[domains[e.src], :].any(axis=0)
-            elif e.src == v and e.dst < v:
-                domains[v] = domains[v] & ok[:, domains[e.dst]].any(axis=1)
-            elif e.src == e.dst == v:
-                domains[v] = domains[v] & np.diag(ok)
+            e = problem.edges[i]
+            if (e.src if e.dst == v else e.dst) < v:
+                domains[v] = domains[v] & _support(e, allowed[i], domains, v)
         if not domains[v].any():
             return problem.members[v][0]
     return None
