@@ -49,6 +49,7 @@ from .plan import Plan
 from .portable import attributes_read, from_portable, set_attribute, to_portable
 from .printing import format_graph
 from .sbp import NdSBP, local_shape, local_slices
+from .tracing import refuse_wrapped
 
 log = logging.getLogger("ddlc.runtime")
 
@@ -710,6 +711,7 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     (inference tensors could not be updated by the steps run outside it).
     """
     if isinstance(model, nn.Module):  # else rank 0's trace says what is wrong
+        refuse_wrapped(model)  # before the wrapper's tensors meet a collective
         holding.guard(model, optimizer)
     with torch.inference_mode(False):
         return _compile(model, mesh, example_inputs, loss_fn, optimizer, CompileOptions.from_kwargs(**options))

@@ -46,7 +46,7 @@ from .model_state import PLAIN, ModelWatch, describe, same_plain as _same_plain
 from .optim import hyperparameter_key, optimizer_spec
 from .updates import Update, stamp_updates
 
-__all__ = ["trace"]
+__all__ = ["refuse_wrapped", "trace"]
 
 def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
           optimizer: torch.optim.Optimizer | None = None, *, num_targets: int = 1,
@@ -78,6 +78,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     if clip_grad_norm is not None and not training:
         raise UnsupportedInputError("clip_grad_norm clips gradients: it needs a loss_fn or an "
                                     "optimizer")
+    refuse_wrapped(model)
     _check_initialised(model)
     if training:
         _check_modules(model)
@@ -293,6 +294,48 @@ def _checked_output(out):
         raise UnsupportedInputError(f"the model's forward returned {out!r}; it must return a tensor "
                                     "(or a tuple of tensors) for the loss or the caller to read")
     return out
+
+
+#: wrappers that distribute or compile a module themselves: (the module defining the class,
+#: its name, the wrapper in words, what the user passes instead). ddlc distributes and compiles the plain module;
+#: a class is looked up only where its module is loaded (no instance exists otherwise).
+_WRAPPERS = (
+    ("torch.nn.parallel.distributed", "DistributedDataParallel", "DistributedDataParallel",
+     "the module it wraps (model.module): ddlc distributes the model itself"),
+    ("torch.nn.parallel.data_parallel", "DataParallel", "DataParallel",
+     "the module it wraps (model.module): ddlc distributes the model itself"),
+    ("torch.distributed.fsdp", "FullyShardedDataParallel", "FullyShardedDataParallel",
+     "the model built without FSDP: ddlc shards the model itself"),
+    ("torch.distributed.fsdp", "FSDPModule", "fully_shard (FSDP2)",
+     "the model built without fully_shard: ddlc shards the model itself"),
+    ("torch._dynamo.eval_frame", "OptimizedModule", "torch.compile",
+     "the module before torch.compile (model._orig_mod): ddlc compiles the whole step itself, "
+     "and compile(..., backend='inductor') runs each rank's program through Inductor"),
+)
+
+
+def refuse_wrapped(model: nn.Module) -> None:
+    """Refuse a model holding a module that a distributed wrapper or ``torch.compile``
+    wraps, or a parameter or buffer that is already a DTensor: ddlc takes the plain
+    single-device module, and a wrapper's own communication or compilation would be
+    traced into the step or break it."""
+    wrappers = [(getattr(sys.modules[mod], name), words, instead) for mod, name, words, instead in _WRAPPERS
+                if mod in sys.modules and hasattr(sys.modules[mod], name)]
+    for path, module in model.named_modules():
+        for cls, words, instead in wrappers:
+            if isinstance(module, cls):
+                where = f"module {path}" if path else "the model"
+                raise UnsupportedInputError(f"{where} is wrapped by {words}: pass {instead}",
+                                            where=f"{where} ({type(module).__name__})")
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is not None:
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if isinstance(tensor, dtensor):
+                raise UnsupportedInputError(
+                    f"{name} is a DTensor (placements {tuple(tensor.placements)}): the model is "
+                    "already distributed (parallelize_module, distribute_tensor, fully_shard); "
+                    "ddlc takes the model with plain tensors on one device and distributes it itself",
+                    where=f"parameter or buffer {name}")
 
 
 def _check_initialised(model: nn.Module) -> None:

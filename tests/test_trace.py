@@ -649,6 +649,48 @@ def test_a_lazy_module_is_refused_until_called_once():
     ddlc.trace(model, batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def test_a_model_wrapped_for_distribution_or_by_torch_compile_is_refused_naming_the_wrapper():
+    """ddlc takes the plain single-device module: a module inside a DDP, DataParallel,
+    fully_shard or torch.compile wrapper, or holding DTensor parameters, is refused naming
+    the wrapper (or the parameter) and what to pass instead, by ``trace`` and by
+    ``ddlc.compile`` before any collective (it crashed deep inside torch, or failed at the
+    first step)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def plain():
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    batch = (torch.randn(8, 4), torch.randn(8, 2))
+
+    def refused(model, match):
+        with pytest.raises(UnsupportedInputError, match=match):
+            ddlc.trace(model, batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(UnsupportedInputError, match=match):  # no process group needed
+            ddlc.compile(model, (4,), batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    refused(torch.compile(plain()), r"the model is wrapped by torch.compile: pass the module "
+                                    r"before torch.compile \(model._orig_mod\)")
+    nested = plain()
+    nested[2] = torch.compile(nested[2])
+    refused(nested, r"module 2 is wrapped by torch.compile")
+    refused(torch.nn.DataParallel(plain()), r"the model is wrapped by DataParallel: pass the module it "
+                                            r"wraps \(model.module\)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        refused(torch.nn.parallel.DistributedDataParallel(plain()), "the model is wrapped by DistributedDataParallel")
+        mesh = init_device_mesh("cpu", (4,))
+        refused(fully_shard(plain(), mesh=mesh), r"wrapped by fully_shard \(FSDP2\)")
+        model = plain()
+        model[0].weight = torch.nn.Parameter(distribute_tensor(model[0].weight.detach(), mesh, [Replicate()]))
+        refused(model, r"0.weight is a DTensor .*already distributed")
+    finally:
+        dist.destroy_process_group()
+    ddlc.trace(plain(), batch, F.mse_loss)
+
+
 def test_recomputed_attributes_are_not_state():
     """Attributes the forward recomputes from parameters before reading them (the old
     ``torch.nn.utils.spectral_norm``/``weight_norm``'s ``weight``) and lists torch's modules
