@@ -54,12 +54,13 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 from torch import fx, nn
 
+from cost_models.boxing import boxing_cost
 from cost_models.collectives import axis_time
 from cost_models.compute import op_time
 from cost_models.program import NodeCosts, program_makespan, program_timeline
 from cost_models.timeline import TimelineResult
 from passes.canonicalize import canonicalize
-from passes.collectives import insert_collectives
+from passes.collectives import insert_collectives, output_targets
 from passes.decouple import decouple
 from passes.expand_updates import expand_updates
 from passes.fuse import adopt, fuse, fuse_search
@@ -473,22 +474,38 @@ class LoweringChoices:
 def splits_evenly(gm: fx.GraphModule, mesh: Mesh) -> bool:
     """Whether every planned tensor splits into equal pieces (then every rank's local
     shapes, modeled timelines and lowering choices are the same, and one rank's program
-    serves every rank: :func:`retarget`): each node's outputs as it makes them, and its
-    tensor inputs as it reads them (a piece cut for a reader, ``local_chunk``, may be
-    uneven where its producer's placement is not)."""
-    def uneven(values, placements) -> bool:
-        return any(isinstance(v, torch.Tensor) and x is not None and not divides(tuple(v.shape), x, mesh.shape)
-                   for v, x in zip(values, placements))
+    serves every rank: :func:`retarget`): each node's outputs as it makes them, its tensor
+    inputs as it reads them (a piece cut for a reader, ``local_chunk``, may be uneven where
+    its producer's placement is not), the graph's outputs as the step returns them, and
+    every placement a redistribution passes through on its way (the cheapest route of
+    :func:`cost_models.boxing.boxing_cost`, which ``insert_collectives`` runs: a 5-element
+    gradient summed from ``(P, P)`` to ``(B, B)`` on (2, 2) is reduce-scattered into 3 and
+    2 elements on axis 0 first)."""
+    def even(value, placement) -> bool:
+        return not isinstance(value, torch.Tensor) or placement is None or \
+            divides(tuple(value.shape), placement, mesh.shape)
+
+    def read_evenly(producer, value, placement) -> bool:
+        """``producer``'s tensor ``value`` redistributed to ``placement``, every piece on the
+        way equal."""
+        made = SHARDING.get(producer)
+        if not even(value, placement) or made is None or len(made.outputs) != 1 or made.output == placement:
+            return even(value, placement)
+        route = boxing_cost(tuple(value.shape), value.element_size(), made.output, placement, mesh)
+        return all(even(value, step.after) for step in route.steps)
 
     for node in gm.graph.nodes:
         sharding = SHARDING.get(node)
         if sharding is None:
             continue
-        inputs = [a.meta["val"] for a in leaves((node.args, node.kwargs))
+        inputs = [a for a in leaves((node.args, node.kwargs))
                   if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-        if uneven(leaves(node.meta.get("val")), sharding.outputs) or uneven(inputs, sharding.inputs):
+        if not all(even(v, x) for v, x in zip(leaves(node.meta.get("val")), sharding.outputs)) or \
+                not all(read_evenly(a, a.meta["val"], x) for a, x in zip(inputs, sharding.inputs)):
             return False
-    return True
+    returned = leaves(gm.graph.output_node().args[0])
+    return all(read_evenly(a, a.meta["val"], x) for a, x in zip(returned, output_targets(gm, mesh.ndim))
+               if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor))
 
 
 def retarget(program: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.GraphModule:

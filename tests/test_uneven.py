@@ -106,6 +106,49 @@ def test_uneven_plans_train_like_single_device_simulated(shape):
     assert_matches_reference({"losses": losses, "params": params, "opt_state": state}, want, str(shape))
 
 
+def test_a_plan_whose_redistribution_passes_through_uneven_pieces_lowers_every_rank():
+    """Data parallelism pinned on (2, 2) under ``dgx-h100-ib``: the 5-element output bias's
+    gradient goes from ``(P, P)`` to ``(B, B)`` by a reduce-scatter on axis 0 (pieces of 3
+    and 2), an all-reduce on axis 1 and an all-gather on axis 0. Every planned placement
+    divides, but that route does not: coordinate 0's program (its pieces 3 long) cannot be
+    every rank's, and ``ddlc.compile`` stopped with an internal ``LoweringError``
+    retargeting it. The route's placements count as the plan's, so each rank lowers its
+    own, and the step trains like the single device."""
+    def masked_mean(out, target):
+        mask = (target > 0).float()
+        return ((out - target) ** 2 * mask).sum() / mask.sum().clamp(min=1)
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 5, generator=g)) for _ in range(3)]
+    def sgd(net):
+        return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    net, mesh = model(), ddlc.Mesh((2, 2), profile="dgx-h100-ib")
+    options = CompileOptions.from_kwargs(profile="dgx-h100-ib", move_activations=False)
+    gm = pipeline.trace_step(net, data[0], masked_mean, sgd(net), options)
+    pinned = {"input0": "(S0, S0)", "input1": "(S0, S0)"} | {k: "(B, B)" for k, _ in net.named_parameters()}
+    pipeline.plan(gm, mesh, options, pipeline.resolve_placements(gm, pinned, 2))
+    assert all(SHARDING(n).output == parse_sbp("(B, B)") for n in gm.graph.nodes if n.op == "placeholder"
+               and n.meta["val"].ndim == 1)  # the biases and their momenta whole
+    assert [str(step.after) for step in boxing_cost((5,), 4, parse_sbp("(P, P)"), parse_sbp("(B, B)"), mesh).steps] \
+        == ["(S0, P)", "(S0, B)", "(B, B)"]
+    assert not pipeline.splits_evenly(gm, mesh)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    losses, params, _, _ = simulate_steps(gm, mesh, params, {}, data)
+    eager = model()
+    opt, want = sgd(eager), []
+    for x, y in data:
+        opt.zero_grad()
+        loss = masked_mean(eager(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.detach())
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(eager.named_parameters())})
+
+
 def _compiled_gpt(rank, shape):
     model, data = _model(), _batches()
     step = ddlc.compile(model, _mesh(shape), data[0], lm_loss, optimizer("adamw", model))
