@@ -57,6 +57,10 @@ def custom_operator(exc: BaseException) -> str | None:
         op = frame.f_locals.get("self") if frame.f_code.co_name == "__call__" else None
         if isinstance(op, torch._ops.OpOverload) and op.namespace not in _TORCH_NAMESPACES:
             found = op.name()
+        # called as ``torch.ops.ns.op(...)``: the packet picks its overload in C++
+        elif isinstance(op, torch._ops.OpOverloadPacket) and \
+                op._qualified_op_name.partition("::")[0] not in _TORCH_NAMESPACES:
+            found = op._qualified_op_name
     return found
 
 

@@ -260,11 +260,13 @@ class _OwnGenerator(torch.nn.Module):
 
 
 class _CallsACustomOp(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, through_ops: bool = False):
         super().__init__()
-        self.fc = torch.nn.Linear(4, 4)
+        self.fc, self.through_ops = torch.nn.Linear(4, 4), through_ops
 
     def forward(self, x):
+        if self.through_ops:  # as transformers calls its grouped_mm_fallback: the packet
+            return torch.ops.ddlc_tests.doubled(self.fc(x))
         return _doubled(self.fc(x))
 
 
@@ -314,6 +316,8 @@ CATALOGUE = [
     ("Module.to() inside forward", lambda: ddlc.trace(_ConvertsInForward(), (_X, _X), F.mse_loss),
      UnsupportedInputError, r"the forward sets a tensor's .data \(nn.Module.to\(\)"),
     ("a custom operator with its own autograd", lambda: ddlc.trace(_CallsACustomOp(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, "the model calls the custom operator ddlc_tests::doubled"),
+    ("a custom operator called through torch.ops", lambda: ddlc.trace(_CallsACustomOp(True), (_X, _X), F.mse_loss),
      UnsupportedInputError, "the model calls the custom operator ddlc_tests::doubled"),
     ("a loss penalty on parameters listed before compile", _penalty_on_params_kept_before_compile,
      UnsupportedInputError, r"reads parameter '0.weight' through a reference taken outside the model"),
