@@ -3,6 +3,7 @@ memory budgets, pinned inputs, determinism, mesh-shape search."""
 import math
 import operator
 import os
+import re
 import subprocess
 import sys
 
@@ -601,6 +602,8 @@ def test_a_step_that_must_move_activations_is_refused_when_told_not_to():
                                             r"more: \w+ -> \w+\n  at \w+ \[bn1\] .*zoo.py") as info:
         _pinned_plan(model, batch, F.cross_entropy, "(B)", ddlc.Mesh((4,)))
     assert "self.bn1(" in str(info.value)
+    # what reaches it: the batch split whole, and the statistics only as partial sums
+    assert re.search(r"without a move \(\w+ as \(S0\); \w+ as \(P\), where P is a partial sum", str(info.value))
 
 
 def test_an_uneven_data_parallel_refusal_names_the_flatten_that_needs_the_move():

@@ -32,7 +32,7 @@ from ddlc.printing import format_bytes, op_name
 from ddlc.sbp import NdSBP
 from passes.rules import has_rule
 
-from .descent import SEEDS, NoPlanWithoutForbiddenMoves, coordinate_descent, feasible_start, first_conflict
+from .descent import SEEDS, Conflict, NoPlanWithoutForbiddenMoves, coordinate_descent, feasible_start, first_conflict
 from .exact import smallest_footprint, solve_exact, solve_milp
 from .problem import (FORBIDDEN, PriceCache, ShardingProblem, build_problem, compute_seconds,
                       lone_scalar_axes, reduce_problem)
@@ -112,7 +112,7 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
         stats["lone_scalar_axes"] = sorted(lone)
         if problem.objective(other) < problem.objective(choice):
             choice, stats = other, {**other_stats, "lone_scalar_axes": sorted(lone)}
-    conflict: fx.Node | None = None  # where propagation proves the placements conflict
+    conflict: Conflict | None = None  # where propagation proves the placements conflict
     if solver == "cd" and problem.objective(choice) >= FORBIDDEN:
         # every plan coordinate descent reached needs a forbidden redistribution; one that
         # needs none may still exist, reached only by changing many variables at once (a
@@ -156,18 +156,19 @@ def shard(gm: fx.GraphModule, mesh: Mesh, *, solver: str = "cd",
             f"whole tensors (their inputs gathered): {', '.join(unruled)}" if unruled else ""
         found = f"the least costly plan found moves {edge.what} (read by {op_name(reader)}){more}"
         if conflict is not None:  # name the first operator that cannot go on, not the plan's pick
-            origin = ORIGIN.get(conflict)
+            reader = conflict.node
+            origin = ORIGIN.get(reader)
             module = f" in module {origin.module}" if origin is not None and origin.module else ""
-            found = (f"{conflict.name} ({op_name(conflict)}{module}) is the first operator no "
-                     f"signature of which takes what reaches it without a move; {found}")
-            reader = conflict
+            found = (f"{reader.name} ({op_name(reader)}{module}) is the first operator no "
+                     f"signature of which takes what reaches it without a move ({conflict.describe()}); "
+                     f"{found}")
         raise ShardingError("no plan runs this step without redistributing activations "
                             f"(move_activations=False) on mesh {mesh} with these placements: "
                             f"{found}{unruled}", where=where(reader))
     if problem.objective(choice) >= FORBIDDEN:
         raise ShardingError("every sharding found needs a forbidden redistribution (S->P); "
                             "the rules are missing a signature for some operator",
-                            where=where(conflict) if conflict is not None else None)
+                            where=where(conflict.node) if conflict is not None else None)
     return make_plan(problem, choice, solver, stats)
 
 

@@ -50,6 +50,7 @@ import collections
 import hashlib
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from torch import fx
@@ -234,7 +235,23 @@ def feasible_start(problem: ShardingProblem) -> list[int] | None:
     return choice
 
 
-def first_conflict(problem: ShardingProblem) -> fx.Node | None:
+class Conflict(NamedTuple):
+    """Where :func:`first_conflict` finds the placements conflict: the operator ``node``,
+    and per earlier neighbour (by name) the placements that can still reach it."""
+
+    node: fx.Node
+    reaching: tuple[tuple[str, tuple[str, ...]], ...]
+
+    def describe(self) -> str:
+        """What reaches the node, in words: ``mean as (P); convolution as (S0)``, with what
+        a partial sum is where one does."""
+        text = "; ".join(f"{name} as {' or '.join(placements)}" for name, placements in self.reaching)
+        if any("P" in p for _, placements in self.reaching for p in placements):
+            text += ", where P is a partial sum (a sum over a split dim, which only an all-reduce makes whole)"
+        return text
+
+
+def first_conflict(problem: ShardingProblem) -> Conflict | None:
     """The first node, in graph order, left without a candidate when each variable keeps
     only the candidates (cost below FORBIDDEN) its *earlier* neighbours support:
     propagation along the data flow, one pass over the variables of an unreduced problem
@@ -246,13 +263,25 @@ def first_conflict(problem: ShardingProblem) -> fx.Node | None:
     where this weaker propagation empties nothing."""
     allowed, domains = _allowed_pairs(problem)
     for v in range(problem.num_vars):
+        earlier = []
         for i in problem.incident[v]:
             e = problem.edges[i]
-            if (e.src if e.dst == v else e.dst) < v:
+            u = e.src if e.dst == v else e.dst
+            if u < v:
                 domains[v] = domains[v] & _support(e, allowed[i], domains, v)
+                earlier.append(u)
         if not domains[v].any():
-            return problem.members[v][0]
+            return Conflict(problem.members[v][0], tuple(_reaching(problem, u, domains[u])
+                                                         for u in dict.fromkeys(earlier)))
     return None
+
+
+def _reaching(problem: ShardingProblem, u: int, domain: np.ndarray) -> tuple[str, tuple[str, ...]]:
+    """Variable ``u``'s name and the output placements its candidates left in ``domain``
+    give (all of a multi-output node's)."""
+    placements = dict.fromkeys(", ".join(map(str, sig.outputs)) for sig, left in zip(problem.candidates[u], domain)
+                               if left)
+    return problem.members[u][0].name, tuple(placements)
 
 
 def _smallest_footprint(problem: ShardingProblem) -> list[int]:
