@@ -6,7 +6,9 @@
   ``logsumexp``, ``linalg_vector_norm``...): a reduced dim is never split (its pieces
   would combine by max, or, or another non-sum), kept dims split through; no ``P``.
 - ``cumsum`` (``cumprod``): the scanned dim is never split, the others split through;
-  ``cumsum`` is linear (``P->P``).
+  ``cumsum`` is linear (``P->P``). Selections along a dim (``topk``, ``sort``,
+  ``cummax``/``cummin``; ``kthvalue``, ``median``, ``mode`` reduce it): that dim is never
+  split, the others split through (values and indices alike); no ``P``.
 - softmax / log-softmax / ``_safe_softmax``: the softmax dim is never split; no ``P``
   forward, backward linear in the incoming gradient.
 - layer norm: the normalized dims are never split; the batch dims split, and in the
@@ -91,6 +93,14 @@ def scan(call: Call) -> Labels:
     labels = _except_dim(ndim, call.dim("dim", ndim)) if ndim else ""
     linear = [{"self"}] if call.target is aten.cumsum.default else []
     return Labels({"self": labels}, [labels], linear=linear)
+
+
+def along_dim(call: Call) -> Labels:
+    """topk/sort/cummax/cummin: the dim they select or order along never splits, the
+    others split through (every output: values and indices); no ``P``."""
+    ndim = call["self"].ndim
+    labels = _except_dim(ndim, call.dim("dim", ndim)) if ndim else ""
+    return Labels({"self": labels}, [labels] * len(call.outputs))
 
 
 def _except_dim(ndim: int, d: int) -> str:
@@ -275,6 +285,7 @@ REDUCE_UNSPLIT = [
     aten.logsumexp.default, aten.var.correction, aten.std.correction,
     aten.var_mean.correction, aten.std_mean.correction, aten.linalg_vector_norm.default,
     aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype,
+    aten.kthvalue.default, aten.median.dim, aten.nanmedian.dim, aten.mode.default,
 ]
 
 RULES = {
@@ -294,6 +305,8 @@ RULES = {
     aten.mse_loss_backward.default: mse_loss_backward,
     **dict.fromkeys(REDUCE_UNSPLIT, reduce_unsplit),
     aten.cumsum.default: scan, aten.cumprod.default: scan,
+    **dict.fromkeys([aten.topk.default, aten.sort.default, aten.sort.stable, aten.cummax.default,
+                     aten.cummin.default], along_dim),
     **dict.fromkeys([aten.native_batch_norm.default, aten._native_batch_norm_legit_no_training.default,
                      aten._native_batch_norm_legit.no_stats,
                      aten._native_batch_norm_legit_functional.default], batch_norm),
