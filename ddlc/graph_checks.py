@@ -65,16 +65,19 @@ def no_input_mutation(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> None:
         if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
                 and node.args[0].op == "placeholder":
             spec = by_name.get(node.args[0].name)
+            # the write-back has no source line; the operator computing the written value has
+            written = node.args[1] if isinstance(node.args[1], fx.Node) else node
+            at = source_from_stack(written.meta.get("stack_trace")) or None
             if spec is not None and spec.role == "param":
                 raise UnsupportedInputError(
                     f"the forward writes parameter {spec.key!r} in place (e.g. "
                     "nn.Embedding(max_norm=...) renormalizes the rows it reads); ddlc carries "
                     "in-place updates of the model's buffers only: renormalize outside the "
-                    "step, or use F.normalize on the looked-up rows")
+                    "step, or use F.normalize on the looked-up rows", where=at)
             raise UnsupportedInputError(
                 f"the step mutates its input {node.args[0].name!r} in place (a batch tensor "
                 "or a tensor captured from outside the model); ddlc carries in-place updates "
-                "of the model's own buffers only")
+                "of the model's own buffers only", where=at)
 
 
 def static_shapes(gm: fx.GraphModule) -> None:

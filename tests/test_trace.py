@@ -747,11 +747,12 @@ class _Embedder(torch.nn.Module):
 def test_embedding_options_ddlc_cannot_carry_are_refused_with_their_cause(options, cause):
     """A sparse gradient failed deep inside the update's trace (addcmul on SparseCPU); an
     embedding's max_norm renormalizes its weight in place in forward, which was refused as
-    a mutated "batch tensor or captured tensor"."""
+    a mutated "batch tensor or captured tensor". Each names the module or the line."""
     model = _Embedder(**options)
-    with pytest.raises(UnsupportedInputError, match=re.escape(cause)):
+    with pytest.raises(UnsupportedInputError, match=re.escape(cause)) as info:
         ddlc.trace(model, (torch.randint(0, 20, (8, 5)), torch.randn(8, 3)), F.mse_loss,
                    torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "emb" in str(info.value).split("\n  at ")[1]  # the module, or the line calling it
 
 
 def test_an_operator_without_a_static_shape_rule_is_named():
