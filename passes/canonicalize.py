@@ -3,7 +3,9 @@
 A mean over a split dim is not a partial sum (each rank divides by its local
 count), so a data-parallel loss would force the logits to be gathered. Here
 ``nll_loss_forward(..., reduction=mean)`` (and the per-pixel ``nll_loss2d_forward``)
-becomes the sum-reduction loss divided by its ``total_weight`` output; ``mse_loss`` (and its backward) and ``mean.dim``
+becomes the sum-reduction loss divided by its ``total_weight`` output; the elementwise
+losses (``mse_loss``, ``smooth_l1_loss``, ``huber_loss``, ``binary_cross_entropy``,
+``soft_margin_loss``, and their backwards) and ``mean`` (``mean.dim``, and ``x.mean()``)
 become their sum forms divided by the static element count. All are exact.
 ``ones_like`` / ``zeros_like`` of a scalar read its metadata from the earliest input
 that has the same (:func:`_rewrite_like_of_scalar`), so the loss's last arithmetic
@@ -97,28 +99,58 @@ def _rewrite_mean_dim(graph: fx.Graph, node: fx.Node) -> None:
     graph.erase_node(node)
 
 
-def _rewrite_mse_mean(graph: fx.Graph, node: fx.Node) -> None:
-    """mse_loss(x, y, mean) -> mse_loss(x, y, sum) / numel."""
-    x, y, *rest = node.args
-    if (rest[0] if rest else node.kwargs.get("reduction", MEAN)) != MEAN:
+def _rewrite_mean_all(graph: fx.Graph, node: fx.Node) -> None:
+    """``x.mean()`` -> ``x.sum() / numel`` (``mean.default``, no dtype)."""
+    if node.kwargs.get("dtype") is not None:
         return
-    node.args, node.kwargs = (x, y, SUM), {}
-    _with_val(node, aten.mse_loss.default, *node.args)
-    count = x.meta["val"].numel()
+    x = node.args[0]
+    with graph.inserting_before(node):
+        total = _emit(graph, aten.sum.default, (x,), node)
+        mean = _emit(graph, aten.div.Scalar, (total, x.meta["val"].numel()), node)
+    node.replace_all_uses_with(mean)
+    graph.erase_node(node)
+
+
+def _reduction(node: fx.Node) -> tuple[int, int]:
+    """(position, value) of ``node``'s ``reduction`` argument (its default where not given)."""
+    schema = node.target._schema
+    i = next(i for i, a in enumerate(schema.arguments) if a.name == "reduction")
+    if i < len(node.args):
+        return i, node.args[i]
+    return i, node.kwargs.get("reduction", schema.arguments[i].default_value)
+
+
+def _with_sum(node: fx.Node, i: int) -> None:
+    """Make ``node``'s reduction (argument ``i``) a sum, given positionally."""
+    args = list(node.args) + [node.target._schema.arguments[j].default_value
+                              for j in range(len(node.args), i)]
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "reduction"}
+    node.args, node.kwargs = (*args[:i], SUM, *args[i + 1:]), kwargs
+
+
+def _rewrite_loss_mean(graph: fx.Graph, node: fx.Node) -> None:
+    """An elementwise loss with ``reduction=mean`` -> its ``sum`` form / numel."""
+    i, reduction = _reduction(node)
+    if reduction != MEAN:
+        return
+    _with_sum(node, i)
+    _with_val(node, lambda *vals: node.target(*vals, **node.kwargs), *node.args)
+    count = node.args[0].meta["val"].numel()
     with graph.inserting_after(node):
         mean = _emit(graph, aten.div.Scalar, (node, count), node)
     node.replace_all_uses_with(mean, delete_user_cb=lambda u: u is not mean)
 
 
-def _rewrite_mse_backward_mean(graph: fx.Graph, node: fx.Node) -> None:
-    """mse_loss_backward(g, x, y, mean) -> mse_loss_backward(g / numel, x, y, sum)."""
-    grad, x, y, reduction = node.args
+def _rewrite_loss_backward_mean(graph: fx.Graph, node: fx.Node) -> None:
+    """Its backward with ``reduction=mean`` -> the ``sum`` form of ``grad / numel``."""
+    i, reduction = _reduction(node)
     if reduction != MEAN:
         return
-    count = x.meta["val"].numel()
+    grad, x = node.args[0], node.args[1]
     with graph.inserting_before(node):
-        scaled = _emit(graph, aten.div.Scalar, (grad, count), node)
-    node.args = (scaled, x, y, SUM)
+        scaled = _emit(graph, aten.div.Scalar, (grad, x.meta["val"].numel()), node)
+    _with_sum(node, i)
+    node.args = (scaled, *node.args[1:])
 
 
 def _rewrite_like_of_scalar(graph: fx.Graph, node: fx.Node) -> None:
@@ -226,12 +258,20 @@ def _position(graph: fx.Graph, node: fx.Node) -> int:
     raise KeyError(node)
 
 
+#: losses computed element by element, then reduced (``reduction``: none, mean or sum)
+ELEMENTWISE_LOSSES = (aten.mse_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
+                      aten.binary_cross_entropy.default, aten.soft_margin_loss.default)
+ELEMENTWISE_LOSS_BACKWARDS = (aten.mse_loss_backward.default, aten.smooth_l1_loss_backward.default,
+                              aten.huber_loss_backward.default, aten.binary_cross_entropy_backward.default,
+                              aten.soft_margin_loss_backward.default)
+
 REWRITES = {
     aten.nll_loss_forward.default: _rewrite_nll_mean,
     aten.nll_loss2d_forward.default: _rewrite_nll_mean,
     aten.mean.dim: _rewrite_mean_dim,
-    aten.mse_loss.default: _rewrite_mse_mean,
-    aten.mse_loss_backward.default: _rewrite_mse_backward_mean,
+    aten.mean.default: _rewrite_mean_all,
+    **dict.fromkeys(ELEMENTWISE_LOSSES, _rewrite_loss_mean),
+    **dict.fromkeys(ELEMENTWISE_LOSS_BACKWARDS, _rewrite_loss_backward_mean),
     aten.ones_like.default: _rewrite_like_of_scalar,
     aten.zeros_like.default: _rewrite_like_of_scalar,
     aten.index.Tensor: _rewrite_index_by_aranges,

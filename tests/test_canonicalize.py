@@ -1,4 +1,5 @@
 """canonicalize rewrites mean reductions exactly and keeps the graph runnable."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -6,7 +7,7 @@ import ddlc
 from ddlc.ir import output_scalars
 from ddlc.printing import op_summary
 from ddlc.zoo import GPT, lm_loss
-from passes.canonicalize import canonicalize
+from passes.canonicalize import ELEMENTWISE_LOSS_BACKWARDS, ELEMENTWISE_LOSSES, canonicalize
 
 aten = torch.ops.aten
 
@@ -81,6 +82,28 @@ def test_mean_dim_becomes_sum_div():
     for a, b in zip(before, _run(gm, model, (x, y))):
         torch.testing.assert_close(a, b)
     assert all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function")
+
+
+@pytest.mark.parametrize("loss", [
+    lambda o, y: ((o - y) ** 2).mean(), F.l1_loss, F.smooth_l1_loss, F.huber_loss,
+    lambda o, y: F.binary_cross_entropy(o.sigmoid(), y.sigmoid(), weight=torch.ones(8) * 0.5),
+    F.binary_cross_entropy_with_logits, F.soft_margin_loss],
+    ids=["mean", "l1", "smooth_l1", "huber", "bce_weight", "bce_logits", "soft_margin"])
+def test_the_mean_of_an_elementwise_loss_becomes_its_sum_over_the_count(loss):
+    """``x.mean()`` and the mean-reduced elementwise losses (and their backwards) become
+    sums divided by the element count, so a batch split sums them as partial sums (they
+    kept the batch whole: data parallelism without moved activations was refused)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    gm = ddlc.trace(model, (x, y), loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = _run(gm, model, (x, y))
+    canonicalize(gm)
+    assert "aten.mean" not in op_summary(gm)
+    losses = [n for n in gm.graph.nodes if n.target in (*ELEMENTWISE_LOSSES, *ELEMENTWISE_LOSS_BACKWARDS)]
+    assert all(dict(zip((a.name for a in n.target._schema.arguments), n.args))["reduction"] == 2 for n in losses)
+    for a, b in zip(before, _run(gm, model, (x, y))):
+        torch.testing.assert_close(a, b)
 
 
 def test_the_backward_seed_reads_the_loss_sum_so_the_loss_division_feeds_only_the_output():

@@ -588,6 +588,38 @@ def test_plans_that_move_no_activation_are_data_parallel_or_fully_sharded(name, 
     assert_matches_reference({"losses": losses, "params": params, "opt_state": state}, want, name)
 
 
+@pytest.mark.parametrize("loss_fn", [
+    lambda o, y: ((o - y) ** 2).mean(), F.l1_loss, F.smooth_l1_loss, torch.nn.HuberLoss(delta=0.5),
+    lambda o, y: F.binary_cross_entropy_with_logits(o, (y > 0).float(), pos_weight=torch.full((8,), 2.0))],
+    ids=["mean", "l1", "smooth_l1", "huber", "bce_pos_weight"])
+def test_data_parallelism_takes_the_common_mean_losses(loss_fn):
+    """``x.mean()``, L1, smooth L1, Huber and binary cross-entropy with logits over a split
+    batch, with no activation moved: the mean is a sum over the count (canonicalize) and
+    the losses sum their pieces as partial sums (their rules). Each was refused before
+    (the batch kept whole at the loss). The numbers are single device's on (4,) and (2,2)."""
+    from conftest import assert_matches_reference, optimizer, train
+    from ddlc import pipeline
+    from ddlc.options import CompileOptions
+    from ddlc.simulate import simulate_steps
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)) for _ in range(3)]
+    want = train(model(), loss_fn, "adamw", data)
+    for mesh in (ddlc.Mesh((4,)), ddlc.Mesh((2, 2))):
+        net = model()
+        split, whole = ("(S0)", "(B)") if mesh.ndim == 1 else ("(S0, S0)", "(B, B)")
+        options = CompileOptions.from_kwargs(move_activations=False, placements={
+            "input0": split, "input1": split, **{k: whole for k, _ in net.named_parameters()}})
+        gm = pipeline.trace_step(net, data[0], loss_fn, optimizer("adamw", net), options)
+        pipeline.plan(gm, mesh, options, pipeline.resolve_placements(gm, options.placements, mesh.ndim))
+        params = {k: v.detach() for k, v in net.named_parameters()}
+        losses, params, state, _ = simulate_steps(gm, mesh, params, {}, data)
+        assert_matches_reference({"losses": losses, "params": params, "opt_state": state}, want, str(mesh))
+
+
 def test_a_step_that_must_move_activations_is_refused_when_told_not_to():
     from ddlc.zoo import resnet18
     torch.manual_seed(0)

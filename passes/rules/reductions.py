@@ -25,10 +25,11 @@
   everything but the weight and bias (``N`` localized), whose gradients are contracted
   over it (``P``); channels and space never split (groups span them). The backward is
   linear in the incoming gradient.
-- nll / mse loss: with ``reduction=sum`` a batch split gives a ``P`` loss (and a
-  ``P`` total_weight); with ``mean`` the batch dim is never split (a local mean is
-  not a partial sum), except in ``nll_loss_backward``, whose gradient rows only
-  scale by the (``B``) total weight. Losses are linear in the input / gradient. The
+- nll and the elementwise losses (mse, smooth L1, Huber, binary cross-entropy, soft
+  margin): with ``reduction=sum`` a batch split gives a ``P`` loss (and a ``P``
+  total_weight); with ``mean`` the batch dim is never split (a local mean is not a
+  partial sum), except in ``nll_loss_backward``, whose gradient rows only scale by the
+  (``B``) total weight. nll is linear in its input; every backward in its gradient. The
   per-pixel ``nll_loss2d`` (``[N, C, H, W]``) splits its batch and spatial dims alike.
 """
 from __future__ import annotations
@@ -262,19 +263,38 @@ def nll_loss2d_backward(call: Call) -> Labels:
     return Labels({"grad_output": grad, "self": x, "target": target}, [x], linear=[{"grad_output"}])
 
 
-def mse_loss(call: Call) -> Labels:
+def _elementwise_loss_labels(call: Call) -> tuple[str, dict[str, str]]:
+    """(the labels of ``self`` and ``target``, and of ``weight`` where given) of an
+    elementwise loss: every dim splits unless the reduction is a mean (a local mean is not
+    a partial sum; ``passes/canonicalize.py`` makes most means sums); a weight broadcast
+    along a dim (size 1 there) never splits it."""
     ndim = call["self"].ndim
     labels = letters(ndim) if call["reduction"] != MEAN else UNSPLIT * ndim
+    extra = {}
+    weight = call.args.get("weight")
+    if weight is not None:
+        shape, wshape = call["self"].shape, weight.shape
+        lead = ndim - len(wshape)
+        extra["weight"] = "".join(labels[lead + d] if n == shape[lead + d] else UNSPLIT
+                                  for d, n in enumerate(wshape))
+    return labels, extra
+
+
+def elementwise_loss(call: Call) -> Labels:
+    """mse / smooth L1 / Huber / binary cross-entropy / soft margin: elementwise, then
+    summed (``P`` over a split dim) or kept (``reduction=none``)."""
+    labels, extra = _elementwise_loss_labels(call)
     out = labels if call["reduction"] == 0 else ""
-    return Labels({"self": labels, "target": labels}, [out])
+    return Labels({"self": labels, "target": labels, **extra}, [out])
 
 
-def mse_loss_backward(call: Call) -> Labels:
-    ndim = call["self"].ndim
-    labels = letters(ndim) if call["reduction"] != MEAN else UNSPLIT * ndim
+def elementwise_loss_backward(call: Call) -> Labels:
+    """Their backwards: linear in the incoming gradient (mse's jointly in input and
+    target too)."""
+    labels, extra = _elementwise_loss_labels(call)
     grad = labels if call["reduction"] == 0 else ""
-    return Labels({"grad_output": grad, "self": labels, "target": labels}, [labels],
-                  linear=[{"grad_output"}, {"self", "target"}])
+    linear = [{"grad_output"}] + ([{"self", "target"}] if call.target is aten.mse_loss_backward.default else [])
+    return Labels({"grad_output": grad, "self": labels, "target": labels, **extra}, [labels], linear=linear)
 
 
 REDUCE_UNSPLIT = [
@@ -301,8 +321,11 @@ RULES = {
     aten.nll_loss_backward.default: nll_loss_backward,
     aten.nll_loss2d_forward.default: nll_loss2d,
     aten.nll_loss2d_backward.default: nll_loss2d_backward,
-    aten.mse_loss.default: mse_loss,
-    aten.mse_loss_backward.default: mse_loss_backward,
+    **dict.fromkeys([aten.mse_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
+                     aten.binary_cross_entropy.default, aten.soft_margin_loss.default], elementwise_loss),
+    **dict.fromkeys([aten.mse_loss_backward.default, aten.smooth_l1_loss_backward.default,
+                     aten.huber_loss_backward.default, aten.binary_cross_entropy_backward.default,
+                     aten.soft_margin_loss_backward.default], elementwise_loss_backward),
     **dict.fromkeys(REDUCE_UNSPLIT, reduce_unsplit),
     aten.cumsum.default: scan, aten.cumprod.default: scan,
     **dict.fromkeys([aten.topk.default, aten.sort.default, aten.sort.stable, aten.cummax.default,
