@@ -352,6 +352,10 @@ SYNTHETIC.update({
     "eq_tensor": lambda: (aten.eq.Tensor, (_indices(4, 6), _indices(6)), {}),
     "ne_scalar": lambda: (aten.ne.Scalar, (_indices(4, 6), 3), {}),
     "logical_and": lambda: (aten.logical_and.default, (_mask(4, 6), _mask(6, seed=1)), {}),
+    # integer partial sums are exact (a count over a split batch); booleans never P
+    "sum_count_of_mask": lambda: (aten.sum.default, (_mask(4, 6),), {}),
+    "sum_int_dim": lambda: (aten.sum.dim_IntList, (_indices(4, 6), [0]), {}),
+    "add_int": lambda: (aten.add.Tensor, (_indices(4, 6), _indices(4, 6, vocab=7)), {}),
     "bitwise_and_0d": lambda: (aten.bitwise_and.Tensor, (torch.tensor(True), _mask(1, 1, 8, 8)), {}),
     "bitwise_or_scalar_first": lambda: (aten.bitwise_or.Scalar_Tensor, (3, _indices(4, 6)), {}),
     "clamp": lambda: (aten.clamp.default, (_r(4, 6), -0.5, 0.5), {}),
@@ -522,6 +526,15 @@ def test_every_claimed_signature_holds_on_synthetic_calls(name):
 def _claims(op, *args, **kwargs):
     node, _ = make_node(op, *args, **kwargs)
     return {str(s) for s in signatures_1d(node)}
+
+
+def test_integer_sums_may_be_partial_and_booleans_never_are():
+    """A count over a split batch (``mask.sum()``: int64) is a partial sum, exact, so a
+    label-smoothed cross-entropy's count of the targets not ignored all-reduces as a scalar;
+    an ``add`` of booleans is an or, never claimed ``P``."""
+    assert "S0->P" in _claims(aten.sum.default, _mask(4, 6))
+    assert "P,P->P" in _claims(aten.add.Tensor, _indices(4, 6), _indices(4, 6))
+    assert not any("P" in s for s in _claims(aten.add.Tensor, _mask(4, 6), _mask(4, 6)))
 
 
 def test_a_tensor_read_twice_is_partial_at_both_readings_or_at_neither():

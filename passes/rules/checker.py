@@ -100,7 +100,10 @@ def _shard(value: torch.Tensor, sbp: NdSBP, mesh_shape: Sequence[int],
 
 
 def _noise_like(part: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random summand of the size of each element (so float32 rounding stays relative)."""
+    """Random summand of the size of each element (so float32 rounding stays relative);
+    an integer one for an integer tensor (its partial sums are exact)."""
+    if not (part.is_floating_point() or part.is_complex()):
+        return torch.randint(-100, 100, part.shape, generator=generator, dtype=part.dtype).to(part.device)
     scale = part.abs() + 1e-3 * part.abs().mean()
     return torch.randn(part.shape, generator=generator, dtype=part.dtype).to(part.device) * scale
 

@@ -15,8 +15,9 @@ labels into every valid 1-D signature:
   inputs (neither values nor shape read: ``new_zeros``' ``self``) may also be split
   along any dim; a ``zero_output`` op's outputs may also be ``P``.
 
-``P`` is never claimed for a non-floating tensor; a number in a linear set
-(``x + 1``) is a broadcast value, so that set gives no signature.
+``P`` is never claimed for a boolean tensor (``add`` of booleans is an or, not a sum);
+integer partial sums are exact (a count of the tokens not ignored over a split batch). A
+number in a linear set (``x + 1``) is a broadcast value, so that set gives no signature.
 
 Rules are found by operator (``RULES``) or, for a whole family, by a torch op tag the
 operator carries (``TAG_RULES``: every functional ``torch.Tag.pointwise`` overload is
@@ -262,7 +263,7 @@ def enumerate_signatures(call: Call, labels: Labels) -> list[Signature]:
                   for s in found if s.inputs[i] == B for d in range(call.inputs[i].ndim)}
     if labels.zero_output:
         found |= {Signature(s.inputs, tuple(P if x == B else x for x in s.outputs)) for s in found}
-    return sorted(s for s in found if _partial_only_on_floats(s, call))
+    return sorted(s for s in found if _partial_not_on_booleans(s, call))
 
 
 def _slot_labels(labels: Labels, slot: tuple[str, Optional[int]], meta: TensorMeta) -> str:
@@ -280,9 +281,9 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float, complex, bool)) and not isinstance(value, TensorMeta)
 
 
-def _partial_only_on_floats(sig: Signature, call: Call) -> bool:
+def _partial_not_on_booleans(sig: Signature, call: Call) -> bool:
     pairs = zip(sig.inputs + sig.outputs, call.inputs + call.outputs)
-    return all(not (x == P and not meta.is_floating) for x, meta in pairs if x is not None)
+    return all(not (x == P and meta.dtype == torch.bool) for x, meta in pairs if x is not None)
 
 
 # ---------------------------------------------------------------- public entry points
@@ -346,11 +347,11 @@ def _compute_1d(node: fx.Node) -> list[Signature]:
 
 
 def _getitem_signatures(node: fx.Node) -> list[Signature]:
-    """getitem passes the selected element's SBP through (any SBP; P only for floats)."""
+    """getitem passes the selected element's SBP through (any SBP; P not for booleans)."""
     (meta,) = output_metas(_val(node))
     if meta is None:
         return [Signature((None,), (None,))]
-    choices = [B] + ([P] if meta.is_floating else []) + [S(d) for d in range(meta.ndim)]
+    choices = [B] + ([P] if meta.dtype != torch.bool else []) + [S(d) for d in range(meta.ndim)]
     return [Signature((x,), (x,)) for x in choices]
 
 
