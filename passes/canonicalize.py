@@ -85,6 +85,27 @@ def _rewrite_nll_mean(graph: fx.Graph, node: fx.Node) -> None:
         getter.replace_all_uses_with(mean, delete_user_cb=lambda u: u is not mean)
 
 
+#: floating dtypes whose reductions torch accumulates in float32 (its "opmath" type): a
+#: sum in the dtype itself overflows (float16 past 65504) or loses digits (bfloat16)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _replace_by_sum_over_count(graph: fx.Graph, node: fx.Node, sum_target, sum_args: tuple,
+                               count: int) -> None:
+    """Replace mean ``node`` by ``sum_target(*sum_args) / count``; in a low-precision dtype
+    the sum and the division run in float32 and the quotient is cast back, as eager's
+    mean accumulates."""
+    dtype = node.meta["val"].dtype
+    low = {"dtype": torch.float32} if dtype in _LOW_PRECISION else {}
+    with graph.inserting_before(node):
+        total = _emit(graph, sum_target, sum_args, node, **low)
+        mean = _emit(graph, aten.div.Scalar, (total, count), node)
+        if low:
+            mean = _emit(graph, aten._to_copy.default, (mean,), node, dtype=dtype)
+    node.replace_all_uses_with(mean)
+    graph.erase_node(node)
+
+
 def _rewrite_mean_dim(graph: fx.Graph, node: fx.Node) -> None:
     x, dims, *rest = node.args
     keepdim = rest[0] if rest else node.kwargs.get("keepdim", False)
@@ -92,11 +113,7 @@ def _rewrite_mean_dim(graph: fx.Graph, node: fx.Node) -> None:
         return
     shape = x.meta["val"].shape
     count = math.prod(shape[d] for d in (dims if dims else range(len(shape))))
-    with graph.inserting_before(node):
-        total = _emit(graph, aten.sum.dim_IntList, (x, dims, keepdim), node)
-        mean = _emit(graph, aten.div.Scalar, (total, count), node)
-    node.replace_all_uses_with(mean)
-    graph.erase_node(node)
+    _replace_by_sum_over_count(graph, node, aten.sum.dim_IntList, (x, dims, keepdim), count)
 
 
 def _rewrite_mean_all(graph: fx.Graph, node: fx.Node) -> None:
@@ -104,11 +121,7 @@ def _rewrite_mean_all(graph: fx.Graph, node: fx.Node) -> None:
     if node.kwargs.get("dtype") is not None:
         return
     x = node.args[0]
-    with graph.inserting_before(node):
-        total = _emit(graph, aten.sum.default, (x,), node)
-        mean = _emit(graph, aten.div.Scalar, (total, x.meta["val"].numel()), node)
-    node.replace_all_uses_with(mean)
-    graph.erase_node(node)
+    _replace_by_sum_over_count(graph, node, aten.sum.default, (x,), x.meta["val"].numel())
 
 
 def _reduction(node: fx.Node) -> tuple[int, int]:
@@ -129,9 +142,11 @@ def _with_sum(node: fx.Node, i: int) -> None:
 
 
 def _rewrite_loss_mean(graph: fx.Graph, node: fx.Node) -> None:
-    """An elementwise loss with ``reduction=mean`` -> its ``sum`` form / numel."""
+    """An elementwise loss with ``reduction=mean`` -> its ``sum`` form / numel (float32 and
+    float64 only: the kernel's sum in a low-precision dtype may overflow where the mean
+    does not)."""
     i, reduction = _reduction(node)
-    if reduction != MEAN:
+    if reduction != MEAN or node.args[0].meta["val"].dtype in _LOW_PRECISION:
         return
     _with_sum(node, i)
     _with_val(node, lambda *vals: node.target(*vals, **node.kwargs), *node.args)
@@ -142,9 +157,10 @@ def _rewrite_loss_mean(graph: fx.Graph, node: fx.Node) -> None:
 
 
 def _rewrite_loss_backward_mean(graph: fx.Graph, node: fx.Node) -> None:
-    """Its backward with ``reduction=mean`` -> the ``sum`` form of ``grad / numel``."""
+    """Its backward with ``reduction=mean`` -> the ``sum`` form of ``grad / numel`` (as
+    the forward, not in a low-precision dtype)."""
     i, reduction = _reduction(node)
-    if reduction != MEAN:
+    if reduction != MEAN or node.args[1].meta["val"].dtype in _LOW_PRECISION:
         return
     grad, x = node.args[0], node.args[1]
     with graph.inserting_before(node):

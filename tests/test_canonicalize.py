@@ -18,6 +18,14 @@ def _run(gm, model, batch):
     return gm(*sig.flatten(params, dict(model.named_buffers()), sig.init_opt_state(params), batch))
 
 
+def _reduction(node):
+    """The ``reduction`` argument of a loss node (its default where not given)."""
+    schema = node.target._schema.arguments
+    args = {a.name: a.default_value for a in schema if a.has_default_value()}
+    args.update(zip((a.name for a in schema), node.args))
+    return {**args, **node.kwargs}["reduction"]
+
+
 def test_mean_loss_becomes_sum_over_total_weight():
     """Without class weights the total weight is the count of targets not ignored, counted
     from the target (a plan keeping the target whole counts on every rank); ignored
@@ -101,9 +109,32 @@ def test_the_mean_of_an_elementwise_loss_becomes_its_sum_over_the_count(loss):
     canonicalize(gm)
     assert "aten.mean" not in op_summary(gm)
     losses = [n for n in gm.graph.nodes if n.target in (*ELEMENTWISE_LOSSES, *ELEMENTWISE_LOSS_BACKWARDS)]
-    assert all(dict(zip((a.name for a in n.target._schema.arguments), n.args))["reduction"] == 2 for n in losses)
+    assert all(_reduction(n) == 2 for n in losses)
     for a, b in zip(before, _run(gm, model, (x, y))):
         torch.testing.assert_close(a, b)
+
+
+def test_a_low_precision_mean_sums_in_float32_as_eager_accumulates():
+    """A float16 mean of large values: its sum overflows float16 (65504) where eager's
+    mean, accumulated in float32, does not; the rewrite sums and divides in float32, then
+    casts back (the loss was inf). The mean-reduced losses are left as they are there."""
+    model = torch.nn.Linear(8, 8).half()
+    x, y = torch.full((64, 8), 30.0, dtype=torch.float16), torch.zeros(64, 8, dtype=torch.float16)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.zero_()
+
+    def loss(o, t):
+        return ((o - t) ** 2).mean().sqrt()
+    gm = ddlc.trace(model, (x, y), loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = _run(gm, model, (x, y))
+    canonicalize(gm)
+    assert "aten.mean" not in op_summary(gm)
+    after = _run(gm, model, (x, y))
+    assert torch.isfinite(after[0]) and torch.equal(before[0], after[0])
+    gm = canonicalize(ddlc.trace(model, (x, y), F.smooth_l1_loss, torch.optim.SGD(model.parameters(), lr=0.1)))
+    losses = [n for n in gm.graph.nodes if n.target in (*ELEMENTWISE_LOSSES, *ELEMENTWISE_LOSS_BACKWARDS)]
+    assert len(losses) == 2 and all(_reduction(n) == 1 for n in losses)  # kept: a float16 sum may overflow
 
 
 def test_the_backward_seed_reads_the_loss_sum_so_the_loss_division_feeds_only_the_output():

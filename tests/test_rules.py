@@ -209,6 +209,9 @@ SYNTHETIC = {
     "huber_backward_none": lambda: (aten.huber_loss_backward.default,
                                     (_r(4, 6, seed=2), _r(4, 6), _r(4, 6, seed=1), 0, 0.5), {}),
     "soft_margin_sum": lambda: (aten.soft_margin_loss.default, (_r(4, 6), _r(4, 6, seed=1).sign(), 2), {}),
+    "soft_margin_target_broadcast": lambda: (aten.soft_margin_loss.default, (_r(4, 6), _r(6, seed=1).sign(), 2), {}),
+    "soft_margin_target_broadcast_none": lambda: (aten.soft_margin_loss.default,
+                                                  (_r(4, 6), _r(4, 1, seed=1).sign(), 0), {}),
     "soft_margin_backward_sum": lambda: (aten.soft_margin_loss_backward.default,
                                          (_r(), _r(4, 6), _r(4, 6, seed=1).sign(), 2), {}),
     "bce_sum_weight_broadcast": lambda: (aten.binary_cross_entropy.default,
@@ -535,6 +538,10 @@ def test_integer_sums_may_be_partial_and_booleans_never_are():
     assert "S0->P" in _claims(aten.sum.default, _mask(4, 6))
     assert "P,P->P" in _claims(aten.add.Tensor, _indices(4, 6), _indices(4, 6))
     assert not any("P" in s for s in _claims(aten.add.Tensor, _mask(4, 6), _mask(4, 6)))
+    # a cast rounds each rank's piece alone: a floating P never becomes an integer P
+    assert "P->P" in _claims(aten._to_copy.default, _indices(4, 6), dtype=torch.float32)
+    assert "P->P" not in _claims(aten._to_copy.default, _r(4, 6), dtype=torch.int8)
+    assert "B,P->P" not in _claims(aten.copy.default, _indices(4, 6), _r(4, 6))
 
 
 def test_a_tensor_read_twice_is_partial_at_both_readings_or_at_neither():

@@ -16,8 +16,10 @@ labels into every valid 1-D signature:
   along any dim; a ``zero_output`` op's outputs may also be ``P``.
 
 ``P`` is never claimed for a boolean tensor (``add`` of booleans is an or, not a sum);
-integer partial sums are exact (a count of the tokens not ignored over a split batch). A
-number in a linear set (``x + 1``) is a broadcast value, so that set gives no signature.
+integer partial sums are exact (a count of the tokens not ignored over a split batch), but
+a linear set does not carry a floating ``P`` into an integer output (a cast rounds each
+rank's piece alone). A number in a linear set (``x + 1``) is a broadcast value, so that
+set gives no signature.
 
 Rules are found by operator (``RULES``) or, for a whole family, by a torch op tag the
 operator carries (``TAG_RULES``: every functional ``torch.Tag.pointwise`` overload is
@@ -251,6 +253,10 @@ def enumerate_signatures(call: Call, labels: Labels) -> list[Signature]:
         chosen = slots_of(names)
         if not chosen:
             continue
+        if any(call.inputs[i].is_floating for i in chosen) and any(
+                lab is not None and deps[k] & chosen and not call.outputs[k].is_floating
+                for k, lab in enumerate(out_labels)):
+            continue  # a floating partial sum cast to integers: each rank's piece rounds alone
         ins = tuple(P if i in chosen else B for i in range(n_in))
         outs = tuple(None if lab is None else P if deps[k] & chosen else B
                      for k, lab in enumerate(out_labels))

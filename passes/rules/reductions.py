@@ -264,37 +264,41 @@ def nll_loss2d_backward(call: Call) -> Labels:
 
 
 def _elementwise_loss_labels(call: Call) -> tuple[str, dict[str, str]]:
-    """(the labels of ``self`` and ``target``, and of ``weight`` where given) of an
-    elementwise loss: every dim splits unless the reduction is a mean (a local mean is not
-    a partial sum; ``passes/canonicalize.py`` makes most means sums); a weight broadcast
-    along a dim (size 1 there) never splits it."""
+    """(the labels of ``self``, and per other tensor argument (``target``, ``weight``) its
+    labels) of an elementwise loss: every dim splits unless the reduction is a mean (a
+    local mean is not a partial sum; ``passes/canonicalize.py`` makes most means sums); an
+    argument broadcast along a dim (size 1 there, or missing) never splits it."""
     ndim = call["self"].ndim
     labels = letters(ndim) if call["reduction"] != MEAN else UNSPLIT * ndim
-    extra = {}
-    weight = call.args.get("weight")
-    if weight is not None:
-        shape, wshape = call["self"].shape, weight.shape
-        lead = ndim - len(wshape)
-        extra["weight"] = "".join(labels[lead + d] if n == shape[lead + d] else UNSPLIT
-                                  for d, n in enumerate(wshape))
-    return labels, extra
+    shape = call["self"].shape
+    others = {}
+    for name in ("target", "weight"):
+        meta = call.args.get(name)
+        if meta is None:
+            continue
+        lead = ndim - meta.ndim
+        others[name] = "".join(labels[lead + d] if lead + d >= 0 and n == shape[lead + d] else UNSPLIT
+                               for d, n in enumerate(meta.shape))
+    return labels, others
 
 
 def elementwise_loss(call: Call) -> Labels:
     """mse / smooth L1 / Huber / binary cross-entropy / soft margin: elementwise, then
     summed (``P`` over a split dim) or kept (``reduction=none``)."""
-    labels, extra = _elementwise_loss_labels(call)
+    labels, others = _elementwise_loss_labels(call)
     out = labels if call["reduction"] == 0 else ""
-    return Labels({"self": labels, "target": labels, **extra}, [out])
+    if len(out) != call.outputs[0].ndim:  # the input broadcast up to the target: kept whole
+        return Labels({}, [UNSPLIT * call.outputs[0].ndim])
+    return Labels({"self": labels, **others}, [out])
 
 
 def elementwise_loss_backward(call: Call) -> Labels:
     """Their backwards: linear in the incoming gradient (mse's jointly in input and
     target too)."""
-    labels, extra = _elementwise_loss_labels(call)
+    labels, others = _elementwise_loss_labels(call)
     grad = labels if call["reduction"] == 0 else ""
     linear = [{"grad_output"}] + ([{"self", "target"}] if call.target is aten.mse_loss_backward.default else [])
-    return Labels({"grad_output": grad, "self": labels, "target": labels, **extra}, [labels], linear=linear)
+    return Labels({"grad_output": grad, "self": labels, **others}, [labels], linear=linear)
 
 
 REDUCE_UNSPLIT = [
