@@ -10,11 +10,12 @@ import sys
 import torch
 
 import ddlc
-from ddlc.ir import COLLECTIVE, collective_sequence
+from ddlc.ir import COLLECTIVE, COLLECTIVE_KINDS, collective_sequence
 from ddlc.printing import format_graph
 from ddlc.zoo import GPT, lm_loss
 
 MESH = (2, 2)
+COMMUNICATING = set(COLLECTIVE_KINDS.values())  # the other redistribution steps are local
 STEPS = 3
 # The plan is made for this hardware profile (see ddlc/profiles); it runs on local gloo
 # processes either way, and the numbers must match the single-device run regardless.
@@ -23,11 +24,13 @@ PROFILE = os.environ.get("DDLC_PROFILE", "cpu-gloo")
 
 def setup():
     torch.manual_seed(0)
-    model = GPT(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=32)
+    # large enough that distributing it pays on local gloo ranks (a smaller one is best
+    # left replicated: every rank computes it whole, and ddlc's plan says so)
+    model = GPT(vocab=512, d_model=192, n_heads=4, n_layers=3, seq_len=64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 256, (16, 32), generator=g),
-                torch.randint(0, 256, (16, 32), generator=g)) for _ in range(STEPS)]
+    batches = [(torch.randint(0, 512, (16, 64), generator=g),
+                torch.randint(0, 512, (16, 64), generator=g)) for _ in range(STEPS)]
     return model, optimizer, batches
 
 
@@ -41,11 +44,17 @@ def train_distributed(rank: int):
         print(f"\nTransformed graph of rank 0 (first 60 of {len(compiled.gm.graph.nodes)} nodes):")
         print(format_graph(compiled.gm, limit=60))
         sequence = collective_sequence(compiled.gm)
+        steps = [node for node in compiled.gm.graph.nodes if COLLECTIVE.has(node)]
         print(f"\nRedistribution steps of rank 0: {len(sequence)} collectives per step, the same "
-              f"sequence on every rank (fingerprint {compiled.fingerprint}), plus local steps:")
-        for node in compiled.gm.graph.nodes:
-            if COLLECTIVE.has(node):
+              f"sequence on every rank (fingerprint {compiled.fingerprint}):")
+        for node in steps:
+            if COLLECTIVE(node).kind in COMMUNICATING:
                 print(f"  {node.name}: {COLLECTIVE(node)}")
+        local = [node for node in steps if COLLECTIVE(node).kind not in COMMUNICATING]
+        print(f"  and {len(local)} local steps (a rank taking its piece of a tensor it holds whole, "
+              "or keeping one copy of a partial sum), e.g.:")
+        for node in local[:3]:
+            print(f"  {node.name}: {COLLECTIVE(node)}")
         timeline = compiled.timeline()
         timeline.write_chrome_trace("ddlc_demo.trace.json")
         print(f"\nModeled timeline of rank 0's scheduled program: {timeline.makespan * 1e3:.3f} ms, "

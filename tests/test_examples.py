@@ -9,6 +9,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 EXAMPLES = [
+    ("demo.py", "MATCH: the distributed program reproduces the single-device run"),
     ("train_resnet.py", "MATCH: equal to single-device training"),
     ("train_hf_causal_lm.py", "MATCH: equal to single-device training"),
     ("inference.py", "MATCH: equal to the single-device model"),
@@ -19,7 +20,7 @@ EXAMPLES = [
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("script,verdict", EXAMPLES, ids=[e[0] for e in EXAMPLES])
 def test_example_runs_and_matches_single_device(script, verdict):
-    if script != "train_resnet.py":
+    if script not in ("demo.py", "train_resnet.py"):
         pytest.importorskip("transformers")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), "--quick"],
