@@ -485,12 +485,13 @@ def splits_evenly(gm: fx.GraphModule, mesh: Mesh) -> bool:
         return not isinstance(value, torch.Tensor) or placement is None or \
             divides(tuple(value.shape), placement, mesh.shape)
 
-    def read_evenly(producer, value, placement) -> bool:
-        """``producer``'s tensor ``value`` redistributed to ``placement``, every piece on the
-        way equal."""
-        made = SHARDING.get(producer)
-        if not even(value, placement) or made is None or len(made.outputs) != 1 or made.output == placement:
-            return even(value, placement)
+    def read_evenly(producer: fx.Node, placement) -> bool:
+        """``producer``'s tensor redistributed to ``placement``, every piece on the way equal."""
+        value, made = producer.meta["val"], SHARDING.get(producer)
+        if not even(value, placement):
+            return False
+        if made is None or len(made.outputs) != 1 or made.output == placement:
+            return True
         route = boxing_cost(tuple(value.shape), value.element_size(), made.output, placement, mesh)
         return all(even(value, step.after) for step in route.steps)
 
@@ -501,10 +502,10 @@ def splits_evenly(gm: fx.GraphModule, mesh: Mesh) -> bool:
         inputs = [a for a in leaves((node.args, node.kwargs))
                   if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
         if not all(even(v, x) for v, x in zip(leaves(node.meta.get("val")), sharding.outputs)) or \
-                not all(read_evenly(a, a.meta["val"], x) for a, x in zip(inputs, sharding.inputs)):
+                not all(read_evenly(a, x) for a, x in zip(inputs, sharding.inputs)):
             return False
     returned = leaves(gm.graph.output_node().args[0])
-    return all(read_evenly(a, a.meta["val"], x) for a, x in zip(returned, output_targets(gm, mesh.ndim))
+    return all(read_evenly(a, x) for a, x in zip(returned, output_targets(gm, mesh.ndim))
                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor))
 
 

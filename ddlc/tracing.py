@@ -297,8 +297,9 @@ def _checked_output(out):
 
 
 #: wrappers that distribute or compile a module themselves: (the module defining the class,
-#: its name, the wrapper in words, what the user passes instead). ddlc distributes and compiles the plain module;
-#: a class is looked up only where its module is loaded (no instance exists otherwise).
+#: its name, the wrapper in words, what the user passes instead). ddlc distributes and
+#: compiles the plain module; a class is looked up only where its module is loaded (no
+#: instance exists otherwise).
 _WRAPPERS = (
     ("torch.nn.parallel.distributed", "DistributedDataParallel", "DistributedDataParallel",
      "the module it wraps (model.module): ddlc distributes the model itself"),

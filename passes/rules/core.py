@@ -139,11 +139,12 @@ def letters(n: int, start: int = 0) -> str:
 
 def aligned(meta: TensorMeta | None, out_shape: Sequence[int], out_labels: str) -> str:
     """Labels of a tensor broadcast against an output (trailing alignment): a dim that
-    matches the output dim takes its label, a broadcast (size-1) dim takes ``.``."""
+    matches the output dim takes its label, a broadcast (size-1) dim takes ``.``, and so
+    does a leading dim the output lacks (the tensor broadcasts the output up)."""
     if meta is None:
         return ""
     offset = len(out_shape) - meta.ndim
-    return "".join(out_labels[offset + i] if n == out_shape[offset + i] else UNSPLIT
+    return "".join(out_labels[offset + i] if offset + i >= 0 and n == out_shape[offset + i] else UNSPLIT
                    for i, n in enumerate(meta.shape))
 
 

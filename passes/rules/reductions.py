@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import UNSPLIT, Call, Labels, letters
+from .core import UNSPLIT, Call, Labels, aligned, letters
 
 aten = torch.ops.aten
 MEAN, SUM = 1, 2  # aten's Reduction enum
@@ -270,16 +270,8 @@ def _elementwise_loss_labels(call: Call) -> tuple[str, dict[str, str]]:
     argument broadcast along a dim (size 1 there, or missing) never splits it."""
     ndim = call["self"].ndim
     labels = letters(ndim) if call["reduction"] != MEAN else UNSPLIT * ndim
-    shape = call["self"].shape
-    others = {}
-    for name in ("target", "weight"):
-        meta = call.args.get(name)
-        if meta is None:
-            continue
-        lead = ndim - meta.ndim
-        others[name] = "".join(labels[lead + d] if lead + d >= 0 and n == shape[lead + d] else UNSPLIT
-                               for d, n in enumerate(meta.shape))
-    return labels, others
+    return labels, {name: aligned(call.args[name], call["self"].shape, labels)
+                    for name in ("target", "weight") if call.args.get(name) is not None}
 
 
 def elementwise_loss(call: Call) -> Labels:
