@@ -13,13 +13,13 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["caller", "cite", "custom_operator", "source_from_stack", "user_frame"]
+__all__ = ["caller", "cite", "custom_operator", "is_library_file", "is_user_file", "source_from_stack", "user_frame"]
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
                   os.path.dirname(os.__file__))
 
 
-def _is_user_file(filename: str) -> bool:
+def is_user_file(filename: str) -> bool:
     path = os.path.abspath(filename)
     if path.endswith(os.path.join("ddlc", "zoo.py")):
         return True
@@ -27,7 +27,7 @@ def _is_user_file(filename: str) -> bool:
         and not filename.startswith("<")
 
 
-def _is_library_file(filename: str) -> bool:
+def is_library_file(filename: str) -> bool:
     """A third-party model library's file (transformers, timm, ...): not torch, not ddlc."""
     path = os.path.abspath(filename)
     return "site-packages" in path and not path.startswith(_INTERNAL_DIRS)
@@ -36,8 +36,8 @@ def _is_library_file(filename: str) -> bool:
 def cite(frames: Sequence[tuple[str, int | str, str, str]]) -> str | None:
     """The user's innermost frame, and where the innermost library frame lies below it
     (a Hugging Face model's own line), as ``file:line in func: code [in lib/file:line ...]``."""
-    users = [k for k, f in enumerate(frames) if _is_user_file(f[0])]
-    libraries = [k for k, f in enumerate(frames) if _is_library_file(f[0])]
+    users = [k for k, f in enumerate(frames) if is_user_file(f[0])]
+    libraries = [k for k, f in enumerate(frames) if is_library_file(f[0])]
     parts = []
     if users:
         file, line, func, code = frames[users[-1]]

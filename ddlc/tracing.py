@@ -38,7 +38,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from . import graph_checks, rng, sources, strided_views
+from . import graph_checks, host_random, rng, sources, strided_views
 from .errors import TraceError, UnsupportedInputError
 from .ir import (DRAW_ORDER, ORIGIN, RECOMPUTE, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
                  dataclasses_as_nodes, hyperparameter_tensors)
@@ -181,7 +181,9 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
             batch.call(model, state, xs)
 
     with _no_state_kept_across_calls(model, forward_again):
+        host_generators = host_random.HostGenerators(model, loss_fn)
         gm = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn)
+        host_generators.refuse_unless_seeded(gm, lambda: _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn))
         with_views = None  # the step traced with its views as views, where a check needs it
         if strided_views.needs_repair(gm):  # an in-place update of a view: see ddlc.strided_views
             with_views = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn, remove="mutations")

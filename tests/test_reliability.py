@@ -2,7 +2,10 @@
 names the cause (the rest of the reliability catalogue grows here)."""
 import copy
 import pickle
+import random
+import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -59,6 +62,64 @@ def test_value_dependent_random_ops_are_refused_at_the_users_line():
     with pytest.raises(UnsupportedInputError, match="does not reproduce across ranks") as info:
         ddlc.trace(_StochasticMask(), (x, x), F.mse_loss)
     assert "test_reliability.py" in str(info.value) and "torch.bernoulli" in str(info.value)
+
+
+class _HostDraw(torch.nn.Module):
+    """Scales its output by ``draw()``, a number from a Python or NumPy generator, unless
+    ``drop`` (a LayerDrop decision at that probability) skips the layer."""
+
+    def __init__(self, draw, drop=None):
+        super().__init__()
+        self.fc, self.draw, self.drop = torch.nn.Linear(4, 4), draw, drop
+
+    def forward(self, x):
+        if self.drop is not None:
+            return x if self.draw() < self.drop else self.fc(x)
+        return self.fc(x) * self.draw()
+
+
+def _reseeded_mask():
+    np.random.seed(3)  # the same mask at every call (BigBird seeds its random attention so)
+    return torch.from_numpy(np.random.rand(4) > 0.5)
+
+
+def test_a_draw_from_a_python_or_numpy_generator_is_refused_at_its_line_unless_the_step_seeds_it():
+    """A draw from ``random`` or ``numpy.random`` in the forward or the loss is traced as
+    the constant it drew once, so every step would reuse it (mixup, wav2vec2's SpecAugment
+    mask) and never move the generator as eager does (also LayerDrop at probability 0):
+    refused, naming the generator and the line. A forward that seeds the generator before
+    drawing (BigBird) traces, and leaves the generators as one eager call does."""
+    batch = (torch.randn(8, 4), torch.randn(8, 4))
+    held = np.random.default_rng(0)
+
+    def refused(model, loss_fn, generator, line):
+        with pytest.raises(UnsupportedInputError, match=f"draws from {re.escape(generator)} while it is "
+                           "traced.*every step would reuse that one draw") as info:
+            ddlc.trace(model, batch, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert "test_reliability.py" in str(info.value) and line in str(info.value)
+
+    refused(_HostDraw(lambda: random.uniform(0.5, 1.5)), F.mse_loss, "Python's global random generator (random)",
+            "random.uniform(0.5, 1.5)")
+    refused(_HostDraw(lambda: float(np.random.beta(0.4, 0.4))), F.mse_loss,
+            "NumPy's global random generator (numpy.random)", "np.random.beta(0.4, 0.4)")
+    refused(_HostDraw(lambda: float(held.random()), drop=0.5), F.mse_loss,
+            "a numpy.random._generator.Generator the model or the loss reads", "held.random()")
+    refused(_HostDraw(lambda: 1.0), lambda out, y: F.mse_loss(out, y) * random.random(),
+            "Python's global random generator (random)", "random.random()")
+    refused(_HostDraw(lambda: random.uniform(0, 1), drop=0.0), F.mse_loss,
+            "Python's global random generator (random)", "random.uniform(0, 1)")
+
+    model = _HostDraw(_reseeded_mask)
+    random.seed(1)
+    np.random.seed(1)
+    model(batch[0])  # one eager call
+    after_eager = random.getstate(), pickle.dumps(np.random.get_state())
+    random.seed(1)
+    np.random.seed(2)
+    gm = ddlc.trace(model, batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert (random.getstate(), pickle.dumps(np.random.get_state())) == after_eager
+    mask = next(getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr")
+    torch.testing.assert_close(mask, _reseeded_mask())
 
 
 @pytest.mark.parametrize("loss_fn", [None, F.mse_loss])

@@ -1,0 +1,237 @@
+"""Draws from Python's or NumPy's random generators while the step is traced.
+
+A forward or loss that draws from ``random`` or ``numpy.random`` (mixup's coefficient,
+wav2vec2's SpecAugment masks, a LayerDrop decision) is traced with the numbers it drew
+that once: the graph holds them as constants, and every step would reuse them where eager
+draws anew at each call. Such a step is refused, also where the draw does not change the
+program (LayerDrop at probability 0): eager's draws still move the generator, which the
+compiled step would not (a data order shuffled with ``random`` would then differ), and
+whether a draw can change the program cannot be told from a few traces (a LayerDrop at
+probability 0.1 changes it in one trace of ten). A forward that seeds the generator with
+a constant before it draws (BigBird's random attention) draws the same numbers at every
+call and leaves the generator as it would at every call: it is taken.
+
+Algorithm: :class:`HostGenerators` snapshots the states of the generators the step can
+reach (Python's and NumPy's global ones, and any ``random.Random``, NumPy ``RandomState``
+or ``Generator`` held by a module or the loss, or read from the globals or closure of a
+module's ``forward`` or of the loss) before the trace. If the trace moved any,
+:meth:`HostGenerators.refuse_unless_seeded` seeds those afresh and traces the step once
+more under a line tracer: where that trace leaves them in the same states as the first
+and gives the same program (code and constant tensors), the step seeds them itself;
+otherwise it is refused, naming the line of the first draw. The generators are then
+given back the states the first trace left, as eager's one call would.
+"""
+from __future__ import annotations
+
+import linecache
+import pickle
+import random
+import sys
+import traceback
+import types
+from typing import Callable
+
+import torch
+from torch import fx, nn
+
+from . import sources
+from .errors import UnsupportedInputError
+
+__all__ = ["HostGenerators"]
+
+#: the seed of the moved generators for the trace that checks whether the step seeds them
+_OTHER_SEED = 271828
+
+
+def _numpy_random():
+    """``numpy.random`` if NumPy is loaded (a model that draws from it has imported it)."""
+    return sys.modules.get("numpy.random")
+
+
+def _is_generator(value) -> bool:
+    if isinstance(value, random.Random):
+        return True
+    np_random = _numpy_random()
+    return np_random is not None and isinstance(value, (np_random.RandomState, np_random.Generator))
+
+
+def _state(generator):
+    if isinstance(generator, random.Random):
+        return generator.getstate()
+    if hasattr(generator, "bit_generator"):  # numpy.random.Generator
+        return generator.bit_generator.state
+    return generator.get_state()
+
+
+def _set_state(generator, state) -> None:
+    if isinstance(generator, random.Random):
+        generator.setstate(state)
+    elif hasattr(generator, "bit_generator"):
+        generator.bit_generator.state = state
+    else:
+        generator.set_state(state)
+
+
+def _seed(generator, seed: int) -> None:
+    if isinstance(generator, random.Random):
+        generator.seed(seed)
+    elif hasattr(generator, "bit_generator"):
+        generator.bit_generator.state = type(generator.bit_generator)(seed).state
+    else:
+        generator.seed(seed)
+
+
+def _describe(generator) -> str:
+    if generator is random._inst:
+        return "Python's global random generator (random)"
+    np_random = _numpy_random()
+    if np_random is not None and generator is np_random.mtrand._rand:
+        return "NumPy's global random generator (numpy.random)"
+    return f"a {type(generator).__module__}.{type(generator).__name__} the model or the loss reads"
+
+
+def _reachable(model: nn.Module, loss_fn) -> list:
+    """The generators the step can draw from, each once, in a fixed order: the global
+    ones, then those held by a module or the loss (as an attribute), or by the globals or
+    closure of a module's ``forward``, of the loss or of a function a module holds (a
+    script's ``rng = np.random.default_rng()`` read by its model or loss)."""
+    found = [random._inst]
+    np_random = _numpy_random()
+    if np_random is not None:
+        found.append(np_random.mtrand._rand)
+    holders = list(model.modules())
+    if isinstance(loss_fn, nn.Module):
+        holders += list(loss_fn.modules())
+    elif loss_fn is not None:
+        holders.append(getattr(loss_fn, "__self__", loss_fn))
+    functions = [type(m).forward for m in holders if isinstance(m, nn.Module)]
+    functions += [loss_fn] + [v for h in holders for v in getattr(h, "__dict__", {}).values() if callable(v)]
+    namespaces = [getattr(h, "__dict__", {}) for h in holders]
+    for function in functions:
+        function = getattr(function, "__func__", function)
+        if isinstance(function, types.FunctionType):
+            namespaces.append(function.__globals__)
+            namespaces.append({i: cell.cell_contents for i, cell in enumerate(function.__closure__ or ())
+                               if cell.cell_contents is not cell})
+    seen = set()
+    for namespace in namespaces:
+        if id(namespace) in seen:
+            continue
+        seen.add(id(namespace))
+        for value in list(namespace.values()):
+            if _is_generator(value) and all(value is not g for g in found):
+                found.append(value)
+    return found
+
+
+class HostGenerators:
+    """The host generators ``model`` and ``loss_fn`` can reach, and their states now."""
+
+    def __init__(self, model: nn.Module, loss_fn) -> None:
+        self.generators = _reachable(model, loss_fn)
+        self.before = [pickle.dumps(_state(g)) for g in self.generators]
+
+    def moved(self) -> list:
+        """The generators whose state moved since the snapshot."""
+        return [g for g, s in zip(self.generators, self.before) if pickle.dumps(_state(g)) != s]
+
+    def refuse_unless_seeded(self, gm: fx.GraphModule, retrace: Callable[[], fx.GraphModule]) -> None:
+        """Refuse the step traced as ``gm`` if the trace drew from a host generator that
+        the step does not seed itself: ``retrace()`` traces the step again."""
+        moved = self.moved()
+        if not moved:
+            return
+        after = [_state(g) for g in self.generators]
+        first_draw: list[tuple[object, str | None]] = []
+        try:
+            for g in moved:
+                _seed(g, _OTHER_SEED)
+            with _first_draw_recorded(moved, first_draw):
+                other = retrace()
+            if all(pickle.dumps(_state(g)) == pickle.dumps(s) for g, s in zip(self.generators, after)) \
+                    and _same_program(gm, other):
+                return  # the step seeds them with constants before it draws
+            generator, line = first_draw[0] if first_draw else (moved[0], None)
+            raise UnsupportedInputError(
+                f"the step draws from {_describe(generator)} while it is traced: the trace records "
+                "the numbers drawn as constants, so every step would reuse that one draw where eager "
+                "draws anew at each call (a mixup coefficient, a SpecAugment mask, a LayerDrop "
+                "decision), and would not move that generator as eager's calls do (a draw that "
+                "changes nothing, LayerDrop at probability 0, moves it too). Draw with torch "
+                "instead (torch.rand, torch.randn, torch.randint: the step draws those anew at "
+                "every step from its own generator), or draw outside the model and pass the "
+                "number in as an example input", where=line)
+        finally:
+            for g, state in zip(self.generators, after):
+                _set_state(g, state)
+
+
+class _first_draw_recorded:
+    """Within, the first line of the user's or a model library's code (not torch's, not
+    the standard library's) during which one of ``generators`` moves appends
+    ``(generator, that line)`` to ``found``: a line tracer compares the generators' states
+    at each such line (NumPy's draws are Cython calls, which a profile hook does not see)."""
+
+    def __init__(self, generators, found: list) -> None:
+        self.generators = generators
+        self.found = found
+        self.states = [pickle.dumps(_state(g)) for g in generators]
+        self.running: tuple | None = None  # (frame, line number) of the line running
+
+    def _moved(self):
+        return next((g for g, s in zip(self.generators, self.states) if pickle.dumps(_state(g)) != s), None)
+
+    def _local(self, frame, event, arg):
+        if self.found:
+            return None
+        if event in ("line", "return") and self.running is not None:
+            generator = self._moved()
+            if generator is not None:
+                self.found.append((generator, _cite_at(*self.running)))
+                return None
+        if event == "line":
+            self.running = (frame, frame.f_lineno)
+        return self._local
+
+    def _call(self, frame, event, arg):
+        name = frame.f_code.co_filename
+        if self.found or not (sources.is_user_file(name) or sources.is_library_file(name)):
+            return None
+        return self._local
+
+    def __enter__(self):
+        self.previous = sys.gettrace()
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(self.previous)
+
+
+def _cite_at(frame, lineno: int) -> str | None:
+    """:func:`sources.cite` of the stack of ``frame`` running its line ``lineno``."""
+    entries = [(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_stack(frame)]
+    filename, _, name, _ = entries[-1]
+    entries[-1] = (filename, lineno, name, linecache.getline(filename, lineno))
+    return sources.cite(entries)
+
+
+def _same_program(a: fx.GraphModule, b: fx.GraphModule) -> bool:
+    """Whether two traces of the step are one program: the same code and constants."""
+    if a.code != b.code:
+        return False
+    for node in a.graph.nodes:
+        if node.op == "get_attr":
+            x, y = _attribute(a, node.target), _attribute(b, node.target)
+            if isinstance(x, torch.Tensor) and not (
+                    isinstance(y, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype
+                    and torch.equal(x, y)):
+                return False
+    return True
+
+
+def _attribute(gm: fx.GraphModule, target: str):
+    value = gm
+    for name in target.split("."):
+        value = getattr(value, name, None)
+    return value
