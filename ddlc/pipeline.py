@@ -270,8 +270,11 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
     searched_data_parallel = reference is not None and all(
         SHARDING(n).outputs[0] == reference[n.name]
         for n in gm.graph.find_nodes(op="placeholder") if n.name in reference)
+    # replication itself: every tensor whole everywhere (whole inputs alone are not: the
+    # search may split the batch inside the step and communicate)
     whole = NdSBP.broadcast(mesh.ndim)
-    searched_replicated = all(SHARDING(n).outputs[0] == whole for n in gm.graph.find_nodes(op="placeholder"))
+    searched_replicated = all(sbp is None or sbp == whole for n in gm.graph.nodes if SHARDING.has(n)
+                              for sbp in (*SHARDING(n).inputs, *SHARDING(n).outputs))
     compute = unsharded_compute(gm, mesh) if options.batch == "global" and not searched_replicated \
         else math.inf
     if searched_data_parallel and compute >= searched.objective + _one_startup(mesh):

@@ -11,6 +11,7 @@ from cost_models.program import program_makespan
 from ddlc.ir import SHARDING, STEP, collective_sequence
 from ddlc.launch import spawn
 from ddlc.options import CompileOptions
+from ddlc.mesh import load_profile
 from distributed_cases import compiled_run_preferring_data_parallel, compiled_run_recording_the_kept_plan
 
 #: a 0.1 us, 10 GB/s link: the search shards these small models instead of replicating them
@@ -203,6 +204,23 @@ def test_replication_is_weighed_where_no_batch_splits_over_every_device():
     assert "data_parallel_step" not in stats
     assert stats["replicated_chosen"] is True and stats["replicated_step"] < stats["searched_step"]
     assert is_replicated(gm) and collective_sequence(chosen.program) == []
+
+
+def test_replication_is_weighed_where_the_searched_plan_leaves_the_inputs_whole_but_communicates():
+    """A two-layer MLP on 2x4 (cpu-gloo): the search left every input whole but split the
+    batch inside the step, all-reducing a scalar (modeled 5.2 ms). Replication was taken
+    for the searched plan and not weighed, though it runs the step in microseconds (``ddlc
+    plan`` printed the searched plan)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    gm = pipeline.trace_step(model, (torch.randn(16, 32), torch.randint(0, 10, (16,))),
+                             torch.nn.functional.cross_entropy, torch.optim.AdamW(model.parameters()),
+                             CompileOptions())
+    profile = load_profile("cpu-gloo").for_local_ranks(8)  # as ``ddlc plan`` prices 8 local ranks
+    chosen = pipeline.choose_plan(gm, ddlc.Mesh((2, 4), profile=profile), CompileOptions(), {})
+    stats = chosen.plan.stats
+    assert stats["replicated_chosen"] is True and stats["replicated_step"] < stats["searched_step"]
+    assert set(placements(gm).values()) == {"(B, B)"} and collective_sequence(chosen.program) == []
 
 
 def test_replication_is_not_tried_for_a_model_it_cannot_win(monkeypatch):
