@@ -874,6 +874,8 @@ class CompiledStep:
         #: it leaves as they are (``write_back`` does not write them)
         self.trained_ids = frozenset(id(p) for p in model.parameters() if p.requires_grad)
         self._frozen = frozenset(k for k, p in model.named_parameters() if not p.requires_grad)
+        #: whether the step holds frozen parameters other than the model's (a checkpoint's)
+        self._frozen_loaded = False
         #: compiled as the how-manyth step of this process (the same on every rank)
         self.compiled_as = next(_COMPILED)
         #: on a GPU, the scalars the update reads that stay in host memory, as torch.optim keeps
@@ -1210,10 +1212,13 @@ class CompiledStep:
         user_entries = self._optimizer_watch.changed_entries() if self._optimizer is not None else set()
         changed_ids = {q for q, _ in user_entries}
         changed = {name for name, p in params.items() if id(p) in changed_ids}
-        # a collective per tensor, alike on every rank; a frozen parameter stays as it is, and
-        # an inference program's parameters (the model's, as it took them)
+        # a collective per tensor, alike on every rank; a frozen parameter stays as it is
+        # unless a checkpoint was loaded, and an inference program's parameters (the model's,
+        # as it took them)
         held = {**self.params, **self.buffers} if self.signature.has_loss else self.buffers
-        full = {k: self._gather(k, v) for k, v in held.items() if k not in self._frozen}
+        skipped = frozenset() if self._frozen_loaded else self._frozen
+        full = {k: self._gather(k, v) for k, v in held.items() if k not in skipped}
+        self._frozen_loaded = False
         own = {**params, **dict(self._model.named_buffers())}
         with torch.no_grad():
             for name, value in full.items():
@@ -1481,6 +1486,7 @@ class CompiledStep:
             role, name = key.split("/", 1)
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
                 value.to_local().contiguous().to(self._device_for(name))
+        self._frozen_loaded = bool(self._frozen)  # written back with the rest
         self._accept_writes()  # the model's weights written since compile are superseded
         if self._optimizer_watch is not None:  # and so is the optimizer's state
             self._optimizer_watch.accept()

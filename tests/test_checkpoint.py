@@ -467,3 +467,44 @@ def test_compiling_again_keeps_the_statistics_a_forward_program_updated():
     torch.testing.assert_close(out, want, **EAGER)
     for name, value in want_buffers.items():
         _close(buffers[name], value, name, **EAGER)
+
+
+def _frozen_backbone(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    model[0].requires_grad_(False)
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), batch
+
+
+def _saved_with_a_frozen_layer(rank, path):
+    model, opt, batch = _frozen_backbone(seed=0)
+    step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    step.step(*batch)
+    step.save_checkpoint(path)
+    return step.state_dict()
+
+
+def _loaded_written_back_and_compiled_again(rank, path):
+    model, opt, batch = _frozen_backbone(seed=1)  # other weights, the frozen ones too
+    step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    step.load_checkpoint(path)
+    step.write_back()
+    written = {k: v.clone() for k, v in model.state_dict().items()}
+    again = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    return written, float(again.step(*batch))
+
+
+def test_a_frozen_parameter_a_checkpoint_restores_is_written_back(tmp_path):
+    """``write_back`` skipped frozen parameters (the step never changes them), so the
+    frozen weights ``load_checkpoint`` restored never reached the model: its export, an
+    eager forward and a step compiled again ran on the fresh model's weights."""
+    path = str(tmp_path / "ckpt")
+    saved = spawn(_saved_with_a_frozen_layer, 2, path, timeout=120, deadline=300)[0]
+    written, loss = spawn(_loaded_written_back_and_compiled_again, 2, path, timeout=120, deadline=300)[0]
+    for k in saved:
+        _close(written[k], saved[k], k)
+    model, _, batch = _frozen_backbone(seed=0)
+    model.load_state_dict(saved)
+    _close(loss, float(torch.nn.functional.cross_entropy(model(batch[0]), batch[1])), "loss compiled again", **EAGER)
