@@ -1460,6 +1460,13 @@ class CompiledStep:
         random generator state to the directory
         ``path`` with ``torch.distributed.checkpoint``, each rank writing its own pieces
         (collective). Load it with :meth:`load_checkpoint`, on any mesh shape or world size."""
+        frozen = sorted({k.rsplit(":", 1)[0] for k in self._optimizers_own_state(self._frozen)})
+        if frozen:
+            raise UnsupportedInputError(
+                f"the optimizer holds state of the frozen parameter(s) {', '.join(frozen)} (from "
+                "training before they were frozen), which a checkpoint does not carry: resuming from "
+                "it would lose that state when they train again. Save with step.write_back() and "
+                "torch.save of model.state_dict() and optimizer.state_dict() instead")
         self._take_stream()  # the stream's latest state, another program's draws too
         self._take_inference_statistics()
         dcp.save(self._sharded_state(), checkpoint_id=path)
@@ -1498,18 +1505,24 @@ class CompiledStep:
         """Full optimizer state keyed ``"<param>:<state>"`` (collective), as torch.optim
         keeps it. A parameter the loss does not read (never given a gradient) is not
         updated: its state is the optimizer's own, as every rank took it from rank 0 at
-        compile (none for most optimizers; Adagrad makes its sum when it is made)."""
+        compile (none for most optimizers; Adagrad makes its sum when it is made); so is a
+        frozen parameter's (the state an earlier training left it, which eager keeps)."""
         untrained = set(self.signature.untrained)
         on_cpu = self._steps_kept_on_cpu()
         state = {k: self._gather(k, v).cpu() if k in on_cpu else self._gather(k, v)
                  for k, v in self.opt_state.items() if k.rsplit(":", 1)[0] not in untrained}
-        if self._optimizer is not None and untrained:
-            params = dict(self._model.named_parameters())
-            for name in sorted(untrained):
-                for state_name, value in self._optimizer.state.get(params[name], {}).items():
-                    if isinstance(value, torch.Tensor):
-                        state[f"{name}:{state_name}"] = value.detach().clone()
+        state.update(self._optimizers_own_state(untrained | self._frozen))
         return state
+
+    def _optimizers_own_state(self, names) -> dict[str, torch.Tensor]:
+        """The optimizer's own tensor state of the parameters ``names`` (sorted), keyed
+        ``"<param>:<state>"``."""
+        if self._optimizer is None:
+            return {}
+        params = dict(self._model.named_parameters())
+        return {f"{name}:{state_name}": value.detach().clone() for name in sorted(names)
+                for state_name, value in self._optimizer.state.get(params[name], {}).items()
+                if isinstance(value, torch.Tensor)}
 
     def _steps_kept_on_cpu(self) -> set[str]:
         """The ``"<param>:step"`` states torch.optim keeps on the CPU: those of param groups

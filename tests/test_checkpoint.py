@@ -508,3 +508,47 @@ def test_a_frozen_parameter_a_checkpoint_restores_is_written_back(tmp_path):
     model, _, batch = _frozen_backbone(seed=0)
     model.load_state_dict(saved)
     _close(loss, float(torch.nn.functional.cross_entropy(model(batch[0]), batch[1])), "loss compiled again", **EAGER)
+
+
+def _frozen_after_training(rank, path):
+    model, _, batch = _frozen_backbone(seed=0)
+    model[0].requires_grad_(True)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    for _ in range(2):
+        step.step(*batch)
+    model[0].requires_grad_(False)  # refused at the next step() until compiled again
+    step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    step.step(*batch)
+    state = step.optimizer_state()
+    try:
+        step.save_checkpoint(path)
+    except ddlc.errors.UnsupportedInputError as e:
+        return state, str(e)
+    return state, None
+
+
+def test_the_optimizer_state_of_a_parameter_frozen_after_training_is_kept_or_refused_in_checkpoints(tmp_path):
+    """A parameter Adam trained and that is frozen since keeps its moments and step count
+    in eager's optimizer: ``optimizer_state()`` left them out, and a checkpoint, which does
+    not carry them, lost them silently (its resumed run restarted their step count when
+    they trained again). ``optimizer_state()`` now has them, and ``save_checkpoint`` is
+    refused, naming the parameters and the way to save them."""
+    state, refusal = spawn(_frozen_after_training, 2, str(tmp_path / "ckpt"), timeout=120, deadline=300)[0]
+    model, _, batch = _frozen_backbone(seed=0)
+    model[0].requires_grad_(True)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+        opt.step()
+    model[0].requires_grad_(False)
+    opt.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+    opt.step()
+    names = dict((id(p), n) for n, p in model.named_parameters())
+    want = {f"{names[id(p)]}:{k}": v for p, s in opt.state.items() for k, v in s.items()}
+    assert sorted(state) == sorted(want)
+    for k in want:
+        _close(state[k], want[k], k, **EAGER)
+    assert refusal is not None and "frozen parameter(s) 0.bias, 0.weight" in refusal and "torch.save" in refusal
