@@ -83,8 +83,15 @@ def no_input_mutation(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> None:
 def static_shapes(gm: fx.GraphModule) -> None:
     """Refuse a step with a tensor whose size depends on tensor values (an unbacked
     symbolic size: ``x[mask]``, ``h[mask] = v``, ``nonzero``): one static plan cannot
-    split or size it."""
+    split or size it; or that reads a tensor's value into Python (``.item()`` whose number
+    the step computes with, traced as ``_local_scalar_dense``): a rank holds a piece of
+    the tensor, not the value."""
     for node in gm.graph.nodes:
+        if node.target is torch.ops.aten._local_scalar_dense.default and node.users:  # not a print's
+            raise TraceError(
+                "the step reads a tensor's value into a Python number (`.item()`, `float(t)`, "
+                "`int(t)`) and computes with it, which one static graph of per-rank pieces cannot "
+                "express; keep it a tensor (`t` instead of `t.item()`)", where=where(node))
         vals = [v for v in tree_flatten(node.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
         if any(isinstance(d, torch.SymInt) for v in vals for d in v.shape):
             raise TraceError(

@@ -85,6 +85,11 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [k for k, p in params.items() if p.requires_grad]
+    if optimizer is not None and not trainable:
+        raise UnsupportedInputError(
+            "every parameter of the model is frozen (requires_grad=False), so the step would train "
+            "nothing: eager's loss.backward() raises on it (unfreeze what should train, or compile "
+            "without an optimizer for the loss alone)")
     grouped = optimizer_spec(optimizer, params) if optimizer is not None else {}
     # a frozen parameter given to the optimizer gets no gradient, and torch.optim skips it
     group_of = {k: grouped[k][0] for k in trainable if k in grouped}

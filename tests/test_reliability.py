@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import ddlc
 from ddlc import pipeline
-from ddlc.errors import MeshError, SBPError, UnsupportedInputError
+from ddlc.errors import MeshError, SBPError, TraceError, UnsupportedInputError
 from ddlc.ir import SHARDING, STEP
 from ddlc.launch import WorkerError, spawn
 from ddlc.options import CompileOptions
@@ -120,6 +120,35 @@ def test_a_draw_from_a_python_or_numpy_generator_is_refused_at_its_line_unless_t
     assert (random.getstate(), pickle.dumps(np.random.get_state())) == after_eager
     mask = next(getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr")
     torch.testing.assert_close(mask, _reseeded_mask())
+
+
+class _ScaledByItsMax(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        scale = x.abs().max().item()
+        return self.fc(x) * scale
+
+
+def test_a_value_read_into_python_and_computed_with_is_refused_at_trace_at_its_line():
+    """``.item()`` whose number the step computes with traced, and lowering then failed
+    with an internal error (the number of a tensor a rank holds a piece of)."""
+    model = _ScaledByItsMax()
+    with pytest.raises(TraceError, match=r"reads a tensor's value into a Python number") as info:
+        ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 4)), F.mse_loss,
+                   torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "scale = x.abs().max().item()" in str(info.value)
+
+
+def test_a_step_whose_every_parameter_is_frozen_is_refused():
+    """The README says a loss on no trainable parameter is refused, as eager's backward
+    raises on it; a model whose every parameter was frozen compiled and stepped."""
+    model = torch.nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(UnsupportedInputError, match=r"every parameter of the model is frozen"):
+        ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 4)), F.mse_loss,
+                   torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 @pytest.mark.parametrize("loss_fn", [None, F.mse_loss])
