@@ -79,7 +79,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         raise UnsupportedInputError("clip_grad_norm clips gradients: it needs a loss_fn or an "
                                     "optimizer")
     refuse_wrapped(model)
-    _check_initialised(model)
+    _check_initialised(model, batch)
     if training:
         _check_modules(model)
     params = dict(model.named_parameters())
@@ -346,9 +346,19 @@ def refuse_wrapped(model: nn.Module) -> None:
                     where=f"parameter or buffer {name}")
 
 
-def _check_initialised(model: nn.Module) -> None:
+def _check_initialised(model: nn.Module, batch: _Batch) -> None:
     """Refuse a lazy module whose parameters or buffers have no shape yet (they take it on
-    the first call, which compile does not make for the user)."""
+    the first call, which compile does not make for the user), and a model or example
+    input on the meta device (no values; traced beside the others, its device clashes
+    with theirs deep inside torch)."""
+    tensors = [*model.named_parameters(), *model.named_buffers(),
+               *((f"example input {key}", t) for key, t in zip(batch.keys, batch.tensors))]
+    meta = next((name for name, t in tensors if t.device.type == "meta"), None)
+    if meta is not None:
+        raise UnsupportedInputError(
+            f"{meta} is on the meta device (a shape with no values): build the model and the example "
+            "inputs on the device they train on (model.to_empty(device=...) and initialise its "
+            "weights, or load them, for a model built on meta)")
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if isinstance(tensor, nn.parameter.UninitializedTensorMixin):
             module = name.rpartition(".")[0]

@@ -649,6 +649,17 @@ def test_a_lazy_module_is_refused_until_called_once():
     ddlc.trace(model, batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def test_a_model_or_example_input_on_the_meta_device_is_refused_naming_it():
+    """A model built on meta (``ddlc plan`` of a factory that builds it so) failed inside
+    torch's fake tensors with a device clash; refused naming the tensor."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 2)
+    with pytest.raises(UnsupportedInputError, match="weight is on the meta device"):
+        ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 2)), F.mse_loss)
+    with pytest.raises(UnsupportedInputError, match="example input input1 is on the meta device"):
+        ddlc.trace(torch.nn.Linear(4, 2), (torch.randn(8, 4), torch.randn(8, 2, device="meta")), F.mse_loss)
+
+
 def test_a_model_wrapped_for_distribution_or_by_torch_compile_is_refused_naming_the_wrapper():
     """ddlc takes the plain single-device module: a module inside a DDP, DataParallel,
     fully_shard or torch.compile wrapper, or holding DTensor parameters, is refused naming
