@@ -38,6 +38,8 @@ from .errors import DDLCError, OptionError, RuntimeMismatchError, UnsupportedInp
 
 TRACE_ITERATIONS = 2
 SEARCH_SHOWN = 5
+#: The largest device count ``--mesh N`` searches the mesh shapes of.
+MAX_DEVICES = 1 << 20
 #: Mesh shapes of least planner objective that a device-count search lowers and times.
 SEARCH_LOWERED = 3
 log = logging.getLogger("ddlc.cli")
@@ -80,7 +82,7 @@ def run_and_exit(argv=None) -> NoReturn:
 def _check_outputs(args) -> None:
     """Refuse an output file the command could not write, before any work: its folder
     missing, a folder in its place, a picture not named ``.svg``."""
-    for option in ("json", "svg", "html", "trace"):
+    for option in ("json", "svg", "html", "trace", "out"):
         path = getattr(args, option, None)
         if not isinstance(path, str):  # not given, or a flag (``schedule --json`` prints JSON)
             continue
@@ -204,14 +206,18 @@ def _mesh_request(text: str | None):
     if text is None:
         raise MeshError("give --mesh: a shape such as 2x4, or a device count such as 8")
     if text.strip().isdigit():
-        if int(text) < 1:
-            raise MeshError(f"--mesh {text}: a device count must be at least 1")
+        if not 1 <= int(text) <= MAX_DEVICES:
+            raise MeshError(f"--mesh {text}: a device count must be from 1 to {MAX_DEVICES}")
         return None, int(text)
     return Mesh(text).shape, None
 
 
 def _optimizer(name: str, model):
     import torch
+    if name != "none" and not any(True for _ in model.parameters()):
+        raise UnsupportedInputError(f"the model has no parameters for --optimizer {name} to train: pass "
+                                    "--optimizer none (a plan of the loss and its gradients alone, or "
+                                    "of inference)")
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-3)
     if name == "sgd":
@@ -241,7 +247,7 @@ def _compile_rank0(args) -> Compiled:
         try:
             gm = pipeline.trace_step(model, inputs, loss_fn, optimizer, options)
         except UnsupportedInputError as error:
-            if loss_fn is None and optimizer is not None and "loss" in str(error):
+            if loss_fn is None and optimizer is not None and "so its output must hold the loss" in str(error):
                 raise UnsupportedInputError(f"{error}; for an inference plan of a model that returns "
                                             "no loss, pass --optimizer none") from error
             raise

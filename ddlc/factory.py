@@ -9,7 +9,9 @@ wrong shape -- is a :class:`ddlc.errors.FactoryError` naming the factory and the
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import inspect
 import os
 import sys
 from typing import Any, Callable
@@ -34,8 +36,13 @@ def _execute(spec, name: str, where: str, spec_text: str):
 
 
 def _module_from_file(path: str, spec_text: str):
+    """The module of the file ``path``, with the file's folder first on ``sys.path`` (as
+    ``python path/to/file.py`` puts it: the file may import the modules beside it)."""
     if not os.path.isfile(path):
         raise FactoryError(f"{spec_text}: no such file {path!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     name = "_ddlc_factory_" + os.path.splitext(os.path.basename(path))[0]
     return _execute(importlib.util.spec_from_file_location(name, path), name, path, spec_text)
 
@@ -78,7 +85,16 @@ def call_factory(spec_text: str) -> tuple[nn.Module, Any, Callable | None]:
     """Load and call the factory; check that it returned ``(model, example_inputs, loss_fn)``."""
     factory = load_factory(spec_text)
     try:
-        result = factory()
+        inspect.signature(factory).bind()
+    except TypeError as e:
+        raise FactoryError(f"{spec_text}: ddlc calls the factory with no arguments, and it needs some "
+                           f"({e}): give its parameters defaults, or name a function that takes none") from e
+    except ValueError:  # no signature to read (a builtin): calling it tells
+        pass
+    try:
+        # what the factory prints goes to stderr: standard output carries only the report
+        with contextlib.redirect_stdout(sys.stderr):
+            result = factory()
     except (Exception, SystemExit) as e:
         raise FactoryError(f"{spec_text}: the factory raised {type(e).__name__}: {e}") from e
     if not (isinstance(result, tuple) and len(result) == 3):

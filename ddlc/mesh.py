@@ -127,25 +127,59 @@ class HardwareProfile:
 
     @staticmethod
     def from_dict(d: dict) -> "HardwareProfile":
-        try:
-            return HardwareProfile(
-                name=d["name"], devices_per_node=int(d["devices_per_node"]),
-                flops=tuple(sorted((k, float(v)) for k, v in d["flops"].items())),
-                memory_bandwidth=float(d["memory_bandwidth"]),
-                memory_capacity=float(d["memory_capacity"]),
-                intra_node=LinkModel(**d["links"]["intra_node"]),
-                inter_node=LinkModel(**d["links"]["inter_node"]),
-                description=d.get("description", ""), source=d.get("source", ""),
-                cache_bytes=float(d.get("cache", {}).get("bytes", 0.0)),
-                cache_bandwidth=float(d.get("cache", {}).get("bandwidth", 0.0)),
-                emulated=tuple(sorted(d.get("emulated_collectives", {}).items())),
-                compute=d.get("compute", "roofline"),
-                collective_factors=tuple(sorted(
-                    (kind, (float(f["latency"]), float(f["bandwidth"])))
-                    for kind, f in d.get("collective_factors", {}).items())),
-                contention=_contention(d.get("contention")))
-        except (KeyError, TypeError) as e:
-            raise MeshError(f"hardware profile is missing or mistypes field {e}") from None
+        """The profile of a JSON object (``ddlc/profiles/*.json``); a field missing, of the
+        wrong type or out of range is a :class:`MeshError` naming it."""
+        def field(path: str, convert, default=_REQUIRED):
+            value = d
+            for key in path.split("."):
+                if not isinstance(value, dict) or key not in value:
+                    if default is _REQUIRED:
+                        raise MeshError(f"hardware profile has no field {path!r}")
+                    return convert(default)
+                value = value[key]
+            try:
+                return convert(value)
+            except (TypeError, ValueError, AttributeError, KeyError) as e:
+                raise MeshError(f"hardware profile field {path!r} is mistyped or out of range: {value!r} "
+                                f"({e})") from None
+
+        return HardwareProfile(
+            name=field("name", str), devices_per_node=field("devices_per_node", _positive_int),
+            flops=field("flops", lambda v: tuple(sorted((str(k), _positive(x)) for k, x in v.items()))),
+            memory_bandwidth=field("memory_bandwidth", _positive),
+            memory_capacity=field("memory_capacity", _positive),
+            intra_node=field("links.intra_node", _link), inter_node=field("links.inter_node", _link),
+            description=field("description", str, ""), source=field("source", str, ""),
+            cache_bytes=field("cache.bytes", float, 0.0), cache_bandwidth=field("cache.bandwidth", float, 0.0),
+            emulated=field("emulated_collectives", lambda v: tuple(sorted((str(k), str(x)) for k, x in v.items())),
+                           {}),
+            compute=field("compute", str, "roofline"),
+            collective_factors=field("collective_factors", lambda v: tuple(sorted(
+                (str(kind), (float(f["latency"]), float(f["bandwidth"]))) for kind, f in v.items())), {}),
+            contention=field("contention", _contention, None))
+
+
+_REQUIRED = object()
+
+
+def _positive(value) -> float:
+    number = float(value)
+    if not number > 0:
+        raise ValueError("must be a positive number")
+    return number
+
+
+def _positive_int(value) -> int:
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError("must be a positive whole number")
+    return int(value)
+
+
+def _link(value: dict) -> LinkModel:
+    try:
+        return LinkModel(**{str(k): float(x) for k, x in value.items()})
+    except MeshError as e:
+        raise ValueError(str(e)) from None
 
 
 def _contention(d: dict | None) -> Contention | None:

@@ -79,6 +79,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         raise UnsupportedInputError("clip_grad_norm clips gradients: it needs a loss_fn or an "
                                     "optimizer")
     refuse_wrapped(model)
+    _check_loss_signature(loss_fn, n_targets)
     _check_initialised(model, batch)
     if training:
         _check_modules(model)
@@ -344,6 +345,22 @@ def refuse_wrapped(model: nn.Module) -> None:
                     "already distributed (parallelize_module, distribute_tensor, fully_shard); "
                     "ddlc takes the model with plain tensors on one device and distributes it itself",
                     where=f"parameter or buffer {name}")
+
+
+def _check_loss_signature(loss_fn: Callable | None, n_targets: int) -> None:
+    """Refuse a ``loss_fn`` that cannot be called as the step calls it: ``loss_fn(output,
+    *targets)``, the targets the last ``num_targets`` example inputs."""
+    if loss_fn is None:
+        return
+    try:
+        inspect.signature(loss_fn).bind(None, *[None] * n_targets)
+    except TypeError as e:
+        raise UnsupportedInputError(
+            f"the step calls loss_fn(output, {', '.join(['target'] * n_targets)}), the model's output and "
+            f"the last {n_targets} example input(s) (num_targets={n_targets}), and this loss_fn cannot "
+            f"take that ({e}): write it so, or give num_targets the number of targets it takes") from e
+    except ValueError:  # no signature to read (a builtin): calling it tells
+        pass
 
 
 def _check_initialised(model: nn.Module, batch: _Batch) -> None:

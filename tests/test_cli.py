@@ -316,3 +316,56 @@ def test_a_program_over_the_memory_budget_is_flagged():
     within = StepBreakdown(1e-3, 1e-3, 0.0, 0.0, 300e3, 400e3, 1e-3)
     over = StepBreakdown(1e-3, 1e-3, 0.0, 0.0, 536e3, 400e3, 1e-3)
     assert over_budget_note(within) == "" and "give a smaller budget" in over_budget_note(over)
+
+
+SIBLING = '''
+from sibling_net import make  # a module beside this file
+
+
+def needs_width(width):
+    return make(width)
+
+
+def chatty():
+    print("building the model")
+    raise ValueError("stop here")
+
+
+def no_parameters():
+    import torch
+    return torch.nn.ReLU(), (torch.randn(8, 4), torch.randn(8, 4)), torch.nn.functional.mse_loss
+
+
+def one_argument_loss():
+    import torch
+    return make(4), (torch.randn(8, 4), torch.randn(8, 4)), lambda out: out.sum()
+'''
+
+
+@pytest.mark.parametrize("args, cause", [
+    (["plan", "{dir}/factories.py:needs_width", "--mesh", "2"],
+     "ddlc calls the factory with no arguments, and it needs some (missing a required argument: 'width')"),
+    (["plan", "{dir}/factories.py:chatty", "--mesh", "2"], "the factory raised ValueError: stop here"),
+    (["plan", "{dir}/factories.py:no_parameters", "--mesh", "2"],
+     "the model has no parameters for --optimizer adamw to train: pass --optimizer none"),
+    (["plan", "{dir}/factories.py:one_argument_loss", "--mesh", "2"],
+     "the step calls loss_fn(output, target)"),
+    (["plan", "{dir}/factories.py:no_parameters", "--mesh", "99999999999999999999"],
+     "a device count must be from 1 to"),
+    (["calibrate", "--out", "{dir}/no/profile.json"], "cannot write --out"),
+])
+def test_more_bad_input_is_one_line_on_stderr_before_the_work(tmp_path, monkeypatch, capsys, args, cause):
+    """Found by trying the command as a new user: a factory importing the module beside it
+    failed unless run from its folder; a factory's print went into the report on stdout; a
+    factory taking arguments, a model without parameters (a traceback), a loss_fn of one
+    argument, a device count of 20 digits (the search hung) and ``calibrate --out`` into a
+    missing folder (refused only after minutes of measuring) each get their line."""
+    from ddlc.cli import main
+    (tmp_path / "factories.py").write_text(SIBLING)
+    (tmp_path / "sibling_net.py").write_text("import torch\n\n\ndef make(width):\n    return torch.nn.Linear(width, width)\n")
+    monkeypatch.chdir(ROOT)  # not the factory's folder
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert main([a.format(dir=tmp_path) for a in args]) == 2
+    out = capsys.readouterr()
+    assert out.out == "", out.out
+    assert cause in out.err.strip().splitlines()[-1], out.err

@@ -136,3 +136,27 @@ def test_dtensor_placement_round_trip(data, ndim):
 def test_unsupported_placement_is_rejected():
     with pytest.raises(SBPError, match="no SBP equivalent"):
         NdSBP.from_placements([Partial("max")])
+
+
+@pytest.mark.parametrize("edit, cause", [
+    (lambda d: d.update(flops="fast"), "field 'flops' is mistyped or out of range: 'fast'"),
+    (lambda d: d["flops"].update(float32="abc"), "field 'flops' is mistyped or out of range"),
+    (lambda d: d.update(links="fast"), "has no field 'links.intra_node'"),
+    (lambda d: d["links"].update(intra_node={"latency": 1e-6, "bandwidth": -1}), "'links.intra_node' is mistyped"),
+    (lambda d: d.update(contention=5), "field 'contention' is mistyped"),
+    (lambda d: d.update(memory_capacity=-1), "field 'memory_capacity' is mistyped or out of range: -1 (must be a "
+                                             "positive number)"),
+    (lambda d: d.pop("memory_bandwidth"), "has no field 'memory_bandwidth'"),
+])
+def test_a_profile_file_with_a_bad_field_is_refused_naming_the_field(tmp_path, edit, cause):
+    """A mistyped field of a profile file gave a Python traceback (AttributeError,
+    ValueError) or a message naming no field; a negative memory capacity was taken."""
+    import json
+    from importlib import resources
+    d = json.loads(resources.files("ddlc").joinpath("profiles/cpu-gloo.json").read_text())
+    edit(d)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(MeshError) as info:
+        load_profile(str(path))
+    assert cause in str(info.value)
