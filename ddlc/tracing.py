@@ -730,7 +730,11 @@ class _ForwardRewrites(TorchFunctionMode):
       :func:`_check_modules` refuses before tracing) is refused: a sparse gradient.
     - ``F.gaussian_nll_loss`` with a variance tensor: torch's formula (the variance clamped
       to ``eps`` without a gradient through the clamp, ``0.5 * (log var + (x - y)^2 / var)``)
-      without its check that no variance is negative, which reads the values."""
+      without its check that no variance is negative, which reads the values.
+    - ``torch.cov`` and ``torch.corrcoef`` of a real floating tensor without observation
+      weights (VICReg's and Barlow Twins' losses): torch's formula, centred product over
+      ``observations - correction``, without the check that reads whether that count is
+      positive (``aten.equal``, which the trace cannot evaluate: it failed there)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -802,11 +806,32 @@ def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean
     return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
 
 
+def _cov(input, *, correction=1, fweights=None, aweights=None):
+    if fweights is not None or aweights is not None or not input.is_floating_point() or input.ndim > 2:
+        return _AS_IS
+    x = input if input.ndim == 2 else input.reshape(1, -1)
+    observations = x.shape[1]
+    centred = x - x.sum(dim=1, keepdim=True) / observations
+    # torch divides by 0 where no degree of freedom is left (and warns): inf or nan
+    return (centred @ centred.t() / max(observations - correction, 0)).squeeze()
+
+
+def _corrcoef(input):
+    c = _cov(input)
+    if c is _AS_IS:
+        return _AS_IS
+    if c.ndim == 0:
+        return c / c
+    stddev = torch.diagonal(c).sqrt()
+    return (c / stddev.view(-1, 1) / stddev.view(1, -1)).clip(-1, 1)
+
+
 _BATCH_NORM = inspect.signature(F.batch_norm)
 _INSTANCE_NORM = inspect.signature(F.instance_norm)
 _REWRITES = {F.batch_norm: _batch_norm, F.instance_norm: _instance_norm,
              torch.Tensor.requires_grad_: _requires_grad, F.one_hot: _one_hot,
-             F.gaussian_nll_loss: _gaussian_nll_loss, F.embedding: _embedding}
+             F.gaussian_nll_loss: _gaussian_nll_loss, F.embedding: _embedding,
+             torch.cov: _cov, torch.Tensor.cov: _cov, torch.corrcoef: _corrcoef, torch.Tensor.corrcoef: _corrcoef}
 
 
 def _instance_norm_by_reductions(input, running_mean, running_var, weight, bias, use_input_stats,

@@ -623,6 +623,40 @@ def test_data_parallelism_takes_the_common_mean_losses(loss_fn):
         assert_matches_reference({"losses": losses, "params": params, "opt_state": state}, want, str(mesh))
 
 
+def _vicreg_like(out, y):
+    """Variance and covariance terms of VICReg over the batch, and Barlow Twins' correlation."""
+    cov = torch.cov(out.T)
+    off_diagonal = cov - torch.diag(torch.diagonal(cov))
+    corr = torch.corrcoef(torch.cat([out, y], 1).T)
+    return F.relu(1 - out.std(0)).mean() + off_diagonal.pow(2).sum() / 8 + (corr - 0.5).pow(2).mean()
+
+
+def test_covariance_and_correlation_over_the_batch_split_it_and_match_single_device():
+    """``torch.cov`` and ``torch.corrcoef`` (VICReg, Barlow Twins) were refused as
+    data-dependent: torch's kernel checks its count of observations with ``aten.equal``.
+    Traced as torch's formula, they train on (4,) and (2,2), the batch split."""
+    from conftest import assert_matches_reference, optimizer, train
+    from ddlc import pipeline
+    from ddlc.options import CompileOptions
+    from ddlc.simulate import simulate_steps
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)) for _ in range(3)]
+    want = train(model(), _vicreg_like, "adamw", data)
+    for mesh in (ddlc.Mesh((4,)), ddlc.Mesh((2, 2))):
+        net = model()
+        split = "(S0)" if mesh.ndim == 1 else "(S0, S0)"
+        options = CompileOptions.from_kwargs(placements={"input0": split, "input1": split})
+        gm = pipeline.trace_step(net, data[0], _vicreg_like, optimizer("adamw", net), options)
+        pipeline.plan(gm, mesh, options, pipeline.resolve_placements(gm, options.placements, mesh.ndim))
+        params = {k: v.detach() for k, v in net.named_parameters()}
+        losses, params, state, _ = simulate_steps(gm, mesh, params, {}, data)
+        assert_matches_reference({"losses": losses, "params": params, "opt_state": state}, want, str(mesh))
+
+
 def test_a_step_that_must_move_activations_is_refused_when_told_not_to():
     from ddlc.zoo import resnet18
     torch.manual_seed(0)
