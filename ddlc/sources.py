@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["caller", "cite", "custom_operator", "is_library_file", "is_user_file", "source_from_stack", "user_frame"]
+__all__ = ["autograd_function", "caller", "cite", "custom_operator", "is_library_file", "is_user_file", "source_from_stack", "user_frame"]
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
                   os.path.dirname(os.__file__))
@@ -61,6 +61,17 @@ def custom_operator(exc: BaseException) -> str | None:
         elif isinstance(op, torch._ops.OpOverloadPacket) and \
                 op._qualified_op_name.partition("::")[0] not in _TORCH_NAMESPACES:
             found = op._qualified_op_name
+    return found
+
+
+def autograd_function(exc: BaseException) -> type | None:
+    """The innermost ``torch.autograd.Function`` subclass whose ``apply`` was running when
+    ``exc`` was raised; None if there is none."""
+    found = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        cls = frame.f_locals.get("cls") if frame.f_code.co_name == "apply" else None
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
+            found = cls
     return found
 
 

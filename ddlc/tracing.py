@@ -1091,6 +1091,14 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
                 "model.set_experts_implementation('batched_mm'), or experts_implementation="
                 f"'batched_mm' given to the config's constructor or from_pretrained, traces) ({text})",
                 where=line) from e
+        function = sources.autograd_function(e)
+        if function is not None and function.__module__.startswith("torch.") \
+                and _CUSTOM_FUNCTION.search(f"{type(e).__name__} {e}"):
+            raise UnsupportedInputError(
+                f"the step calls torch's own autograd.Function {function.__module__}.{function.__qualname__} "
+                "(torch.distributions samples Beta, Dirichlet and Gamma distributions through one), which "
+                "the torch.func transforms ddlc traces with cannot run: draw the number with torch.rand, "
+                f"torch.randn or torch.randint, or pass it in as an example input ({text})", where=line) from e
         for pattern, error, cause in _CAUSES:
             if pattern.search(f"{type(e).__name__} {e}"):
                 inputs = graph_checks.describe_tensors(batch)

@@ -468,6 +468,24 @@ def test_a_custom_autograd_function_is_refused_with_its_cause(style):
     assert "plain tensor operations" in str(info.value) and "test_trace.py" in str(info.value)
 
 
+def test_a_torch_distributions_sample_through_torchs_own_function_is_refused_with_its_fix():
+    """A Beta sample (a mixup coefficient) runs torch's own ``_Dirichlet`` Function: the
+    refusal told the user to rewrite their custom Function, which they do not have."""
+    class Mixup(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            lam = torch.distributions.Beta(torch.tensor(0.4), torch.tensor(0.4), validate_args=False).sample()
+            return self.lin(x * lam + x.flip(0) * (1 - lam))
+
+    with pytest.raises(UnsupportedInputError, match=r"torch's own autograd.Function torch.distributions"
+                                                    r".dirichlet._Dirichlet .*draw the number with torch.rand") as info:
+        ddlc.trace(Mixup(), (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss)
+    assert "test_trace.py" in str(info.value) and "Beta(" in str(info.value)
+
+
 def _linear_pair():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
