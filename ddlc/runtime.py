@@ -1350,8 +1350,9 @@ class CompiledStep:
                 changed.append(f"{len(self._structure)} param groups became {len(now)}")
             raise UnsupportedInputError(
                 "the optimizer changed after compile in a way the compiled step cannot take as a "
-                "new hyper-parameter value (a zero weight decay or momentum made non-zero, another "
-                f"flag, or parameters moved between groups): {'; '.join(changed)}; compile again")
+                "new hyper-parameter value (a zero weight decay or momentum made non-zero, a "
+                "momentum turned off, another flag, or parameters moved between groups): "
+                f"{'; '.join(changed)}; compile again")
         values = hyperparameter_values(self._optimizer, self._groups)
         if values != self._hyperparameter_values:  # the first step, or a schedule's new values
             self._hyperparameter_inputs = self._hyperparameter_tensors(values)
