@@ -822,12 +822,13 @@ def _state_dict_names(model: nn.Module) -> dict[str, str]:
     return {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in canonical}
 
 
-def _check_checkpoint(path: str, state: Mapping[str, object]) -> None:
+def _check_checkpoint(path: str, state: Mapping[str, object]) -> Mapping[str, object]:
     """Refuse a checkpoint whose entries are not those of ``state`` (a step's
     ``_sharded_state``), by key and global shape: one saved by a step of another model or
     optimizer. Entries of ``state`` that the checkpoint lacks would be left as they are, and
     optimizer state it holds beyond them dropped; torch raised on the first, its own
-    ``CheckpointException``, which an ``except Exception`` does not catch."""
+    ``CheckpointException``, which an ``except Exception`` does not catch. Returns the
+    checkpoint's entries (key -> metadata)."""
     try:
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as error:
@@ -846,6 +847,7 @@ def _check_checkpoint(path: str, state: Mapping[str, object]) -> None:
             f"the checkpoint at {path} was saved by a step of another model or optimizer; "
             + "; ".join(problems) + ". To start from its weights alone, load it into a step "
             "compiled as it was, write_back(), and compile again with this optimizer")
+    return saved
 
 
 class CompiledStep:
@@ -1456,9 +1458,42 @@ class CompiledStep:
             state["rng_state"] = self.generator.get_state()
         return state
 
+    def _param_group_state(self) -> dict[str, torch.Tensor]:
+        """The optimizer's param groups' numbers (``lr``, ``betas``, ``momentum``, ``eps``,
+        ``weight_decay``, a scheduler's ``initial_lr``, ...; not its flags), keyed
+        ``param_group/<index>/<name>``, as float64 tensors: what ``optimizer.state_dict()``
+        carries besides the state, which a checkpoint restores as torch's
+        ``optimizer.load_state_dict`` does."""
+        if self._optimizer is None:
+            return {}
+        state = {}
+        for g, group in enumerate(self._optimizer.param_groups):
+            for name, value in sorted(group.items()):
+                if isinstance(value, torch.Tensor) and value.numel() == 1:
+                    value = value.item()
+                numbers = value if isinstance(value, tuple) else (value,)
+                if name != "params" and numbers and all(
+                        isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
+                    state[f"param_group/{g}/{name}"] = torch.tensor(numbers, dtype=torch.float64)
+        return state
+
+    def _set_param_groups(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Put the numbers of :meth:`_param_group_state` entries back into the param groups,
+        each as the type the group holds (a float, an int, a tuple, a tensor)."""
+        for key, tensor in state.items():
+            _, g, name = key.split("/", 2)
+            group = self._optimizer.param_groups[int(g)]
+            numbers, old = tensor.tolist(), group[name]
+            if isinstance(old, torch.Tensor):
+                old.fill_(numbers[0])
+            elif isinstance(old, tuple):
+                group[name] = tuple(type(o)(x) for o, x in zip(old, numbers))
+            else:
+                group[name] = type(old)(numbers[0])
+
     def save_checkpoint(self, path: str) -> None:
-        """Save parameters, buffers, optimizer state, the step count and the program's
-        random generator state to the directory
+        """Save parameters, buffers, optimizer state, the param groups' hyper-parameters,
+        the step count and the program's random generator state to the directory
         ``path`` with ``torch.distributed.checkpoint``, each rank writing its own pieces
         (collective). Load it with :meth:`load_checkpoint`, on any mesh shape or world size."""
         frozen = sorted({k.rsplit(":", 1)[0] for k in self._optimizers_own_state(self._frozen)})
@@ -1470,15 +1505,19 @@ class CompiledStep:
                 "torch.save of model.state_dict() and optimizer.state_dict() instead")
         self._take_stream()  # the stream's latest state, another program's draws too
         self._take_inference_statistics()
-        dcp.save(self._sharded_state(), checkpoint_id=path)
+        dcp.save({**self._sharded_state(), **self._param_group_state()}, checkpoint_id=path)
 
     def load_checkpoint(self, path: str) -> None:
         """Load a checkpoint of :meth:`save_checkpoint` into this program's placements
-        (resharded if it was saved on another mesh; collective). The optimizer's
-        hyper-parameters stay those of the optimizer object (restore an lr scheduler's own
-        state yourself)."""
+        (resharded if it was saved on another mesh; collective). The optimizer's param
+        groups take the checkpoint's hyper-parameters, as ``optimizer.load_state_dict``
+        gives them (the lr a scheduler set, OneCycle's momentum); an lr scheduler's own
+        state (its position) is the user's to restore (``scheduler.load_state_dict``)."""
         state = self._sharded_state()
-        _check_checkpoint(path, state)
+        saved = _check_checkpoint(path, state)
+        groups = {k: v for k, v in self._param_group_state().items()
+                  if k in saved and tuple(saved[k].size) == tuple(v.shape)}
+        state.update(groups)
         # what an inference program of a model sharing a submodule moved goes into the model
         # first (its own BatchNorm's statistics stay its own); the checkpoint supersedes the rest
         self._write_back_inference_programs()
@@ -1491,9 +1530,12 @@ class CompiledStep:
                 self.generator.set_state(value)
                 self._draws.hold()
                 continue
+            if key in groups:
+                continue
             role, name = key.split("/", 1)
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
                 value.to_local().contiguous().to(self._device_for(name))
+        self._set_param_groups(groups)
         self._frozen_loaded = bool(self._frozen)  # written back with the rest
         self._accept_writes()  # the model's weights written since compile are superseded
         if self._optimizer_watch is not None:  # and so is the optimizer's state

@@ -552,3 +552,31 @@ def test_the_optimizer_state_of_a_parameter_frozen_after_training_is_kept_or_ref
     for k in want:
         _close(state[k], want[k], k, **EAGER)
     assert refusal is not None and "frozen parameter(s) 0.bias, 0.weight" in refusal and "torch.save" in refusal
+
+
+def _scheduled_and_saved(rank, path):
+    model, opt, batch = _frozen_backbone(seed=0)
+    opt.param_groups[0].update(lr=0.05, momentum=0.5)  # where a schedule (OneCycle) has moved them
+    step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    step.step(*batch)
+    step.save_checkpoint(path)
+    return float(step.step(*batch))
+
+
+def _resumed_with_fresh_hyperparameters(rank, path):
+    model, opt, batch = _frozen_backbone(seed=1)  # lr 0.1, momentum 0.9
+    step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    step.load_checkpoint(path)
+    group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    return group, float(step.step(*batch))
+
+
+def test_a_checkpoint_restores_the_param_groups_hyper_parameters(tmp_path):
+    """``optimizer.load_state_dict`` restores the param groups' lr and momentum, which a
+    schedule moved; a checkpoint did not, so the resumed run stepped with the fresh
+    optimizer's values (OneCycle's cycled momentum lost)."""
+    path = str(tmp_path / "ckpt")
+    want = spawn(_scheduled_and_saved, 2, path, timeout=120, deadline=300)[0]
+    group, loss = spawn(_resumed_with_fresh_hyperparameters, 2, path, timeout=120, deadline=300)[0]
+    assert group["lr"] == 0.05 and group["momentum"] == 0.5 and isinstance(group["nesterov"], bool)
+    _close(loss, want, "loss of the step after resuming")
