@@ -293,6 +293,9 @@ def choose_plan(gm: fx.GraphModule, mesh: Mesh, options: CompileOptions,
             stats["data_parallel_step"] = candidate.step
             if candidate.step < best:
                 best, kept = candidate.step, (candidate, "chosen_over_search")
+    elif reference is None:
+        stats["data_parallel_none"] = f"no batch of the example inputs has {mesh.size} rows or more to split " \
+                                      f"over the {mesh.size} devices"
     if compute < best:
         candidate = plan_replicated(gm, mesh, options, groups)
         if isinstance(candidate, Candidate):

@@ -202,6 +202,8 @@ def test_replication_is_weighed_where_no_batch_splits_over_every_device():
     chosen = pipeline.choose_plan(gm, ddlc.Mesh((4,)), CompileOptions(), {})
     stats = chosen.plan.stats
     assert "data_parallel_step" not in stats
+    # and the report says why (it said nothing of data parallelism)
+    assert "has 4 rows or more to split over the 4 devices" in stats["data_parallel_none"]
     assert stats["replicated_chosen"] is True and stats["replicated_step"] < stats["searched_step"]
     assert is_replicated(gm) and collective_sequence(chosen.program) == []
 
