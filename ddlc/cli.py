@@ -404,10 +404,22 @@ def _plan(args) -> int:
         data = json.loads(compiled.plan.to_json()) | report_data(rows, step, collectives)
         # wall-clock timings are logged, not written: the file is the same on every run
         data["stats"] = {k: v for k, v in data["stats"].items() if not k.endswith("seconds")}
+        if compiled.searched:  # the mesh shapes' table, in its order
+            data["mesh_search"] = [{"mesh": "x".join(map(str, shape)), "modeled_step": step_seconds,
+                                    "planner_objective": objective, "note": note}
+                                   for shape, objective, step_seconds, note in _ranked(compiled.searched)]
         _write(args.json, json.dumps(data, indent=1) + "\n")
     if args.svg or args.html:
         _pictures(args, compiled, rows, text)
     return 0
+
+
+def _ranked(results) -> list:
+    """The searched shapes as the report ranks them (:func:`_format_search`): the lowered
+    ones by modeled step, then the rest by planner objective, then those with no plan."""
+    planned = sorted((r for r in results if r[1] is not None),
+                     key=lambda r: (r[2] is None, r[2] if r[2] is not None else r[1], r[1]))
+    return planned + [r for r in results if r[1] is None]
 
 
 def _format_search(results) -> str:
@@ -415,8 +427,7 @@ def _format_search(results) -> str:
     objective, then those with no plan; ties in the order :func:`_search_meshes` breaks
     them (planner objective, then the order of ``results``), so the first row is the
     shape chosen."""
-    ranked = sorted((r for r in results if r[1] is not None),
-                    key=lambda r: (r[2] is None, r[2] if r[2] is not None else r[1], r[1]))
+    ranked = [r for r in _ranked(results) if r[1] is not None]
     lines = [f"mesh shapes of {math.prod(results[0][0])} devices, best {min(SEARCH_SHOWN, len(ranked))} "
              f"of {len(results)}, by the modeled step of the {min(SEARCH_LOWERED, len(ranked))} of "
              "least planner objective (lowered)",

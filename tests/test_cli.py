@@ -60,7 +60,7 @@ def _commands(tmp: Path) -> dict[str, tuple[list[str], str]]:
     return {
         "plan": (full, "1"),
         "plan_other_seed": ([*full[:-6], "--json", str(tmp / "plan2.json")], "12345"),
-        "search": (["plan", f"{FACTORIES}:mlp", "--mesh", "4"], "0"),
+        "search": (["plan", f"{FACTORIES}:mlp", "--mesh", "4", "--json", str(tmp / "search.json")], "0"),
         "schedule": (["schedule", f"{FACTORIES}:mlp", "--mesh", "2", "--trace", str(tmp / "trace.json"),
                       "--profile", str(tmp / "fast.json")], "0"),
         "missing_file": (["plan", "no/such/file.py:gpt", "--mesh", "2x2"], "0"),
@@ -170,6 +170,10 @@ def test_mesh_search_lists_the_shapes(runs):
     assert chosen == rows[0][0]
     modeled = float(re.search(r"modeled step ([\d.]+) ms", out.stdout).group(1))
     assert modeled == pytest.approx(steps[0], abs=1e-3)  # the report is of the chosen program
+    # --json holds the table too, in its order
+    table = json.loads((runs[0] / "search.json").read_text())["mesh_search"]
+    assert [r["mesh"] for r in table] == [r[0] for r in rows]
+    assert [r["modeled_step"] * 1e3 for r in table] == pytest.approx(steps, abs=1e-3)
 
 
 def test_the_search_table_breaks_ties_as_the_choice_does():
