@@ -439,9 +439,15 @@ def format_fit(profile: dict) -> str:
 
 
 def main(args) -> int:
+    from .errors import OptionError
     from .mesh import Mesh
     shape = Mesh(args.mesh).shape if getattr(args, "mesh", None) else None
-    world = math.prod(shape) if shape else args.world_size
+    if args.world_size is not None and args.world_size < 2:
+        raise OptionError(f"--world-size {args.world_size}: collectives need 2 processes or more")
+    if shape is not None and args.world_size is not None and math.prod(shape) != args.world_size:
+        raise OptionError(f"--mesh {args.mesh} has {math.prod(shape)} devices but --world-size is "
+                          f"{args.world_size}: give one of them, or both alike")
+    world = math.prod(shape) if shape else args.world_size or 4
     profile = calibrate(world, args.name, shape)
     print(format_fit(profile), file=sys.stderr)
     text = json.dumps(profile, indent=2)

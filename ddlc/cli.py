@@ -138,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     schedule.set_defaults(run=_schedule)
     calibrate = commands.add_parser("calibrate", help="measure a hardware profile (compute and "
                                     "gloo links) on this machine and print it as JSON")
-    calibrate.add_argument("--world-size", type=int, default=4, help="local gloo processes")
+    calibrate.add_argument("--world-size", type=int, help="local gloo processes (default 4, or the --mesh's)")
     calibrate.add_argument("--mesh", metavar="SHAPE", help="time the collectives on each axis of "
                            "this mesh (e.g. 2x2; its size is the world size) instead of on the "
                            "whole world and the axes of its 2-D mesh")

@@ -373,3 +373,15 @@ def test_more_bad_input_is_one_line_on_stderr_before_the_work(tmp_path, monkeypa
     out = capsys.readouterr()
     assert out.out == "", out.out
     assert cause in out.err.strip().splitlines()[-1], out.err
+
+
+@pytest.mark.parametrize("args, cause", [
+    (["calibrate", "--world-size", "0"], "--world-size 0: collectives need 2 processes or more"),
+    (["calibrate", "--world-size", "2", "--mesh", "2x2"], "--mesh 2x2 has 4 devices but --world-size is 2"),
+])
+def test_calibrate_refuses_a_world_it_cannot_measure_before_starting(capsys, args, cause):
+    """``--world-size 0`` was refused as a mesh shape, and ``--world-size 2 --mesh 2x2``
+    measured 4 processes without a word."""
+    from ddlc.cli import main
+    assert main(args) == 2
+    assert cause in capsys.readouterr().err
