@@ -6,7 +6,8 @@ count), so a data-parallel loss would force the logits to be gathered. Here
 becomes the sum-reduction loss divided by its ``total_weight`` output; the elementwise
 losses (``mse_loss``, ``smooth_l1_loss``, ``huber_loss``, ``binary_cross_entropy``,
 ``soft_margin_loss``, and their backwards) and ``mean`` (``mean.dim``, and ``x.mean()``)
-become their sum forms divided by the static element count. All are exact.
+become their sum forms divided by the static element count, and ``multi_margin_loss``
+(and its backward) its sum form divided by its rows. All are exact.
 ``ones_like`` / ``zeros_like`` of a scalar read its metadata from the earliest input
 that has the same (:func:`_rewrite_like_of_scalar`), so the loss's last arithmetic
 feeds only the output. Indexing by whole ranges (``arange``) in dim order is a view
@@ -141,6 +142,14 @@ def _with_sum(node: fx.Node, i: int) -> None:
     node.args, node.kwargs = (*args[:i], SUM, *args[i + 1:]), kwargs
 
 
+def _terms(loss, x: torch.Tensor) -> int:
+    """How many terms ``loss``'s mean over input ``x`` averages: its elements, or for the
+    multi-margin loss its rows."""
+    if loss in (aten.multi_margin_loss.default, aten.multi_margin_loss_backward.default):
+        return x.shape[0] if x.ndim == 2 else 1
+    return x.numel()
+
+
 def _rewrite_loss_mean(graph: fx.Graph, node: fx.Node) -> None:
     """An elementwise loss with ``reduction=mean`` -> its ``sum`` form / numel (float32 and
     float64 only: the kernel's sum in a low-precision dtype may overflow where the mean
@@ -150,7 +159,7 @@ def _rewrite_loss_mean(graph: fx.Graph, node: fx.Node) -> None:
         return
     _with_sum(node, i)
     _with_val(node, lambda *vals: node.target(*vals, **node.kwargs), *node.args)
-    count = node.args[0].meta["val"].numel()
+    count = _terms(node.target, node.args[0].meta["val"])
     with graph.inserting_after(node):
         mean = _emit(graph, aten.div.Scalar, (node, count), node)
     node.replace_all_uses_with(mean, delete_user_cb=lambda u: u is not mean)
@@ -164,7 +173,7 @@ def _rewrite_loss_backward_mean(graph: fx.Graph, node: fx.Node) -> None:
         return
     grad, x = node.args[0], node.args[1]
     with graph.inserting_before(node):
-        scaled = _emit(graph, aten.div.Scalar, (grad, x.meta["val"].numel()), node)
+        scaled = _emit(graph, aten.div.Scalar, (grad, _terms(node.target, x.meta["val"])), node)
     _with_sum(node, i)
     node.args = (scaled, *node.args[1:])
 
@@ -274,12 +283,14 @@ def _position(graph: fx.Graph, node: fx.Node) -> int:
     raise KeyError(node)
 
 
-#: losses computed element by element, then reduced (``reduction``: none, mean or sum)
+#: losses computed term by term (element by element; the multi-margin loss row by row),
+#: then reduced (``reduction``: none, mean or sum)
 ELEMENTWISE_LOSSES = (aten.mse_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
-                      aten.binary_cross_entropy.default, aten.soft_margin_loss.default)
+                      aten.binary_cross_entropy.default, aten.soft_margin_loss.default,
+                      aten.multi_margin_loss.default)
 ELEMENTWISE_LOSS_BACKWARDS = (aten.mse_loss_backward.default, aten.smooth_l1_loss_backward.default,
                               aten.huber_loss_backward.default, aten.binary_cross_entropy_backward.default,
-                              aten.soft_margin_loss_backward.default)
+                              aten.soft_margin_loss_backward.default, aten.multi_margin_loss_backward.default)
 
 REWRITES = {
     aten.nll_loss_forward.default: _rewrite_nll_mean,

@@ -95,8 +95,9 @@ def test_mean_dim_becomes_sum_div():
 @pytest.mark.parametrize("loss", [
     lambda o, y: ((o - y) ** 2).mean(), F.l1_loss, F.smooth_l1_loss, F.huber_loss,
     lambda o, y: F.binary_cross_entropy(o.sigmoid(), y.sigmoid(), weight=torch.ones(8) * 0.5),
-    F.binary_cross_entropy_with_logits, F.soft_margin_loss],
-    ids=["mean", "l1", "smooth_l1", "huber", "bce_weight", "bce_logits", "soft_margin"])
+    F.binary_cross_entropy_with_logits, F.soft_margin_loss,
+    lambda o, y: F.multi_margin_loss(o, y.argmax(1), p=2, margin=0.5, weight=torch.linspace(0.5, 1.5, 8))],
+    ids=["mean", "l1", "smooth_l1", "huber", "bce_weight", "bce_logits", "soft_margin", "multi_margin"])
 def test_the_mean_of_an_elementwise_loss_becomes_its_sum_over_the_count(loss):
     """``x.mean()`` and the mean-reduced elementwise losses (and their backwards) become
     sums divided by the element count, so a batch split sums them as partial sums (they

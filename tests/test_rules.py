@@ -122,6 +122,11 @@ def _targets(n, classes):
     return t
 
 
+def _classes(n, classes):
+    """Class indices, none ignored (the multi-margin loss has no ignore index)."""
+    return torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(n))
+
+
 def _pixel_targets():
     """Per-pixel classes of a [4, 4, 4] segmentation target, a few of them ignored."""
     t = torch.randint(0, 6, (4, 4, 4), generator=torch.Generator().manual_seed(3))
@@ -220,6 +225,11 @@ SYNTHETIC = {
                                 (_r(4, 6).sigmoid(), _r(4, 6, seed=1).sigmoid(), _r(4, 6, seed=2).abs(), 0), {}),
     "bce_backward_sum": lambda: (aten.binary_cross_entropy_backward.default,
                                  (_r(), _r(4, 6).sigmoid(), _r(4, 6, seed=1).sigmoid(), _r(6).abs(), 2), {}),
+    "multi_margin_sum": lambda: (aten.multi_margin_loss.default, (_r(8, 6), _classes(8, 6), 1, 1.0, None, 2), {}),
+    "multi_margin_none_weighted": lambda: (aten.multi_margin_loss.default,
+                                           (_r(8, 6), _classes(8, 6), 2, 0.5, _r(6).exp(), 0), {}),
+    "multi_margin_backward_sum": lambda: (aten.multi_margin_loss_backward.default,
+                                          (_r(), _r(8, 6), _classes(8, 6), 1, 1.0, None, 2), {}),
     "embedding_1d": lambda: (aten.embedding.default, (_r(10, 4), _indices(8)), {}),
     "embedding_backward": lambda: (aten.embedding_dense_backward.default,
                                    (_r(2, 4, 6), _indices(2, 4), 10, -1, False), {}),
@@ -479,6 +489,9 @@ SYNTHETIC.update({
     "nll_backward_mean": lambda: (aten.nll_loss_backward.default,
                                   (_r(), _r(8, 6), _targets(8, 6), None, 1, -100, torch.tensor(7.0)), {}),
     "mse_mean": lambda: (aten.mse_loss.default, (_r(4, 6), _r(4, 6, seed=1), 1), {}),
+    "multi_margin_mean": lambda: (aten.multi_margin_loss.default, (_r(8, 6), _classes(8, 6), 1, 1.0, None, 1), {}),
+    "multi_margin_backward_mean": lambda: (aten.multi_margin_loss_backward.default,
+                                           (_r(), _r(8, 6), _classes(8, 6), 1, 1.0, None, 1), {}),
     # batch norm: inference (running statistics) and training (batch statistics)
     "batch_norm_eval": lambda: (aten.native_batch_norm.default,
                                 (_r(4, 6, 3, 3), *_bn_args(), False, 0.1, 1e-5), {}),

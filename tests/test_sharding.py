@@ -591,8 +591,9 @@ def test_plans_that_move_no_activation_are_data_parallel_or_fully_sharded(name, 
 @pytest.mark.parametrize("loss_fn", [
     lambda o, y: ((o - y) ** 2).mean(), F.l1_loss, F.smooth_l1_loss, torch.nn.HuberLoss(delta=0.5),
     lambda o, y: F.binary_cross_entropy_with_logits(o, (y > 0).float(), pos_weight=torch.full((8,), 2.0)),
-    lambda o, y: F.cross_entropy(o, y.argmax(1), label_smoothing=0.1)],
-    ids=["mean", "l1", "smooth_l1", "huber", "bce_pos_weight", "ce_label_smoothing"])
+    lambda o, y: F.cross_entropy(o, y.argmax(1), label_smoothing=0.1),
+    lambda o, y: F.multi_margin_loss(o, y.argmax(1), weight=torch.linspace(0.5, 1.5, 8))],
+    ids=["mean", "l1", "smooth_l1", "huber", "bce_pos_weight", "ce_label_smoothing", "multi_margin"])
 def test_data_parallelism_takes_the_common_mean_losses(loss_fn):
     """``x.mean()``, L1, smooth L1, Huber, binary cross-entropy with logits and a
     label-smoothed cross-entropy over a split batch, with no activation moved: the mean is

@@ -25,8 +25,8 @@
   everything but the weight and bias (``N`` localized), whose gradients are contracted
   over it (``P``); channels and space never split (groups span them). The backward is
   linear in the incoming gradient.
-- nll and the elementwise losses (mse, smooth L1, Huber, binary cross-entropy, soft
-  margin): with ``reduction=sum`` a batch split gives a ``P`` loss (and a ``P``
+- nll, multi-margin and the elementwise losses (mse, smooth L1, Huber, binary
+  cross-entropy, soft margin): with ``reduction=sum`` a batch split gives a ``P`` loss (and a ``P``
   total_weight); with ``mean`` the batch dim is never split (a local mean is not a
   partial sum), except in ``nll_loss_backward``, whose gradient rows only scale by the
   (``B``) total weight. nll is linear in its input; every backward in its gradient. The
@@ -293,6 +293,25 @@ def elementwise_loss_backward(call: Call) -> Labels:
     return Labels({"grad_output": grad, "self": labels, **others}, [labels], linear=linear)
 
 
+def multi_margin_loss(call: Call) -> Labels:
+    """Each row ``[N, C]`` is a term of its own (its target a class index): the batch
+    splits unless the reduction is a mean (``P`` with ``sum``); classes never split."""
+    reduction = call["reduction"]
+    x = _loss_batch(call, call["self"].ndim, reduction != MEAN)
+    target = x[:1] if call["self"].ndim == 2 else ""
+    return Labels({"self": x, "target": target}, [target if reduction == 0 else ""])
+
+
+def multi_margin_loss_backward(call: Call) -> Labels:
+    """Its backward, linear in the incoming gradient; with a mean it divides by the batch,
+    which a split would divide by its piece instead (``passes/canonicalize.py`` makes the
+    mean a sum first)."""
+    x = _loss_batch(call, call["self"].ndim, call["reduction"] != MEAN)
+    target = x[:1] if call["self"].ndim == 2 else ""
+    grad = target if call["reduction"] == 0 else ""
+    return Labels({"grad_output": grad, "self": x, "target": target}, [x], linear=[{"grad_output"}])
+
+
 REDUCE_UNSPLIT = [
     aten.amax.default, aten.amin.default, aten.aminmax.default,
     aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims,
@@ -317,6 +336,8 @@ RULES = {
     aten.nll_loss_backward.default: nll_loss_backward,
     aten.nll_loss2d_forward.default: nll_loss2d,
     aten.nll_loss2d_backward.default: nll_loss2d_backward,
+    aten.multi_margin_loss.default: multi_margin_loss,
+    aten.multi_margin_loss_backward.default: multi_margin_loss_backward,
     **dict.fromkeys([aten.mse_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
                      aten.binary_cross_entropy.default, aten.soft_margin_loss.default], elementwise_loss),
     **dict.fromkeys([aten.mse_loss_backward.default, aten.smooth_l1_loss_backward.default,
