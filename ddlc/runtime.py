@@ -822,6 +822,14 @@ def _state_dict_names(model: nn.Module) -> dict[str, str]:
     return {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in canonical}
 
 
+def _trained(state: Mapping[str, object]) -> bool:
+    """Whether a parameter's optimizer ``state`` holds what training left: any state
+    without a step count (SGD's momentum buffer), or a step count above 0 (Adagrad makes
+    its sum, at step 0, when it is built)."""
+    step = state.get("step")
+    return bool(state) and (step is None or float(step) > 0)
+
+
 def _check_checkpoint(path: str, state: Mapping[str, object]) -> Mapping[str, object]:
     """Refuse a checkpoint whose entries are not those of ``state`` (a step's
     ``_sharded_state``), by key and global shape: one saved by a step of another model or
@@ -1466,8 +1474,13 @@ class CompiledStep:
         ``optimizer.load_state_dict`` does."""
         if self._optimizer is None:
             return {}
+        index = {id(p): i for i, (_, p) in enumerate(self._model.named_parameters())}
         state = {}
         for g, group in enumerate(self._optimizer.param_groups):
+            # which parameters the group holds (their places in model.named_parameters()):
+            # numbers loaded into a group of other parameters would train them wrongly
+            state[f"param_group/{g}/params"] = torch.tensor([index.get(id(p), -1) for p in group["params"]],
+                                                            dtype=torch.float64)
             for name, value in sorted(group.items()):
                 if isinstance(value, torch.Tensor) and value.numel() == 1:
                     value = value.item()
@@ -1477,26 +1490,56 @@ class CompiledStep:
                     state[f"param_group/{g}/{name}"] = torch.tensor(numbers, dtype=torch.float64)
         return state
 
-    def _set_param_groups(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Put the numbers of :meth:`_param_group_state` entries back into the param groups,
-        each as the type the group holds (a float, an int, a tuple, a tensor)."""
+    def _set_param_groups(self, state: Mapping[str, torch.Tensor], saved: Mapping[str, object],
+                          path: str) -> None:
+        """Put the numbers of :meth:`_param_group_state` entries back into the param groups
+        (a tensor filled; a whole number where the group held an int, else a float). Refused,
+        changing nothing, where the checkpoint's groups hold other parameters than this
+        optimizer's (as ``optimizer.load_state_dict`` refuses groups of other sizes), or
+        where its numbers change what the step was compiled for (a weight decay or momentum
+        turned on from 0)."""
+        mine = self._param_group_state()
+        members = sorted(k for k in mine if k.endswith("/params"))
+        if any(k.endswith("/params") for k in saved) and (
+                members != sorted(k for k in saved if k.startswith("param_group/") and k.endswith("/params"))
+                or any(k not in state or not torch.equal(state[k], mine[k]) for k in members)):
+            raise RuntimeMismatchError(
+                f"the checkpoint at {path} was saved by an optimizer whose param groups hold other "
+                "parameters than this one's: build the optimizer's groups as they were, or load the "
+                "weights alone (into a step compiled as it was, then write_back())")
+        before = [dict(group) for group in self._optimizer.param_groups]
         for key, tensor in state.items():
             _, g, name = key.split("/", 2)
+            if name == "params":
+                continue
             group = self._optimizer.param_groups[int(g)]
             numbers, old = tensor.tolist(), group[name]
             if isinstance(old, torch.Tensor):
                 old.fill_(numbers[0])
             elif isinstance(old, tuple):
-                group[name] = tuple(type(o)(x) for o, x in zip(old, numbers))
+                group[name] = tuple(int(x) if isinstance(o, int) and x == int(x) else x for o, x in zip(old, numbers))
             else:
-                group[name] = type(old)(numbers[0])
+                group[name] = int(numbers[0]) if isinstance(old, int) and numbers[0] == int(numbers[0]) \
+                    else numbers[0]
+        now = optimizer_structure(self._optimizer)
+        if now != self._structure and not self._only_gates_closed(now):
+            changed = "; ".join(f"param group {g}: {_difference(old, new)}"
+                                for g, (old, new) in enumerate(zip(self._structure, now)) if old != new)
+            for group, old in zip(self._optimizer.param_groups, before):
+                group.update({k: v for k, v in old.items() if not isinstance(v, torch.Tensor)})
+            raise RuntimeMismatchError(
+                f"the checkpoint at {path} holds hyper-parameters this step was not compiled for "
+                f"({changed}): set them in the optimizer as the checkpoint has them and compile again "
+                "before loading it")
 
     def save_checkpoint(self, path: str) -> None:
         """Save parameters, buffers, optimizer state, the param groups' hyper-parameters,
         the step count and the program's random generator state to the directory
         ``path`` with ``torch.distributed.checkpoint``, each rank writing its own pieces
         (collective). Load it with :meth:`load_checkpoint`, on any mesh shape or world size."""
-        frozen = sorted({k.rsplit(":", 1)[0] for k in self._optimizers_own_state(self._frozen)})
+        params = dict(self._model.named_parameters())
+        frozen = [name for name in sorted(self._frozen) if self._optimizer is not None
+                  and _trained(self._optimizer.state.get(params[name], {}))]
         if frozen:
             raise UnsupportedInputError(
                 f"the optimizer holds state of the frozen parameter(s) {', '.join(frozen)} (from "
@@ -1517,7 +1560,10 @@ class CompiledStep:
         saved = _check_checkpoint(path, state)
         groups = {k: v for k, v in self._param_group_state().items()
                   if k in saved and tuple(saved[k].size) == tuple(v.shape)}
-        state.update(groups)
+        if any(k.startswith("param_group/") for k in saved):  # first: a refusal changes nothing
+            if groups:
+                dcp.load(groups, checkpoint_id=path)
+            self._set_param_groups(groups, saved, path)
         # what an inference program of a model sharing a submodule moved goes into the model
         # first (its own BatchNorm's statistics stay its own); the checkpoint supersedes the rest
         self._write_back_inference_programs()
@@ -1530,12 +1576,9 @@ class CompiledStep:
                 self.generator.set_state(value)
                 self._draws.hold()
                 continue
-            if key in groups:
-                continue
             role, name = key.split("/", 1)
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
                 value.to_local().contiguous().to(self._device_for(name))
-        self._set_param_groups(groups)
         self._frozen_loaded = bool(self._frozen)  # written back with the rest
         self._accept_writes()  # the model's weights written since compile are superseded
         if self._optimizer_watch is not None:  # and so is the optimizer's state

@@ -521,6 +521,13 @@ def _frozen_after_training(rank, path):
     step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
     step.step(*batch)
     state = step.optimizer_state()
+    # Adagrad makes every parameter's state when it is built: a frozen one's untrained
+    # state is not what the refusal is about
+    frozen, _, _ = _frozen_backbone(seed=0)
+    adagrad = ddlc.compile(frozen, (2,), batch, torch.nn.functional.cross_entropy,
+                           torch.optim.Adagrad(frozen.parameters()))
+    adagrad.step(*batch)
+    adagrad.save_checkpoint(path + "-adagrad")
     try:
         step.save_checkpoint(path)
     except ddlc.errors.UnsupportedInputError as e:
@@ -580,3 +587,47 @@ def test_a_checkpoint_restores_the_param_groups_hyper_parameters(tmp_path):
     group, loss = spawn(_resumed_with_fresh_hyperparameters, 2, path, timeout=120, deadline=300)[0]
     assert group["lr"] == 0.05 and group["momentum"] == 0.5 and isinstance(group["nesterov"], bool)
     _close(loss, want, "loss of the step after resuming")
+
+
+def _saved_with_weight_decay(rank, path):
+    model, _, batch = _frozen_backbone(seed=0)
+    model[0].requires_grad_(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.25, weight_decay=0.1)
+    step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    step.step(*batch)
+    step.save_checkpoint(path)
+
+
+def _loaded_into(rank, path, how):
+    model, _, batch = _frozen_backbone(seed=1)
+    model[0].requires_grad_(True)
+    if how == "int lr":  # an int lr and weight decay: the checkpoint's numbers, not their ints
+        opt = torch.optim.SGD(model.parameters(), lr=1, weight_decay=0.5)
+    elif how == "other groups":
+        opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters()}],
+                              lr=1, weight_decay=0.5)
+    else:  # compiled without weight decay
+        opt = torch.optim.SGD(model.parameters(), lr=1)
+    step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    try:
+        step.load_checkpoint(path)
+    except ddlc.errors.RuntimeMismatchError as e:
+        return str(e), opt.param_groups[0]["lr"]
+    return None, (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])
+
+
+def test_param_groups_load_as_the_checkpoint_has_them_or_are_refused_changing_nothing(tmp_path):
+    """The checkpoint's numbers go into the groups as they are (an int lr of 1 took
+    int(0.25) = 0 and stopped training); groups holding other parameters (numbers by index
+    trained them wrongly) or numbers the step was not compiled for (a weight decay turned
+    on from 0: the next step was refused as the user's change) are refused at load, the
+    optimizer left as it was."""
+    path = str(tmp_path / "ckpt")
+    spawn(_saved_with_weight_decay, 2, path, timeout=120, deadline=300)
+    error, values = spawn(_loaded_into, 2, path, "int lr", timeout=120, deadline=300)[0]
+    assert error is None and values == (0.25, 0.1)
+    error, lr = spawn(_loaded_into, 2, path, "other groups", timeout=120, deadline=300)[0]
+    assert "param groups hold other parameters than this one's" in error and lr == 1
+    error, lr = spawn(_loaded_into, 2, path, "no weight decay", timeout=120, deadline=300)[0]
+    assert "holds hyper-parameters this step was not compiled for (param group 0: weight_decay" in error
+    assert lr == 1
