@@ -34,7 +34,7 @@ import functools
 import sympy
 
 from ddlc.ir import CollectiveInfo
-from ddlc.mesh import LinkModel, Mesh
+from ddlc.mesh import COLLECTIVE_KINDS, LinkModel, Mesh
 
 __all__ = ["COLLECTIVES", "ALGORITHMS", "SYMBOLS", "ceil_log2", "collective_expr",
            "collective_time", "cheapest_algorithm", "affine_fit", "axis_time", "priced_as", "repriced"]
@@ -66,7 +66,7 @@ _FORMULAS: dict[tuple[str, str], sympy.Expr] = {
     ("broadcast", "tree"): _L * (alpha + n * beta),
 }
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+COLLECTIVES = COLLECTIVE_KINDS
 ALGORITHMS = ("ring", "tree")
 
 

@@ -227,7 +227,15 @@ def _optimizer(name: str, model):
 
 def _compile_rank0(args) -> Compiled:
     """Load the factory, trace the step, plan it (on every mesh shape when ``--mesh`` is a
-    device count) and lower mesh coordinate 0's program, all in this process."""
+    device count) and lower mesh coordinate 0's program, all in this process; what the
+    user's code prints meanwhile (the factory's module as it loads, the factory, the
+    forward as it is traced) goes to standard error, which standard output's report (or
+    JSON) must not carry."""
+    with contextlib.redirect_stdout(sys.stderr):
+        return _compiled_rank0(args)
+
+
+def _compiled_rank0(args) -> Compiled:
     shape, devices = _mesh_request(args.mesh)
     budget = parse_bytes(args.memory) if args.memory else None
     from . import pipeline

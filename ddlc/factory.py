@@ -9,7 +9,6 @@ wrong shape -- is a :class:`ddlc.errors.FactoryError` naming the factory and the
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import inspect
 import os
@@ -92,9 +91,7 @@ def call_factory(spec_text: str) -> tuple[nn.Module, Any, Callable | None]:
     except ValueError:  # no signature to read (a builtin): calling it tells
         pass
     try:
-        # what the factory prints goes to stderr: standard output carries only the report
-        with contextlib.redirect_stdout(sys.stderr):
-            result = factory()
+        result = factory()
     except (Exception, SystemExit) as e:
         raise FactoryError(f"{spec_text}: the factory raised {type(e).__name__}: {e}") from e
     if not (isinstance(result, tuple) and len(result) == 3):

@@ -11,28 +11,29 @@ probability 0.1 changes it in one trace of ten). A forward that seeds the genera
 a constant before it draws (BigBird's random attention) draws the same numbers at every
 call and leaves the generator as it would at every call: it is taken.
 
-Algorithm: :class:`HostGenerators` snapshots the states of the generators the step can
-reach (Python's and NumPy's global ones, and any ``random.Random``, NumPy ``RandomState``
-or ``Generator`` held by a module or the loss, or read from the globals or closure of a
-module's ``forward`` or of the loss) before the trace. If the trace moved any,
+Algorithm: :class:`HostGenerators` snapshots the states of every host generator of the
+process (Python's ``random.Random`` instances and NumPy's bit generators, which every
+``RandomState`` and ``Generator`` draws from, found through the garbage collector: about
+0.1 s with transformers loaded) before the trace. If the trace moved any,
 :meth:`HostGenerators.refuse_unless_seeded` seeds those afresh and traces the step once
 more under a line tracer: where that trace leaves them in the same states as the first
-and gives the same program (code and constant tensors), the step seeds them itself;
-otherwise it is refused, naming the line of the first draw. The generators are then
-given back the states the first trace left, as eager's one call would.
+and gives the same program (code and constant tensors), the step seeds them itself, and
+the generators are given back the states the first trace left, as eager's one call
+would; otherwise it is refused, naming the line of the first draw, and the generators
+are given back the states they had before.
 """
 from __future__ import annotations
 
+import gc
 import linecache
 import pickle
 import random
 import sys
 import traceback
-import types
 from typing import Callable
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from . import sources
 from .errors import UnsupportedInputError
@@ -48,88 +49,70 @@ def _numpy_random():
     return sys.modules.get("numpy.random")
 
 
-def _is_generator(value) -> bool:
-    if isinstance(value, random.Random):
-        return True
+def _generators() -> list:
+    """Every host generator alive in the process, each once: Python's ``random.Random``
+    instances (not ``SystemRandom``, which draws from the system's entropy and has no
+    state) and NumPy's bit generators (every ``RandomState`` and ``Generator`` draws from
+    one), found among the objects the garbage collector tracks (by exact type: an
+    ``isinstance`` would call ``__class__`` properties, which some objects warn on). Python's
+    and NumPy's global ones come first."""
     np_random = _numpy_random()
-    return np_random is not None and isinstance(value, (np_random.RandomState, np_random.Generator))
+    kinds = (random.Random,) + ((np_random.BitGenerator,) if np_random is not None else ())
+    found = [random._inst] + ([np_random.mtrand._rand._bit_generator] if np_random is not None else [])
+    known = {id(g) for g in found}
+    for value in gc.get_objects():
+        kind = type(value)
+        if issubclass(kind, kinds) and not issubclass(kind, random.SystemRandom) and id(value) not in known:
+            known.add(id(value))
+            found.append(value)
+    return found
 
 
 def _state(generator):
+    """``generator``'s state; for a ``random.Random`` its attributes too (a subclass may
+    keep its own state there)."""
     if isinstance(generator, random.Random):
-        return generator.getstate()
-    if hasattr(generator, "bit_generator"):  # numpy.random.Generator
-        return generator.bit_generator.state
-    return generator.get_state()
+        return generator.getstate(), dict(vars(generator))
+    return generator.state
 
 
 def _set_state(generator, state) -> None:
     if isinstance(generator, random.Random):
-        generator.setstate(state)
-    elif hasattr(generator, "bit_generator"):
-        generator.bit_generator.state = state
+        generator.setstate(state[0])
+        vars(generator).update(state[1])
     else:
-        generator.set_state(state)
+        generator.state = state
 
 
 def _seed(generator, seed: int) -> None:
     if isinstance(generator, random.Random):
         generator.seed(seed)
-    elif hasattr(generator, "bit_generator"):
-        generator.bit_generator.state = type(generator.bit_generator)(seed).state
     else:
-        generator.seed(seed)
+        generator.state = type(generator)(seed).state
 
 
 def _describe(generator) -> str:
     if generator is random._inst:
         return "Python's global random generator (random)"
     np_random = _numpy_random()
-    if np_random is not None and generator is np_random.mtrand._rand:
+    if np_random is not None and generator is np_random.mtrand._rand._bit_generator:
         return "NumPy's global random generator (numpy.random)"
-    return f"a {type(generator).__module__}.{type(generator).__name__} the model or the loss reads"
-
-
-def _reachable(model: nn.Module, loss_fn) -> list:
-    """The generators the step can draw from, each once, in a fixed order: the global
-    ones, then those held by a module or the loss (as an attribute), or by the globals or
-    closure of a module's ``forward``, of the loss or of a function a module holds (a
-    script's ``rng = np.random.default_rng()`` read by its model or loss)."""
-    found = [random._inst]
-    np_random = _numpy_random()
-    if np_random is not None:
-        found.append(np_random.mtrand._rand)
-    holders = list(model.modules())
-    if isinstance(loss_fn, nn.Module):
-        holders += list(loss_fn.modules())
-    elif loss_fn is not None:
-        holders.append(getattr(loss_fn, "__self__", loss_fn))
-    functions = [type(m).forward for m in holders if isinstance(m, nn.Module)]
-    functions += [loss_fn] + [v for h in holders for v in getattr(h, "__dict__", {}).values() if callable(v)]
-    namespaces = [getattr(h, "__dict__", {}) for h in holders]
-    for function in functions:
-        function = getattr(function, "__func__", function)
-        if isinstance(function, types.FunctionType):
-            namespaces.append(function.__globals__)
-            namespaces.append({i: cell.cell_contents for i, cell in enumerate(function.__closure__ or ())
-                               if cell.cell_contents is not cell})
-    seen = set()
-    for namespace in namespaces:
-        if id(namespace) in seen:
-            continue
-        seen.add(id(namespace))
-        for value in list(namespace.values()):
-            if _is_generator(value) and all(value is not g for g in found):
-                found.append(value)
-    return found
+    if isinstance(generator, random.Random):
+        return f"a {type(generator).__module__}.{type(generator).__name__} (Python's random)"
+    return f"a NumPy random generator (its bit generator {type(generator).__name__})"
 
 
 class HostGenerators:
-    """The host generators ``model`` and ``loss_fn`` can reach, and their states now."""
+    """The host generators of the process, and their states now."""
 
-    def __init__(self, model: nn.Module, loss_fn) -> None:
-        self.generators = _reachable(model, loss_fn)
-        self.before = [pickle.dumps(_state(g)) for g in self.generators]
+    def __init__(self) -> None:
+        self.generators, self.before = [], []
+        for generator in _generators():
+            try:
+                self.before.append(pickle.dumps(_state(generator)))
+            except Exception:  # a subclass holding what does not pickle: its draws go unseen
+                continue
+            self.generators.append(generator)
 
     def moved(self) -> list:
         """The generators whose state moved since the snapshot."""
@@ -143,6 +126,7 @@ class HostGenerators:
             return
         after = [_state(g) for g in self.generators]
         first_draw: list[tuple[object, str | None]] = []
+        refused = False
         try:
             for g in moved:
                 _seed(g, _OTHER_SEED)
@@ -152,6 +136,7 @@ class HostGenerators:
                     and _same_program(gm, other):
                 return  # the step seeds them with constants before it draws
             generator, line = first_draw[0] if first_draw else (moved[0], None)
+            refused = True
             raise UnsupportedInputError(
                 f"the step draws from {_describe(generator)} while it is traced: the trace records "
                 "the numbers drawn as constants, so every step would reuse that one draw where eager "
@@ -161,8 +146,9 @@ class HostGenerators:
                 "instead (torch.rand, torch.randn, torch.randint: the step draws those anew at "
                 "every step from its own generator), or draw outside the model and pass the "
                 "number in as an example input", where=line)
-        finally:
-            for g, state in zip(self.generators, after):
+        finally:  # as one eager call leaves them, or, refused, as they were
+            states = [pickle.loads(b) for b in self.before] if refused else after
+            for g, state in zip(self.generators, states):
                 _set_state(g, state)
 
 

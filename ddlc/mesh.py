@@ -118,7 +118,8 @@ class HardwareProfile:
             link = _scaled(link, *factors)
         shared = self.shared_cores
         if shared is not None:
-            link = _scaled(link, shared.startup, 1 / shared.transfer, shared.per_collective * link.latency)
+            # a fitted transfer factor of 0 (transfers free) scales the bandwidth by a large finite factor
+            link = _scaled(link, shared.startup, 1 / max(shared.transfer, 1e-9), shared.per_collective * link.latency)
         return link
 
     def flops_for(self, dtype: str) -> float:
@@ -139,54 +140,123 @@ class HardwareProfile:
                 value = value[key]
             try:
                 return convert(value)
-            except (TypeError, ValueError, AttributeError, KeyError) as e:
+            except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
                 raise MeshError(f"hardware profile field {path!r} is mistyped or out of range: {value!r} "
                                 f"({e})") from None
 
         return HardwareProfile(
-            name=field("name", str), devices_per_node=field("devices_per_node", _positive_int),
-            flops=field("flops", lambda v: tuple(sorted((str(k), _positive(x)) for k, x in v.items()))),
-            memory_bandwidth=field("memory_bandwidth", _positive),
+            name=field("name", _text), devices_per_node=field("devices_per_node", _positive_int),
+            flops=field("flops", _flops),
+            memory_bandwidth=field("memory_bandwidth", _bandwidth),
             memory_capacity=field("memory_capacity", _positive),
             intra_node=field("links.intra_node", _link), inter_node=field("links.inter_node", _link),
-            description=field("description", str, ""), source=field("source", str, ""),
-            cache_bytes=field("cache.bytes", float, 0.0), cache_bandwidth=field("cache.bandwidth", float, 0.0),
-            emulated=field("emulated_collectives", lambda v: tuple(sorted((str(k), str(x)) for k, x in v.items())),
-                           {}),
-            compute=field("compute", str, "roofline"),
-            collective_factors=field("collective_factors", lambda v: tuple(sorted(
-                (str(kind), (float(f["latency"]), float(f["bandwidth"]))) for kind, f in v.items())), {}),
+            description=field("description", _text, ""), source=field("source", _text, ""),
+            cache_bytes=field("cache.bytes", _non_negative, 0.0),
+            cache_bandwidth=field("cache.bandwidth", _non_negative, 0.0),
+            emulated=field("emulated_collectives", _emulated, {}),
+            compute=field("compute", _compute_mode, "roofline"),
+            collective_factors=field("collective_factors", _collective_factors, {}),
             contention=field("contention", _contention, None))
 
 
 _REQUIRED = object()
+#: the collectives a profile may name (``cost_models.collectives`` prices each)
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+
+
+def _number(value) -> float:
+    """A JSON number, finite (not a flag, a string, NaN or infinity)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return float(value)
 
 
 def _positive(value) -> float:
-    number = float(value)
-    if not number > 0:
+    if not _number(value) > 0:
         raise ValueError("must be a positive number")
-    return number
+    return float(value)
+
+
+def _bandwidth(value) -> float:
+    """A positive number, or infinity: memory traffic free (a compute-bound model)."""
+    return math.inf if value == math.inf else _positive(value)
+
+
+def _non_negative(value) -> float:
+    if not _number(value) >= 0:
+        raise ValueError("must be a number of 0 or more")
+    return float(value)
 
 
 def _positive_int(value) -> int:
-    if isinstance(value, bool) or int(value) != value or value < 1:
+    if _number(value) != int(value) or value < 1:
         raise ValueError("must be a positive whole number")
     return int(value)
 
 
-def _link(value: dict) -> LinkModel:
+def _text(value) -> str:
+    if not isinstance(value, str):
+        raise ValueError("must be a string")
+    return value
+
+
+def _compute_mode(value) -> str:
+    if value not in ("roofline", "measured"):
+        raise ValueError("must be roofline or measured")
+    return value
+
+
+def _entries(value, keys: tuple[str, ...], convert) -> dict:
+    """A JSON object's ``keys`` (all of them, no other), each converted."""
+    if not isinstance(value, dict):
+        raise ValueError(f"must be an object of {', '.join(keys)}")
+    missing, other = [k for k in keys if k not in value], [k for k in value if k not in keys]
+    if missing or other:
+        raise ValueError(", ".join([f"missing {k}" for k in missing] + [f"unknown {k}" for k in other]))
+    return {k: convert(value[k]) for k in keys}
+
+
+def _flops(value) -> tuple:
+    if not isinstance(value, dict) or "float32" not in value:
+        raise ValueError("must be an object of FLOP/s per dtype name, float32 among them")
+    return tuple(sorted((_text(k), _positive(x)) for k, x in value.items()))
+
+
+def _link(value) -> LinkModel:
+    if not isinstance(value, dict):
+        raise ValueError("must be an object of latency, bandwidth (and overhead)")
+    numbers = _entries({"overhead": 0.0, **value}, ("latency", "bandwidth", "overhead"), _number)
     try:
-        return LinkModel(**{str(k): float(x) for k, x in value.items()})
+        return LinkModel(**numbers)
     except MeshError as e:
         raise ValueError(str(e)) from None
 
 
-def _contention(d: dict | None) -> Contention | None:
-    if not d:
+def _emulated(value) -> tuple:
+    if not isinstance(value, dict) or any(k not in COLLECTIVE_KINDS or v not in COLLECTIVE_KINDS
+                                          for k, v in value.items()):
+        raise ValueError(f"must map collectives to the ones run instead, of {', '.join(COLLECTIVE_KINDS)}")
+    return tuple(sorted(value.items()))
+
+
+def _collective_factors(value) -> tuple:
+    if not isinstance(value, dict) or any(k not in COLLECTIVE_KINDS for k in value):
+        raise ValueError(f"must be an object keyed by collectives, of {', '.join(COLLECTIVE_KINDS)}")
+    return tuple(sorted((kind, tuple(_entries(f, ("latency", "bandwidth"), _positive).values()))
+                        for kind, f in value.items()))
+
+
+def _contention(d) -> Contention | None:
+    if d is None:
         return None
-    return Contention(int(d["local_ranks"]), float(d["compute"]), float(d["per_operator"]),
-                      float(d["startup"]), float(d["transfer"]), float(d.get("per_collective", 0.0)))
+    if not isinstance(d, dict):
+        raise ValueError("must be an object of local_ranks, compute, per_operator, startup, transfer "
+                         "(and per_collective), or null")
+    fields = {k: v for k, v in d.items() if k != "fit"}  # ``ddlc calibrate``'s record of its fit
+    numbers = _entries({"per_collective": 0.0, **fields}, ("local_ranks", "compute", "per_operator", "startup",
+                                                            "transfer", "per_collective"), _non_negative)
+    return Contention(_positive_int(d["local_ranks"]), numbers["compute"], numbers["per_operator"],
+                      numbers["startup"], numbers["transfer"], numbers["per_collective"])
 
 
 @functools.lru_cache(maxsize=1024)

@@ -86,12 +86,12 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [k for k, p in params.items() if p.requires_grad]
+    grouped = optimizer_spec(optimizer, params) if optimizer is not None else {}
     if optimizer is not None and not trainable:
         raise UnsupportedInputError(
             "every parameter of the model is frozen (requires_grad=False), so the step would train "
             "nothing: eager's loss.backward() raises on it (unfreeze what should train, or compile "
-            "without an optimizer for the loss alone)")
-    grouped = optimizer_spec(optimizer, params) if optimizer is not None else {}
+            "without an optimizer, --optimizer none on the command line, for the loss alone)")
     # a frozen parameter given to the optimizer gets no gradient, and torch.optim skips it
     group_of = {k: grouped[k][0] for k in trainable if k in grouped}
     specs = {k: grouped[k][1] for k in group_of}
@@ -187,7 +187,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
             batch.call(model, state, xs)
 
     with _no_state_kept_across_calls(model, forward_again):
-        host_generators = host_random.HostGenerators(model, loss_fn)
+        host_generators = host_random.HostGenerators()
         gm = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn)
         host_generators.refuse_unless_seeded(gm, lambda: _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn))
         with_views = None  # the step traced with its views as views, where a check needs it
@@ -352,13 +352,16 @@ def _check_loss_signature(loss_fn: Callable | None, n_targets: int) -> None:
     *targets)``, the targets the last ``num_targets`` example inputs."""
     if loss_fn is None:
         return
-    try:
-        inspect.signature(loss_fn).bind(None, *[None] * n_targets)
+    if isinstance(loss_fn, type):
+        raise UnsupportedInputError(f"loss_fn is the class {loss_fn.__name__}, not a loss: pass an instance "
+                                    f"({loss_fn.__name__}()) or a function")
+    try:  # the wrapper's own signature (functools.wraps of another arity calls it so)
+        inspect.signature(loss_fn, follow_wrapped=False).bind(None, *[None] * n_targets)
     except TypeError as e:
         raise UnsupportedInputError(
             f"the step calls loss_fn(output, {', '.join(['target'] * n_targets)}), the model's output and "
-            f"the last {n_targets} example input(s) (num_targets={n_targets}), and this loss_fn cannot "
-            f"take that ({e}): write it so, or give num_targets the number of targets it takes") from e
+            f"the last {n_targets} example input(s), and this loss_fn cannot take that ({e}): write it "
+            f"so (ddlc.compile's num_targets= sets how many of the example inputs are targets)") from e
     except ValueError:  # no signature to read (a builtin): calling it tells
         pass
 

@@ -325,6 +325,8 @@ def test_a_program_over_the_memory_budget_is_flagged():
 SIBLING = '''
 from sibling_net import make  # a module beside this file
 
+print("loading the factories")  # at import: before the factory is called
+
 
 def needs_width(width):
     return make(width)
@@ -343,7 +345,31 @@ def no_parameters():
 def one_argument_loss():
     import torch
     return make(4), (torch.randn(8, 4), torch.randn(8, 4)), lambda out: out.sum()
+
+
+class Chatty(__import__("torch").nn.Linear):
+    def forward(self, x):
+        print("forward called")  # while traced
+        return super().forward(x)
+
+
+def chatty_forward():
+    import torch
+    return Chatty(4, 4), (torch.randn(8, 4), torch.randn(8, 4)), torch.nn.functional.mse_loss
 '''
+
+
+def test_what_the_users_code_prints_goes_to_stderr_and_the_report_or_json_to_stdout(tmp_path, monkeypatch, capsys):
+    """Prints at the factory module's import and in the forward as it is traced went to
+    standard output, ahead of the report (and broke ``schedule --json``'s JSON)."""
+    from ddlc.cli import main
+    (tmp_path / "factories.py").write_text(SIBLING)
+    (tmp_path / "sibling_net.py").write_text("import torch\n\n\ndef make(width):\n    return torch.nn.Linear(width, width)\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert main(["schedule", f"{tmp_path}/factories.py:chatty_forward", "--mesh", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    json.loads(out.out)
+    assert "loading the factories" in out.err and "forward called" in out.err
 
 
 @pytest.mark.parametrize("args, cause", [

@@ -147,6 +147,17 @@ def test_unsupported_placement_is_rejected():
     (lambda d: d.update(memory_capacity=-1), "field 'memory_capacity' is mistyped or out of range: -1 (must be a "
                                              "positive number)"),
     (lambda d: d.pop("memory_bandwidth"), "has no field 'memory_bandwidth'"),
+    # found by a second look: tracebacks, or taken as something else
+    (lambda d: d.update(devices_per_node=float("inf")), "'devices_per_node' is mistyped or out of range: inf"),
+    (lambda d: d["flops"].update(float32=True), "field 'flops' is mistyped"),
+    (lambda d: d["flops"].update(float32="1e11"), "field 'flops' is mistyped"),
+    (lambda d: d.update(flops={"bfloat16": 1e11}), "float32 among them"),
+    (lambda d: d.update(emulated_collectives={"reduce_scatter": "teleport"}), "'emulated_collectives' is mistyped"),
+    (lambda d: d.update(collective_factors={"all_gather": {"latency": 1.0}}), "(missing bandwidth)"),
+    (lambda d: d["contention"].update(startup=float("nan")), "field 'contention' is mistyped"),
+    (lambda d: d.update(name=None), "field 'name' is mistyped or out of range: None (must be a string)"),
+    (lambda d: d.update(devices_per_node=10 ** 400), "'devices_per_node' is mistyped"),
+    (lambda d: d.update(compute="bogus"), "must be roofline or measured"),
 ])
 def test_a_profile_file_with_a_bad_field_is_refused_naming_the_field(tmp_path, edit, cause):
     """A mistyped field of a profile file gave a Python traceback (AttributeError,

@@ -1,6 +1,7 @@
 """Inputs that would give silently wrong results are refused with a ddlc.errors error that
 names the cause (the rest of the reliability catalogue grows here)."""
 import copy
+import functools
 import pickle
 import random
 import re
@@ -78,6 +79,18 @@ class _HostDraw(torch.nn.Module):
         return self.fc(x) * self.draw()
 
 
+class _LCG(random.Random):
+    """A generator keeping its own state (getstate() never moves)."""
+
+    def __init__(self, seed):
+        super().__init__(seed)
+        self.x = seed
+
+    def random(self):
+        self.x = (self.x * 1103515245 + 12345) % 2**31
+        return self.x / 2**31
+
+
 def _reseeded_mask():
     np.random.seed(3)  # the same mask at every call (BigBird seeds its random attention so)
     return torch.from_numpy(np.random.rand(4) > 0.5)
@@ -103,7 +116,19 @@ def test_a_draw_from_a_python_or_numpy_generator_is_refused_at_its_line_unless_t
     refused(_HostDraw(lambda: float(np.random.beta(0.4, 0.4))), F.mse_loss,
             "NumPy's global random generator (numpy.random)", "np.random.beta(0.4, 0.4)")
     refused(_HostDraw(lambda: float(held.random()), drop=0.5), F.mse_loss,
-            "a numpy.random._generator.Generator the model or the loss reads", "held.random()")
+            "a NumPy random generator (its bit generator PCG64)", "held.random()")
+    # reached otherwise than through a module's attributes or forward's globals: in a
+    # container, a helper object, or another module (the first version missed these)
+    in_a_list = _HostDraw(lambda: 1.0)
+    in_a_list.rngs = [np.random.default_rng(3)]
+    in_a_list.draw = lambda: float(in_a_list.rngs[0].random())
+    refused(in_a_list, F.mse_loss, "a NumPy random generator (its bit generator PCG64)",
+            "in_a_list.rngs[0].random()")
+    refused(_HostDraw(_LCG(7).random), F.mse_loss, "a test_reliability._LCG (Python's random)",
+            "self.x = (self.x * 1103515245 + 12345)")
+    system = random.SystemRandom()  # alive in the process: no state to watch, and no crash
+    refused(_HostDraw(lambda: random.random() + 0 * system.random()), F.mse_loss,
+            "Python's global random generator (random)", "random.random()")
     refused(_HostDraw(lambda: 1.0), lambda out, y: F.mse_loss(out, y) * random.random(),
             "Python's global random generator (random)", "random.random()")
     refused(_HostDraw(lambda: random.uniform(0, 1), drop=0.0), F.mse_loss,
@@ -144,11 +169,36 @@ def test_a_value_read_into_python_and_computed_with_is_refused_at_trace_at_its_l
 
 def test_a_step_whose_every_parameter_is_frozen_is_refused():
     """The README says a loss on no trainable parameter is refused, as eager's backward
-    raises on it; a model whose every parameter was frozen compiled and stepped."""
+    raises on it; a model whose every parameter was frozen compiled and stepped. An
+    optimizer holding a loss's own weight is named as that instead."""
     model = torch.nn.Linear(4, 4).requires_grad_(False)
+    batch = (torch.randn(8, 4), torch.randn(8, 4))
     with pytest.raises(UnsupportedInputError, match=r"every parameter of the model is frozen"):
-        ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 4)), F.mse_loss,
-                   torch.optim.SGD(model.parameters(), lr=0.1))
+        ddlc.trace(model, batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    scale = torch.nn.Parameter(torch.ones(()))
+    with pytest.raises(UnsupportedInputError, match=r"not a parameter of the model") as info:
+        ddlc.trace(model, batch, lambda o, y: F.mse_loss(o * scale, y), torch.optim.SGD([scale], lr=0.1))
+    assert "frozen" not in str(info.value)
+
+
+def _wrapped_loss(loss):
+    @functools.wraps(loss)
+    def with_target(out, target):
+        return loss(out)
+    return with_target
+
+
+def test_a_loss_fn_that_cannot_take_output_and_target_is_refused_and_wrappers_are_read_as_called():
+    """loss_fn(output, *targets) is checked before tracing: a one-argument loss and a loss
+    class (not an instance) are refused saying so; a functools.wraps wrapper of another
+    arity is read by its own signature (the check read the wrapped function's)."""
+    model = torch.nn.Linear(4, 4)
+    batch = (torch.randn(8, 4), torch.randn(8, 4))
+    with pytest.raises(UnsupportedInputError, match=r"the step calls loss_fn\(output, target\)"):
+        ddlc.trace(model, batch, lambda out: out.sum())
+    with pytest.raises(UnsupportedInputError, match=r"loss_fn is the class MSELoss, not a loss: pass an instance"):
+        ddlc.trace(model, batch, torch.nn.MSELoss)
+    ddlc.trace(model, batch, _wrapped_loss(lambda out: out.pow(2).mean()))
 
 
 @pytest.mark.parametrize("loss_fn", [None, F.mse_loss])
