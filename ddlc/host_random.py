@@ -16,8 +16,9 @@ process (Python's ``random.Random`` instances and NumPy's bit generators, which 
 ``RandomState`` and ``Generator`` draws from, found through the garbage collector: about
 0.1 s with transformers loaded) before the trace. If the trace moved any,
 :meth:`HostGenerators.refuse_unless_seeded` seeds those afresh and traces the step once
-more under a line tracer: where that trace leaves them in the same states as the first
-and gives the same program (code and constant tensors), the step seeds them itself, and
+more under a line tracer: one that trace leaves as seeded was moved by something else
+(another thread); where it leaves the others in the same states as the first and gives
+the same program (code and constant tensors), the step seeds them itself, and
 the generators are given back the states the first trace left, as eager's one call
 would; otherwise it is refused, naming the line of the first draw, and the generators
 are given back the states they had before.
@@ -29,6 +30,7 @@ import linecache
 import pickle
 import random
 import sys
+import tempfile
 import traceback
 from typing import Callable
 
@@ -52,20 +54,36 @@ def _numpy_random():
 def _generators() -> list:
     """Every host generator alive in the process, each once: Python's ``random.Random``
     instances (not ``SystemRandom``, which draws from the system's entropy and has no
-    state) and NumPy's bit generators (every ``RandomState`` and ``Generator`` draws from
+    state; not the tools' own, :func:`_tools_own`) and NumPy's bit generators (every ``RandomState`` and ``Generator`` draws from
     one), found among the objects the garbage collector tracks (by exact type: an
     ``isinstance`` would call ``__class__`` properties, which some objects warn on). Python's
     and NumPy's global ones come first."""
     np_random = _numpy_random()
     kinds = (random.Random,) + ((np_random.BitGenerator,) if np_random is not None else ())
     found = [random._inst] + ([np_random.mtrand._rand._bit_generator] if np_random is not None else [])
-    known = {id(g) for g in found}
+    known = {id(g) for g in found} | {id(g) for g in _tools_own()}
     for value in gc.get_objects():
         kind = type(value)
         if issubclass(kind, kinds) and not issubclass(kind, random.SystemRandom) and id(value) not in known:
             known.add(id(value))
             found.append(value)
     return found
+
+
+#: modules whose generators are their own business, not the model's: sympy's assumptions
+#: shuffle theirs while torch reasons about symbolic sizes; tempfile names files with its
+#: own (torch's compile workers, in their threads)
+_TOOLS = ("sympy", "torch", "tempfile")
+
+
+def _tools_own() -> list:
+    """The generators the modules of :data:`_TOOLS` hold as globals (or, for tempfile,
+    its name sequence's)."""
+    own = [getattr(getattr(tempfile, "_name_sequence", None), "_rng", None)]
+    for name, module in list(sys.modules.items()):
+        if name.partition(".")[0] in _TOOLS and module is not None:
+            own += [v for v in vars(module).values() if type(v) is random.Random]
+    return [g for g in own if g is not None]
 
 
 def _state(generator):
@@ -130,12 +148,17 @@ class HostGenerators:
         try:
             for g in moved:
                 _seed(g, _OTHER_SEED)
+            seeded = [pickle.dumps(_state(g)) for g in moved]
             with _first_draw_recorded(moved, first_draw):
                 other = retrace()
-            if all(pickle.dumps(_state(g)) == pickle.dumps(s) for g, s in zip(self.generators, after)) \
-                    and _same_program(gm, other):
-                return  # the step seeds them with constants before it draws
-            generator, line = first_draw[0] if first_draw else (moved[0], None)
+            # a generator the second trace did not move was not moved by the step (another
+            # thread drew from it meanwhile)
+            drawn = [g for g, s in zip(moved, seeded) if pickle.dumps(_state(g)) != s]
+            if not drawn or (all(pickle.dumps(_state(g)) == pickle.dumps(s)
+                                 for g, s in zip(self.generators, after) if any(g is d for d in drawn))
+                             and _same_program(gm, other)):
+                return  # nothing drawn by the step, or it seeds them with constants before it draws
+            generator, line = first_draw[0] if first_draw else (drawn[0], None)
             refused = True
             raise UnsupportedInputError(
                 f"the step draws from {_describe(generator)} while it is traced: the trace records "

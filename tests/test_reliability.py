@@ -5,6 +5,7 @@ import functools
 import pickle
 import random
 import re
+import tempfile
 
 import numpy as np
 import pytest
@@ -133,6 +134,14 @@ def test_a_draw_from_a_python_or_numpy_generator_is_refused_at_its_line_unless_t
             "Python's global random generator (random)", "random.random()")
     refused(_HostDraw(lambda: random.uniform(0, 1), drop=0.0), F.mse_loss,
             "Python's global random generator (random)", "random.uniform(0, 1)")
+
+    # not the step's draws: sympy's own generator, which its assumptions shuffle while torch
+    # reasons about symbolic sizes (after the suite's Inductor tests a data-dependent size
+    # was refused as a host draw), and tempfile's (torch's compile workers name files with it)
+    import sympy.core.random
+    for tools in (sympy.core.random._assumptions_rng, tempfile._get_candidate_names().rng):
+        model = _HostDraw(lambda: 1.0 + 0 * tools.random())
+        ddlc.trace(model, batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
 
     model = _HostDraw(_reseeded_mask)
     random.seed(1)
