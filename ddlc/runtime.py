@@ -1490,15 +1490,15 @@ class CompiledStep:
                     state[f"param_group/{g}/{name}"] = torch.tensor(numbers, dtype=torch.float64)
         return state
 
-    def _set_param_groups(self, state: Mapping[str, torch.Tensor], saved: Mapping[str, object],
-                          path: str) -> None:
-        """Put the numbers of :meth:`_param_group_state` entries back into the param groups
+    def _set_param_groups(self, state: Mapping[str, torch.Tensor], mine: Mapping[str, torch.Tensor],
+                          saved: Mapping[str, object], path: str) -> None:
+        """Put the numbers of :meth:`_param_group_state` entries ``state`` (loaded from the
+        checkpoint; ``mine``: this optimizer's own, before) back into the param groups
         (a tensor filled; a whole number where the group held an int, else a float). Refused,
         changing nothing, where the checkpoint's groups hold other parameters than this
         optimizer's (as ``optimizer.load_state_dict`` refuses groups of other sizes), or
         where its numbers change what the step was compiled for (a weight decay or momentum
         turned on from 0)."""
-        mine = self._param_group_state()
         members = sorted(k for k in mine if k.endswith("/params"))
         if any(k.endswith("/params") for k in saved) and (
                 members != sorted(k for k in saved if k.startswith("param_group/") and k.endswith("/params"))
@@ -1558,12 +1558,12 @@ class CompiledStep:
         state (its position) is the user's to restore (``scheduler.load_state_dict``)."""
         state = self._sharded_state()
         saved = _check_checkpoint(path, state)
-        groups = {k: v for k, v in self._param_group_state().items()
-                  if k in saved and tuple(saved[k].size) == tuple(v.shape)}
+        mine = self._param_group_state()
+        groups = {k: v.clone() for k, v in mine.items() if k in saved and tuple(saved[k].size) == tuple(v.shape)}
         if any(k.startswith("param_group/") for k in saved):  # first: a refusal changes nothing
             if groups:
                 dcp.load(groups, checkpoint_id=path)
-            self._set_param_groups(groups, saved, path)
+            self._set_param_groups(groups, mine, saved, path)
         # what an inference program of a model sharing a submodule moved goes into the model
         # first (its own BatchNorm's statistics stay its own); the checkpoint supersedes the rest
         self._write_back_inference_programs()

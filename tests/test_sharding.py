@@ -601,9 +601,20 @@ def test_data_parallelism_takes_the_common_mean_losses(loss_fn):
     rules), and the count of targets not ignored (int64) is one too. Each was refused
     before (the batch kept whole at the loss). The numbers are single device's on (4,) and
     (2,2)."""
+    from ddlc.options import CompileOptions
+
+    def options(mesh, net):
+        split, whole = ("(S0)", "(B)") if mesh.ndim == 1 else ("(S0, S0)", "(B, B)")
+        return CompileOptions.from_kwargs(move_activations=False, placements={
+            "input0": split, "input1": split, **{k: whole for k, _ in net.named_parameters()}})
+    _assert_a_split_batch_trains_as_single_device(loss_fn, options)
+
+
+def _assert_a_split_batch_trains_as_single_device(loss_fn, options_for):
+    """Three AdamW steps of a small MLP with ``loss_fn``, planned with ``options_for(mesh,
+    model)``, on simulated (4,) and (2,2) ranks against single device."""
     from conftest import assert_matches_reference, optimizer, train
     from ddlc import pipeline
-    from ddlc.options import CompileOptions
     from ddlc.simulate import simulate_steps
 
     def model():
@@ -614,9 +625,7 @@ def test_data_parallelism_takes_the_common_mean_losses(loss_fn):
     want = train(model(), loss_fn, "adamw", data)
     for mesh in (ddlc.Mesh((4,)), ddlc.Mesh((2, 2))):
         net = model()
-        split, whole = ("(S0)", "(B)") if mesh.ndim == 1 else ("(S0, S0)", "(B, B)")
-        options = CompileOptions.from_kwargs(move_activations=False, placements={
-            "input0": split, "input1": split, **{k: whole for k, _ in net.named_parameters()}})
+        options = options_for(mesh, net)
         gm = pipeline.trace_step(net, data[0], loss_fn, optimizer("adamw", net), options)
         pipeline.plan(gm, mesh, options, pipeline.resolve_placements(gm, options.placements, mesh.ndim))
         params = {k: v.detach() for k, v in net.named_parameters()}
@@ -636,26 +645,12 @@ def test_covariance_and_correlation_over_the_batch_split_it_and_match_single_dev
     """``torch.cov`` and ``torch.corrcoef`` (VICReg, Barlow Twins) were refused as
     data-dependent: torch's kernel checks its count of observations with ``aten.equal``.
     Traced as torch's formula, they train on (4,) and (2,2), the batch split."""
-    from conftest import assert_matches_reference, optimizer, train
-    from ddlc import pipeline
     from ddlc.options import CompileOptions
-    from ddlc.simulate import simulate_steps
 
-    def model():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)) for _ in range(3)]
-    want = train(model(), _vicreg_like, "adamw", data)
-    for mesh in (ddlc.Mesh((4,)), ddlc.Mesh((2, 2))):
-        net = model()
+    def options(mesh, net):
         split = "(S0)" if mesh.ndim == 1 else "(S0, S0)"
-        options = CompileOptions.from_kwargs(placements={"input0": split, "input1": split})
-        gm = pipeline.trace_step(net, data[0], _vicreg_like, optimizer("adamw", net), options)
-        pipeline.plan(gm, mesh, options, pipeline.resolve_placements(gm, options.placements, mesh.ndim))
-        params = {k: v.detach() for k, v in net.named_parameters()}
-        losses, params, state, _ = simulate_steps(gm, mesh, params, {}, data)
-        assert_matches_reference({"losses": losses, "params": params, "opt_state": state}, want, str(mesh))
+        return CompileOptions.from_kwargs(placements={"input0": split, "input1": split})
+    _assert_a_split_batch_trains_as_single_device(_vicreg_like, options)
 
 
 def test_a_step_that_must_move_activations_is_refused_when_told_not_to():
