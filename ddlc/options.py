@@ -39,6 +39,8 @@ class CompileOptions:
     num_targets: int = 1
     #: clip gradients to this global 2-norm before the update (torch.nn.utils.clip_grad_norm_)
     clip_grad_norm: Union[float, None] = None
+    #: clamp every gradient to [-v, v] before the update (torch.nn.utils.clip_grad_value_)
+    clip_grad_value: Union[float, None] = None
     #: sharding solver: coordinate descent, or the exact MILP (a reference; slow)
     solver: Solver = "cd"
     #: bytes per device the plan may keep resident (None: the profile's device memory)
@@ -109,6 +111,12 @@ class CompileOptions:
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise OptionError(f"option clip_grad_norm={self.clip_grad_norm!r} must be a positive "
                               "norm (or None: no clipping)")
+        if self.clip_grad_value is not None and not 0 < self.clip_grad_value < math.inf:
+            raise OptionError(f"option clip_grad_value={self.clip_grad_value!r} must be a positive "
+                              "finite bound (or None: no clipping)")
+        if self.clip_grad_norm is not None and self.clip_grad_value is not None:
+            raise OptionError("options clip_grad_norm and clip_grad_value clip the same gradients, and "
+                              "which comes first changes the result: give one of them")
         if self.num_targets < 0:
             raise OptionError(f"option num_targets={self.num_targets} must be >= 0")
         if self.updates == "early" and not self.schedule:

@@ -141,7 +141,8 @@ def trace_step(model: nn.Module, example_inputs, loss_fn, optimizer,
     losses as sum / count, checkpointed activations recomputed in backward, an alias where
     several operators read one activation (the search prices one redistribution for them)."""
     gm = run_pass("trace", trace, model, example_inputs, loss_fn, optimizer,
-                  num_targets=options.num_targets, clip_grad_norm=options.clip_grad_norm)
+                  num_targets=options.num_targets, clip_grad_norm=options.clip_grad_norm,
+                  clip_grad_value=options.clip_grad_value)
     gm = run_pass("canonicalize", canonicalize, gm)
     gm = run_pass("recompute", recompute_checkpointed, gm)
     return run_pass("shared_reads", insert_shared_reads, gm)

@@ -50,7 +50,7 @@ __all__ = ["refuse_wrapped", "trace"]
 
 def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
           optimizer: torch.optim.Optimizer | None = None, *, num_targets: int = 1,
-          clip_grad_norm: float | None = None) -> fx.GraphModule:
+          clip_grad_norm: float | None = None, clip_grad_value: float | None = None) -> fx.GraphModule:
     """Trace one training step of ``model`` into a flat functional aten GraphModule.
 
     ``example_inputs`` is a tensor, a tuple of tensors (the model is called
@@ -60,7 +60,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     given to the model; with an ``optimizer`` and no ``loss_fn``, the model computes its
     own loss (a one-element tensor, or an output with ``.loss`` / ``["loss"]``, as a
     Hugging Face model does when given ``labels``). Then come the gradients, clipped to
-    a global norm of ``clip_grad_norm`` (as ``torch.nn.utils.clip_grad_norm_``), and
+    a global norm of ``clip_grad_norm`` (as ``torch.nn.utils.clip_grad_norm_``) or each
+    clamped to ``[-clip_grad_value, clip_grad_value]`` (``clip_grad_value_``), and
     with ``optimizer`` (``torch.optim.SGD``, ``Adam`` or ``AdamW``) the updated
     parameters and state. Buffers the forward updates in place (BatchNorm running
     statistics) are step outputs. Outputs: ``(loss, [grad_norm], *new_params,
@@ -75,9 +76,9 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     if n_targets >= len(batch) + (not training):
         raise UnsupportedInputError(f"{len(batch)} example input(s) cannot hold {n_targets} "
                                     "target(s) and at least one model input")
-    if clip_grad_norm is not None and not training:
-        raise UnsupportedInputError("clip_grad_norm clips gradients: it needs a loss_fn or an "
-                                    "optimizer")
+    for option, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
+        if value is not None and not training:
+            raise UnsupportedInputError(f"{option} clips gradients: it needs a loss_fn or an optimizer")
     refuse_wrapped(model)
     _check_loss_signature(loss_fn, n_targets)
     _check_initialised(model, batch)
@@ -86,6 +87,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [k for k, p in params.items() if p.requires_grad]
+    if clip_grad_value is not None:
+        _refuse_complex_value_clipping({k: params[k] for k in trainable})
     grouped = optimizer_spec(optimizer, params) if optimizer is not None else {}
     if optimizer is not None and not trainable:
         raise UnsupportedInputError(
@@ -162,6 +165,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         if clip_grad_norm is not None:
             total, grads = _clip_by_global_norm(grads, clip_grad_norm)
             norm = [total]
+        if clip_grad_value is not None:
+            grads = {k: g.clamp(-clip_grad_value, clip_grad_value) for k, g in grads.items()}
         new_buffers = [updated[k] for k in buffers]
         if optimizer is None:
             return (loss, *norm, *(grads[k] for k in trainable), *new_buffers)
@@ -696,6 +701,16 @@ def _clip_by_global_norm(grads: Mapping[str, torch.Tensor], max_norm: float):
     total = torch.stack([squares(g) for g in grads.values()]).sum().sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     return total, {k: g * scale.to(g.dtype) for k, g in grads.items()}
+
+
+def _refuse_complex_value_clipping(trainable: Mapping[str, torch.Tensor]) -> None:
+    """``clip_grad_value_`` clamps each gradient, which torch does not define for complex
+    numbers (its clamp raises): refused, naming the parameters."""
+    complex_ = [k for k, p in trainable.items() if p.is_complex()]
+    if complex_:
+        raise UnsupportedInputError(
+            f"clip_grad_value clamps gradients, which torch does not do for complex parameters "
+            f"({', '.join(complex_)}): clip them by norm (clip_grad_norm=) or freeze them")
 
 
 class _ForwardRewrites(TorchFunctionMode):

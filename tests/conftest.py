@@ -87,11 +87,13 @@ def optimizer(name: str | None, model):
     return OPTIMIZERS[name](model.parameters()) if name else None
 
 
-def train(model, loss_fn, opt_name: str, data, clip_grad_norm: float | None = None):
+def train(model, loss_fn, opt_name: str, data, clip_grad_norm: float | None = None,
+          clip_grad_value: float | None = None):
     """Eager single-device steps of ``model`` (trained in place) with optimizer ``opt_name``
     on ``data`` (batches whose last entry is the target), gradients clipped to a global norm
-    of ``clip_grad_norm`` by ``torch.nn.utils.clip_grad_norm_`` if given: losses, final
-    parameters and optimizer state ("<param>:<state>", float32)."""
+    of ``clip_grad_norm`` by ``torch.nn.utils.clip_grad_norm_`` or to ``clip_grad_value``
+    by ``clip_grad_value_`` if given: losses, final parameters and optimizer state
+    ("<param>:<state>", float32)."""
     opt, losses = optimizer(opt_name, model), []
     for b in data:
         opt.zero_grad()
@@ -99,6 +101,8 @@ def train(model, loss_fn, opt_name: str, data, clip_grad_norm: float | None = No
         loss.backward()
         if clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        if clip_grad_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_grad_value)
         opt.step()
         losses.append(loss.detach())
     state = {f"{k}:{s}": v.to(torch.float32) for k, p in model.named_parameters()
@@ -107,9 +111,10 @@ def train(model, loss_fn, opt_name: str, data, clip_grad_norm: float | None = No
             "opt_state": state}
 
 
-def reference(model_name: str, opt_name: str | None, mode: str = "train", batch: int = 4):
+def reference(model_name: str, opt_name: str | None, mode: str = "train", batch: int = 4,
+              clip_grad_value: float | None = None):
     """Single-device losses, final parameters and optimizer state (or outputs / gradients)
-    of ``model_name`` on its :func:`batches`."""
+    of ``model_name`` on its :func:`batches`, gradients clamped to ``clip_grad_value``."""
     model, loss_fn = model_and_loss(model_name)
     data = batches(model_name, batch)
     if mode == "forward":
@@ -119,7 +124,7 @@ def reference(model_name: str, opt_name: str | None, mode: str = "train", batch:
         loss.backward()
         return {"losses": [loss.detach()],
                 "gradients": {k: p.grad for k, p in model.named_parameters()}}
-    return train(model, loss_fn, opt_name, data)
+    return train(model, loss_fn, opt_name, data, clip_grad_value=clip_grad_value)
 
 
 #: (rtol, atol) of each quantity a run is compared on: a few steps' losses (and outputs,
@@ -153,7 +158,7 @@ MESHES = {(4,): "(S0)", (2, 2): "(S0, S0)"}
 LOWER = {"fuse": False, "partition": False, "schedule": False}
 
 
-def eager(model, loss_fn, make_optimizer, data, clip=None, seed=None):
+def eager(model, loss_fn, make_optimizer, data, clip=None, seed=None, clip_value=None):
     """Single-device training of ``model`` in place: losses, and the last gradient norm.
     A batch is a tuple ``(*inputs, target)`` for ``loss_fn``, or a dict the model takes
     as keywords and computes its own loss from (``loss_fn`` None: ``out["loss"]``)."""
@@ -171,6 +176,8 @@ def eager(model, loss_fn, make_optimizer, data, clip=None, seed=None):
         loss.backward()
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
         opt.step()
         losses.append(loss.detach())
     return losses, norm

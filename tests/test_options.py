@@ -28,6 +28,9 @@ def test_defaults_are_valid_and_frozen():
     ({"partition": -5}, "partition"),
     ({"num_targets": 1.5}, "num_targets"),
     ({"schedule": 1}, "schedule"),                     # an int is not a bool
+    ({"clip_grad_value": 0}, "clip_grad_value"),
+    ({"clip_grad_value": math.inf}, "clip_grad_value"),
+    ({"clip_grad_value": 0.5, "clip_grad_norm": 1.0}, "clip_grad_norm and clip_grad_value"),
     ({"placements": {"fc.weight": 5}}, "placement of 'fc.weight': 5 is not a placement"),
     ({"placements": {"input0": None}}, "placement of 'input0': None is not a placement"),
     ({"placements": {"input0": "(S0, X)"}}, "placement of 'input0': cannot parse SBP"),

@@ -42,7 +42,8 @@ JOBS = {
              ("gpt", None, "forward", {"input0": "(S0, B)"}),
              ("mlp", "sgd", "train", MATMUL_2D_MLP, {"schedule": False}),
              ("mlp", "adamw", "train", ZERO_MLP, PINNED), ("gpt_checkpointed", "adamw", "train", None),
-             ("gpt", "sgd", "train", None, GPU), ("mlp", "rmsprop", "train", MATMUL_2D_MLP, FAST)],
+             ("gpt", "sgd", "train", None, GPU), ("mlp", "rmsprop", "train", MATMUL_2D_MLP, FAST),
+             ("mlp", "adamw", "train", MATMUL_2D_MLP, {**FAST, "clip_grad_value": 0.02})],
     (4,): [("mlp", "adamw", "train", None), ("gpt", "sgd", "train", None),
            ("cnn", "adamw", "train", {"input0": "(S0)"}, FAST),
            ("mlp", "sgd", "train", TENSOR_PARALLEL_MLP, FAST),
@@ -67,11 +68,13 @@ def test_compiled_step_matches_single_device(mesh):
     for p in mesh:
         world *= p
     per_rank = spawn(compiled_run, world, mesh, cases, timeout=120, deadline=360)
-    for (model, opt, mode, placements, *_), got in zip(cases, per_rank[0]):
+    for (model, opt, mode, placements, *options), got in zip(cases, per_rank[0]):
+        clip_grad_value = options[0].get("clip_grad_value") if options else None
         collectives = got.pop("collectives")
         # gloo's functional collectives must not overlap (passes/waits.py)
         assert got.pop("most_in_flight") <= 1
-        assert_matches_reference(got, reference(model, opt, mode), f"{model}/{opt}/{mode}/{placements}",
+        assert_matches_reference(got, reference(model, opt, mode, clip_grad_value=clip_grad_value),
+                                 f"{model}/{opt}/{mode}/{placements}",
                                  **GLOO_TOLERANCES)
         SEEN_COLLECTIVES.update(collectives)
     for rank, results in enumerate(per_rank[1:], start=1):  # every rank sees the same loss

@@ -266,26 +266,57 @@ def test_draws_nothing_reads_still_advance_the_generator():
                              {"losses": want, "params": dict(reference.named_parameters())})
 
 
-@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
-def test_clipping_adam_groups_and_frozen_parameters(mesh_shape):
-    """Clip to a global norm of 0.5 (the norm over sharded gradients is reduced across the
-    mesh), with Adam's L2 weight decay, two parameter groups and a frozen bias."""
+def _two_groups_and_a_frozen_bias():
+    """An MLP whose last bias is frozen, a copy, batches and Adam over two param groups."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
     model[2].bias.requires_grad_(False)
-    reference = copy.deepcopy(model)
-    data = _regression()
 
     def adam(m):
         return torch.optim.Adam([{"params": m[0].parameters(), "lr": 1e-2},
                                  {"params": m[2].parameters(), "lr": 3e-3, "weight_decay": 0.1}],
                                 eps=1e-4)
+    return model, copy.deepcopy(model), _regression(), adam
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_clipping_adam_groups_and_frozen_parameters(mesh_shape):
+    """Clip to a global norm of 0.5 (the norm over sharded gradients is reduced across the
+    mesh), with Adam's L2 weight decay, two parameter groups and a frozen bias."""
+    model, reference, data, adam = _two_groups_and_a_frozen_bias()
     losses, params, _, gm = simulated(model, F.mse_loss, adam, data, mesh_shape, clip_grad_norm=0.5)
     want, norm = eager(reference, F.mse_loss, adam, data, clip=0.5)
     assert norm > 0.5  # clipping is active
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())})
     assert [o.role for o in STEP(gm).outputs][:2] == ["loss", "grad_norm"]
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_clipping_by_value_clamps_each_reduced_gradient(mesh_shape):
+    """``clip_grad_value`` clamps every gradient as ``clip_grad_value_`` does: after the
+    reduction across the ranks holding the batch (a clamp of each rank's partial sum would
+    clip other numbers)."""
+    model, reference, data, adam = _two_groups_and_a_frozen_bias()
+    unclipped = copy.deepcopy(reference)
+    losses, params, _, gm = simulated(model, F.mse_loss, adam, data, mesh_shape, clip_grad_value=0.02)
+    want, _ = eager(reference, F.mse_loss, adam, data, clip_value=0.02)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+    eager(unclipped, F.mse_loss, adam, data)
+    assert not torch.allclose(unclipped[0].weight, reference[0].weight, rtol=1e-3)  # clipping is active
+    assert [o.role for o in STEP(gm).outputs][1] != "grad_norm"
+
+
+def test_clipping_a_complex_gradient_by_value_is_refused():
+    """torch's clamp refuses complex numbers, so ``clip_grad_value_`` raises on a complex
+    gradient: the step is refused at compile, naming the parameter."""
+    from ddlc.errors import UnsupportedInputError
+    model = _SpectralFilter()
+    data = (torch.randn(8, 8, 8), torch.randint(0, 4, (8,)))
+    with pytest.raises(UnsupportedInputError, match="clip_grad_value .*complex parameters \\(filter\\)"):
+        ddlc.trace(model, data, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                   clip_grad_value=0.1)
 
 
 class _OwnLoss(nn.Module):
