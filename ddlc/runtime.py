@@ -1398,15 +1398,16 @@ class CompiledStep:
         return self.signature.output_tree.rebuild(list(out["output"].values()))
 
     def _take_current_state(self) -> None:
-        """Before an inference call: where another compiled step has trained the model since,
-        write that step back (collective; every rank runs the same calls); then reshard the
-        parameters and buffers written into the model since this program took them, keeping
-        the statistics it moved itself that nothing wrote since (eager inference would read
-        the model's, which these are). Not taken: statistics another inference program of a
-        model sharing a buffer with this one moved and holds (README)."""
-        # the steps that trained the model, or moved statistics of it (a frozen backbone's
-        # BatchNorm in train mode), in compile order
-        steps = [s for s in holding.buffer_holders(self._model) if s.signature.has_loss]
+        """Before an inference call: where another compiled program has trained the model
+        since, or moved statistics of it (a step, or another inference program in train
+        mode), write that program back (collective; every rank runs the same calls); then
+        reshard the parameters and buffers written into the model since this program took
+        them, keeping the statistics it moved itself that nothing wrote since (eager
+        inference would read the model's, which these are)."""
+        # the steps that trained the model, or programs that moved statistics of it (a frozen
+        # backbone's BatchNorm in train mode, the whole model's after its backbone's), in
+        # compile order
+        steps = holding.buffer_holders(self._model)
         for step in sorted(set(holding.trainers(self._model) + steps), key=lambda s: s.compiled_as):
             if step is not self:
                 step.write_back()
