@@ -231,8 +231,29 @@ def _compile_rank0(args) -> Compiled:
     user's code prints meanwhile (the factory's module as it loads, the factory, the
     forward as it is traced) goes to standard error, which standard output's report (or
     JSON) must not carry."""
-    with contextlib.redirect_stdout(sys.stderr):
+    with _stdout_to_stderr():
         return _compiled_rank0(args)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Within, ``sys.stdout`` and file descriptor 1 itself (``os.write(1, ...)``, a C
+    extension's ``printf``) write to standard error; what was printed before is flushed
+    to standard output first."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1 (a closed standard output)
+        saved = None
+    if saved is not None:
+        os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def _compiled_rank0(args) -> Compiled:

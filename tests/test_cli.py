@@ -350,6 +350,7 @@ def one_argument_loss():
 class Chatty(__import__("torch").nn.Linear):
     def forward(self, x):
         print("forward called")  # while traced
+        __import__("os").write(1, b"written to descriptor 1\\n")
         return super().forward(x)
 
 
@@ -359,17 +360,19 @@ def chatty_forward():
 '''
 
 
-def test_what_the_users_code_prints_goes_to_stderr_and_the_report_or_json_to_stdout(tmp_path, monkeypatch, capsys):
+def test_what_the_users_code_prints_goes_to_stderr_and_the_report_or_json_to_stdout(tmp_path, monkeypatch, capfd):
     """Prints at the factory module's import and in the forward as it is traced went to
-    standard output, ahead of the report (and broke ``schedule --json``'s JSON)."""
+    standard output, ahead of the report (and broke ``schedule --json``'s JSON); so did a
+    write to file descriptor 1 itself."""
     from ddlc.cli import main
     (tmp_path / "factories.py").write_text(SIBLING)
     (tmp_path / "sibling_net.py").write_text("import torch\n\n\ndef make(width):\n    return torch.nn.Linear(width, width)\n")
     monkeypatch.setattr(sys, "path", list(sys.path))
     assert main(["schedule", f"{tmp_path}/factories.py:chatty_forward", "--mesh", "2", "--json"]) == 0
-    out = capsys.readouterr()
+    out = capfd.readouterr()
     json.loads(out.out)
     assert "loading the factories" in out.err and "forward called" in out.err
+    assert "written to descriptor 1" in out.err
 
 
 @pytest.mark.parametrize("args, cause", [
