@@ -209,7 +209,10 @@ def _mesh_request(text: str | None):
         if not 1 <= int(text) <= MAX_DEVICES:
             raise MeshError(f"--mesh {text}: a device count must be from 1 to {MAX_DEVICES}")
         return None, int(text)
-    return Mesh(text).shape, None
+    shape = Mesh(text).shape
+    if math.prod(shape) > MAX_DEVICES:
+        raise MeshError(f"--mesh {text}: {math.prod(shape)} devices; a mesh may have at most {MAX_DEVICES}")
+    return shape, None
 
 
 def _optimizer(name: str, model):

@@ -385,6 +385,8 @@ def test_what_the_users_code_prints_goes_to_stderr_and_the_report_or_json_to_std
      "the step calls loss_fn(output, target)"),
     (["plan", "{dir}/factories.py:no_parameters", "--mesh", "99999999999999999999"],
      "a device count must be from 1 to"),
+    (["plan", "{dir}/factories.py:no_parameters", "--mesh", "1000000x1000000"],
+     "1000000000000 devices; a mesh may have at most"),
     (["calibrate", "--out", "{dir}/no/profile.json"], "cannot write --out"),
 ])
 def test_more_bad_input_is_one_line_on_stderr_before_the_work(tmp_path, monkeypatch, capsys, args, cause):
