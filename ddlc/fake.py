@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from .ir import map_leaves
 
-__all__ = ["all_fake", "as_meta", "empty_fake", "fresh_fake", "run_on_meta", "strided_fake", "tensors_mapped"]
+__all__ = ["all_fake", "as_fake", "as_meta", "empty_fake", "fresh_fake", "run_on_meta", "strided_fake", "tensors_mapped"]
 
 
 def tensors_mapped(x, f):
@@ -34,6 +34,16 @@ def as_meta(x):
         if t.device.type == "meta":
             return t
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return tensors_mapped(x, one)
+
+
+def as_fake(x, mode, device: torch.device):
+    """``x`` with every tensor replaced by a fake tensor of ``mode`` on ``device`` with its
+    shape, strides and dtype (a fake tensor of ``mode`` stays as it is)."""
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, FakeTensor) and t.fake_mode is mode:
+            return t
+        return strided_fake(mode, t.shape, t.stride(), t.dtype, device, t.storage_offset())
     return tensors_mapped(x, one)
 
 

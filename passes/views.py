@@ -48,7 +48,9 @@ import torch
 from torch import fx
 from torch._ops import OpOverload
 
-from ddlc.fake import as_meta
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ddlc.fake import as_fake, as_meta
 from ddlc.ir import ORIGIN, in_update, is_mutating, leaves, map_leaves
 
 __all__ = ["UNANNOTATED_VIEWS", "VIEW_FORMS", "views_as_views"]
@@ -121,6 +123,16 @@ _VENDOR_KERNELS = ("mkldnn_", "_mkldnn", "cudnn_", "_cudnn", "miopen_", "_miopen
 _ROW_READERS = ("_scaled_dot_product_flash", "_scaled_dot_product_efficient",
                 "_scaled_dot_product_cudnn", "_scaled_dot_product_fused", "_flash_attention",
                 "_efficient_attention")
+
+
+#: operators whose output layout the device's kernel chooses (the CPU convolution, oneDNN's,
+#: gives a channels-last output for a channels-last input or a 1x1 weight, where the meta
+#: kernel calls it contiguous): predicted through the fake mode, which asks the backend
+#: (``torch._C._conv_determine_backend_memory_format``); on meta, the query and key of a
+#: convolution's output read by a fused attention kernel were taken for dense rows (NaN
+#: losses) and a group norm after one refused its input at run time
+_BACKEND_LAYOUTS = frozenset({_aten.convolution.default, _aten._convolution.default,
+                              _aten.convolution_backward.default})
 
 
 def views_as_views(gm: fx.GraphModule) -> fx.GraphModule:
@@ -198,11 +210,18 @@ class _Walk:
         return self.layout[node] if node in self.layout else node.meta.get("val")
 
     def run_on_meta(self, node: fx.Node):
-        """``node``'s output on meta tensors of its inputs' run-time layouts, or None where
-        its operator cannot run there (or refuses those strides)."""
-        args, kwargs = map_leaves(lambda a: as_meta(self.value(a)) if isinstance(a, fx.Node) else a,
+        """``node``'s output on meta tensors of its inputs' run-time layouts (through the
+        fake mode for :data:`_BACKEND_LAYOUTS`), or None where its operator cannot run there
+        (or refuses those strides)."""
+        traced = node.meta.get("val")
+        faked = node.target in _BACKEND_LAYOUTS and isinstance(traced, FakeTensor)
+        convert = (lambda t: as_fake(t, traced.fake_mode, traced.device)) if faked else as_meta
+        args, kwargs = map_leaves(lambda a: convert(self.value(a)) if isinstance(a, fx.Node) else a,
                                 (node.args, node.kwargs))
         try:
+            if faked:
+                with traced.fake_mode:
+                    return node.target(*args, **kwargs)
             return node.target(*args, **kwargs)
         except Exception:  # noqa: BLE001 - no meta kernel, a collective, a draw, bad strides
             return None

@@ -215,6 +215,19 @@ def _weight_norm_of_a_transpose(v, g):
     return aten._weight_norm_interface.default(v.t(), g, 0)[0]
 
 
+def _attention_of_a_convolution_of_a_channels_last_view(x, w):
+    # the CPU convolution of an NHWC image permuted to NCHW gives a channels-last output,
+    # which its meta kernel calls contiguous: rows of length H * W read as dense (NaN)
+    h = aten.convolution.default(x.permute(0, 3, 1, 2), w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    q = h.flatten(2).unsqueeze(1)
+    return aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q)[0]
+
+
+def _group_norm_of_a_convolution_of_a_channels_last_view(x, w):
+    h = aten.convolution.default(x.permute(0, 3, 1, 2), w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    return aten.native_group_norm.default(h.flatten(2), None, None, 2, 8, 16, 4, 1e-5)[0]  # raises
+
+
 _LAYOUT_CASES = {  # kernel given a view eager's composites or backward formulas make contiguous
     "embedding_bag": (_embedding_bag_of_a_column,                 # wrong values
                       lambda: (torch.randn(10, 3), torch.randint(0, 10, (8, 2)))),
@@ -231,6 +244,10 @@ _LAYOUT_CASES = {  # kernel given a view eager's composites or backward formulas
     "group_norm_size_one_dim": (_group_norm_of_a_size_one_dim, lambda: (torch.randn(2, 6, 8),)),  # raises
     "weight_norm": (_weight_norm_of_a_transpose,  # wrong values
                     lambda: (torch.randn(6, 5), torch.rand(5, 1) + 0.5)),
+    "attention_of_a_convolution": (_attention_of_a_convolution_of_a_channels_last_view,  # NaN
+                                   lambda: (torch.randn(2, 4, 4, 6), torch.randn(8, 6, 1, 1))),
+    "group_norm_of_a_convolution": (_group_norm_of_a_convolution_of_a_channels_last_view,
+                                    lambda: (torch.randn(2, 4, 4, 6), torch.randn(8, 6, 1, 1))),
 }
 
 
