@@ -1019,7 +1019,6 @@ class CompiledStep:
         it; the first call of a program with ``batch="global"`` compares the ranks' batches
         (:meth:`_check_one_global_batch`)."""
         if self.batch_mode == "global" and not self._batch_compared:
-            self._batch_compared = True
             try:
                 batch = self._batch_by_key(args, kwargs)
                 out = self._parts(batch)
@@ -1027,6 +1026,7 @@ class CompiledStep:
                 self._check_one_global_batch(None, error)  # every rank hears of it: no hang
                 raise
             self._check_one_global_batch(batch, None)
+            self._batch_compared = True  # a refused call compared nothing: the next one does
             return out
         out = self._parts(self._batch_by_key(args, kwargs))
         if self.batch_mode == "local":
@@ -1041,6 +1041,9 @@ class CompiledStep:
             if not isinstance(t, torch.Tensor):
                 raise UnsupportedInputError(f"{key} is of type {type(t).__name__}; the compiled step "
                                             "takes tensors")
+            if t.device.type == "meta":
+                raise UnsupportedInputError(f"{key} is on the meta device: it holds no values to "
+                                            "compute with")
             dtype = GLOBAL_VAL(self._placeholders[self._spec[key].name]).dtype
             if t.dtype != dtype:
                 raise UnsupportedInputError(f"{key} has dtype {t.dtype} but the program was "
@@ -1131,7 +1134,6 @@ class CompiledStep:
             raise UnsupportedInputError("this program has no loss: it was compiled without "
                                         "loss_fn or optimizer; call it for inference instead")
         self._take_inference_statistics()
-        self._check_model()
         newer = next((step for step in holding.trainers(self._model) if step is not self), None)
         if newer is not None and newer._model is self._model:
             raise UnsupportedInputError(
@@ -1147,6 +1149,7 @@ class CompiledStep:
                 "its parameters, so two steps cannot train shared parameters in turn. Compile one "
                 "model that runs both (a module calling each, with the losses added), or write "
                 "the other step back (step.write_back()) and compile this one again")
+        self._check_model()  # after the check above: that step's training changed the model's state
         out = self._run(batch, keyword_batch, self._hyperparameters())
         self.params.update(out.get("param", {}))
         self.opt_state.update(out.get("opt_state", {}))

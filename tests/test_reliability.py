@@ -1048,6 +1048,26 @@ def _steps_on_own_data(rank):
         return str(e)
 
 
+def _own_data_after_a_refused_first_call(rank):
+    """A first call refused on every rank (a short last batch, a batch on the meta device),
+    then each rank's own data."""
+    from ddlc.errors import UnsupportedInputError
+    model, opt, batches = _presteps(1)
+    step = ddlc.compile(model, (2,), batches[1], F.cross_entropy, opt)
+    x, y = batches[1]
+    refused = []
+    for bad in ((x[:6], y[:6]), (x.to("meta"), y)):
+        try:
+            step.step(*bad)
+        except UnsupportedInputError as e:
+            refused.append(str(e))
+    try:
+        step.step(*batches[1 + rank])
+    except UnsupportedInputError as e:
+        return refused + [str(e)]
+    return refused
+
+
 def _first_step_of_another_shape_on_rank_1(rank):
     from ddlc.errors import UnsupportedInputError
     model, opt, batches = _presteps(1)
@@ -1077,6 +1097,17 @@ def test_ranks_passing_their_own_data_as_the_global_batch_are_refused():
     for refused in spawn(_steps_on_own_data, 2, timeout=300, deadline=100):
         assert refused is not None and "rank 1 passed another input0 than rank 0" in refused \
             and "batch='local'" in refused, refused
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_own_data_is_refused_after_a_first_call_refused_before_the_comparison():
+    # a first call refused before the ranks' batches were compared (a short batch a loop
+    # caught) used the comparison up: each rank's own data was then taken, silently
+    for refused in spawn(_own_data_after_a_refused_first_call, 2, timeout=300, deadline=100):
+        assert len(refused) == 3, refused
+        assert "input0 has shape (6, 8)" in refused[0] and "input0 is on the meta device" in refused[1]
+        assert "rank 1 passed another input0 than rank 0" in refused[2], refused
 
 
 def _eager_reads_between_steps(rank):
