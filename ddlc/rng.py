@@ -18,6 +18,9 @@ global shape, dtype and device). :func:`draw` is what lowered graphs call.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import sys
 from typing import Callable, Sequence
 
 import torch
@@ -25,7 +28,8 @@ from torch import fx
 
 from .ir import leaves, map_leaves
 
-__all__ = ["DRAWS", "draw", "draws_random_numbers", "eager_orders", "may_draw_permuted", "supported"]
+__all__ = ["DRAWS", "draw", "draws_random_numbers", "eager_orders", "may_draw_permuted", "reseeds_refused",
+           "supported"]
 
 aten = torch.ops.aten
 
@@ -235,3 +239,54 @@ def draw(generator: torch.Generator, after, op: str, shape: Sequence[int], dtype
 
 
 _BY_NAME = {str(op): entry for op, entry in DRAWS.items()}
+
+
+#: torch's functions that seed or set the state of its default generators (CPU and CUDA),
+#: and ``fork_rng``, which restores them on exit: (module, name)
+_RESEEDS = tuple((module, name) for module in ("torch", "torch.random")
+                 for name in ("manual_seed", "seed", "set_rng_state", "fork_rng")
+                 if name != "fork_rng" or module == "torch.random") + tuple(
+    ("torch.cuda", name) for name in ("manual_seed", "manual_seed_all", "seed", "seed_all",
+                                      "set_rng_state", "set_rng_state_all"))
+
+
+@contextlib.contextmanager
+def reseeds_refused():
+    """Within (the trace of a step), a call of :data:`_RESEEDS` from the user's code or a
+    model library raises :class:`UnsupportedInputError` at its line. The step draws from
+    the program's generator, one stream from step to step, so eager's reseeding inside
+    the forward (``torch.manual_seed``, a mask drawn twice around
+    ``get_rng_state``/``set_rng_state``, noise under ``fork_rng``) would silently not
+    happen: other masks than eager's. torch's own calls (``torch.utils.checkpoint``
+    recomputing its call's draws, ``fork_rng``'s own) pass."""
+    import importlib
+
+    from . import sources
+    from .errors import UnsupportedInputError
+    patched = []
+
+    def refusing(module: str, name: str, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            if sources.is_torch_file(sys._getframe(1).f_code.co_filename):
+                return original(*args, **kwargs)
+            raise UnsupportedInputError(
+                f"the step calls {module}.{name}, which reseeds or restores torch's default "
+                "generator; a compiled step draws every random number from its own generator, one "
+                "stream from step to step (eager's numbers when seeded alike before compile), so "
+                "it would not: seed once outside the model, before ddlc.compile, and draw a mask "
+                "once and reuse the tensor instead of redrawing it from a saved state",
+                where=sources.caller())
+        return call
+
+    try:
+        for module, name in _RESEEDS:
+            owner = importlib.import_module(module)
+            original = getattr(owner, name, None)
+            if original is not None:
+                setattr(owner, name, refusing(module, name, original))
+                patched.append((owner, name, original))
+        yield
+    finally:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)

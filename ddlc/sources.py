@@ -13,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["autograd_function", "caller", "cite", "custom_operator", "is_library_file", "is_user_file", "source_from_stack", "user_frame"]
+__all__ = ["autograd_function", "caller", "cite", "custom_operator", "is_library_file", "is_torch_file", "is_user_file",
+           "source_from_stack", "user_frame"]
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
                   os.path.dirname(os.__file__))
@@ -25,6 +26,11 @@ def is_user_file(filename: str) -> bool:
         return True
     return not path.startswith(_INTERNAL_DIRS) and "site-packages" not in path \
         and not filename.startswith("<")
+
+
+def is_torch_file(filename: str) -> bool:
+    """torch's own file (or ddlc's: both call torch's generator functions themselves)."""
+    return os.path.abspath(filename).startswith(_INTERNAL_DIRS[:2])
 
 
 def is_library_file(filename: str) -> bool:

@@ -1088,7 +1088,7 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
         with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model), \
                 _forward_frames_only(), _loss_frames_kept(loss_fn), _use_lazy_graph_module(True), \
                 _checkpoints_as_regions(annotator), _sync_batch_norm_as_batch_norm(), \
-                _failed_kernels_unlogged():
+                _failed_kernels_unlogged(), rng.reseeds_refused():
             # a tensor the forward or loss captures from outside the model (class weights
             # in a global) becomes a constant of the graph
             return make_fx(functionalize(fn, remove=remove), tracing_mode="fake",
