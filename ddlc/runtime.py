@@ -554,6 +554,20 @@ def _coordinates(device_mesh: DeviceMesh) -> list[tuple[int, ...]]:
     return [places[rank] for rank in range(layout.numel())]
 
 
+def _memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """The dims of ``t`` longer than 1, from outermost to innermost in its memory (the order
+    ``empty_like`` keeps)."""
+    return tuple(d for d in sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)) if t.shape[d] > 1)
+
+
+def _layout(t: torch.Tensor) -> str:
+    if t.is_contiguous():
+        return "row-major (contiguous)"
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return "channels-last"
+    return f"with dims {_memory_order(t)} from outermost to innermost (strides {tuple(t.stride())})"
+
+
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     """Float64 numbers that tell tensors of one shape apart: the sum of the finite values
     and their sum weighted by position (so a reordering shows too), and the position-weighted
@@ -1048,6 +1062,8 @@ class CompiledStep:
             if t.dtype != dtype:
                 raise UnsupportedInputError(f"{key} has dtype {t.dtype} but the program was "
                                             f"compiled for {dtype}: convert it (e.g. .to({dtype}))")
+            if self.generator is not None:
+                self._check_memory_order(key, t)
             want = self._global_shape(key) if self.batch_mode == "global" else shapes[key]
             if tuple(t.shape) != want:
                 raise UnsupportedInputError(
@@ -1055,6 +1071,20 @@ class CompiledStep:
                     f"{self.batch_mode} shape {want} (placement {self._sbp(key)} on mesh {self.mesh})")
             out[key] = self._shard(key, t) if self.batch_mode == "global" else t.to(self.device)
         return out
+
+    def _check_memory_order(self, key: str, t: torch.Tensor) -> None:
+        """A program that draws random numbers takes its batch laid out in memory as the
+        example was: eager fills a dropout mask in its activation's memory order
+        (``empty_like``), which follows the batch's (a transposed or channels-last batch), and
+        the program draws in the order the example's layout gave at compile."""
+        example = GLOBAL_VAL(self._placeholders[self._spec[key].name])
+        if _memory_order(t) != _memory_order(example):
+            raise UnsupportedInputError(
+                f"{key} is laid out in memory {_layout(t)}, but the program was compiled for an "
+                f"example laid out {_layout(example)}: eager draws dropout masks in the memory order "
+                "of their activations, which follows the batch's, and the compiled step draws them "
+                "in the example's order. Pass the batch laid out as the example (.contiguous(), "
+                ".to(memory_format=torch.channels_last)), or compile with an example laid out as it is")
 
     def _check_one_global_batch(self, batch: Mapping[str, torch.Tensor] | None,
                                 error: UnsupportedInputError | None) -> None:
