@@ -1148,12 +1148,25 @@ class CompiledStep:
         self._take_stream()
         flat = self.signature.flatten(self.params, self.buffers, self.opt_state,
                                       self._local_batch(args, kwargs), hyperparameters)
-        if not self._autocast:
-            return self.signature.unflatten(self.program(*flat))
         with contextlib.ExitStack() as stack:  # the casts autocast made are in the graph
             for device, _ in self._autocast:
                 stack.enter_context(torch.autocast(device, enabled=False))
-            return self.signature.unflatten(self.program(*flat))
+            out = self.signature.unflatten(self.program(*flat))
+        self._refuse_resized_buffers(out.get("buffer", {}))
+        return out
+
+    def _refuse_resized_buffers(self, new: Mapping[str, torch.Tensor]) -> None:
+        """A buffer the program gave back resized (a ``resize_`` in the forward that tracing
+        saw at the old size: torch.ao's fake-quantize modules size their scales on their first
+        call) would not gather, nor stay as eager keeps it: refused, before the step keeps
+        anything of its run. (tracing refuses a resize it sees.)"""
+        for key, value in new.items():
+            if value.shape != self.buffers[key].shape:
+                raise UnsupportedInputError(
+                    f"the forward resized buffer {key} from {tuple(self.buffers[key].shape)} to "
+                    f"{tuple(value.shape)} (torch.ao's fake-quantize and observer modules size their "
+                    "statistics on their first call), which the step would do at every step, where eager "
+                    "does it once: call the model once on the example batch before ddlc.compile")
 
     def step(self, *batch, **keyword_batch) -> torch.Tensor:
         """One training step on ``batch`` (the tensors, or for a step compiled on a dict

@@ -138,6 +138,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         with _ForwardRewrites():
             result = batch.call(model, {**weights, **updated}, xs[:n_model_inputs],
                                 lambda out: then(_checked_output(out)))
+        _refuse_resized_buffers(buffer_values, updated)
         return result, updated
 
     def forward_only(*flat):
@@ -701,6 +702,19 @@ def _clip_by_global_norm(grads: Mapping[str, torch.Tensor], max_norm: float):
     total = torch.stack([squares(g) for g in grads.values()]).sum().sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     return total, {k: g * scale.to(g.dtype) for k, g in grads.items()}
+
+
+def _refuse_resized_buffers(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]) -> None:
+    """A buffer the forward resizes in place (``resize_``: torch.ao's fake-quantize modules
+    size their per-channel statistics on their first call) would be resized, and refilled,
+    at every step of the traced program, where eager does it once: refused."""
+    for key, value in before.items():
+        if tuple(after[key].shape) != tuple(value.shape):
+            raise UnsupportedInputError(
+                f"the forward resizes buffer {key} from {tuple(value.shape)} to {tuple(after[key].shape)} "
+                "(torch.ao's fake-quantize and observer modules size their statistics on their first "
+                "call): the step would do it at every step, where eager does it once. Call the model "
+                "once on the example batch before ddlc.compile", where=f"buffer {key}")
 
 
 def _refuse_complex_value_clipping(trainable: Mapping[str, torch.Tensor]) -> None:

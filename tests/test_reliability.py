@@ -1124,6 +1124,41 @@ def _steps_on_batches_laid_out_otherwise(rank):
     return out
 
 
+def _quantization_aware_model(warm: bool):
+    """A model prepared for quantization-aware training (torch.ao): fake-quantize modules
+    whose per-channel scales are sized on their first call, made before compile if
+    ``warm``; its optimizer and batches."""
+    import warnings
+
+    import torch.ao.quantization as tq
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(tq.QuantStub(), torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 5), tq.DeQuantStub())
+    model.qconfig = tq.get_default_qat_qconfig("x86")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the default configuration's own deprecation warning
+        tq.prepare_qat(model, inplace=True)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(3)]
+    if warm:
+        model(batches[0][0] * 0)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), batches
+
+
+def _quantization_aware_steps(rank):
+    model, opt, batches = _quantization_aware_model(warm=False)
+    step = ddlc.compile(model, (2,), batches[0], F.cross_entropy, opt)
+    try:
+        step.step(*batches[0])
+    except UnsupportedInputError as e:
+        refused = str(e)
+    model, opt, batches = _quantization_aware_model(warm=True)
+    step = ddlc.compile(model, (2,), batches[0], F.cross_entropy, opt)
+    losses = [float(step.step(*b)) for b in batches]
+    step.write_back()
+    return refused, losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
 def _first_step_of_another_shape_on_rank_1(rank):
     from ddlc.errors import UnsupportedInputError
     model, opt, batches = _presteps(1)
@@ -1147,6 +1182,39 @@ def test_a_batch_laid_out_otherwise_than_the_example_is_refused_where_the_step_d
         assert "input0 is laid out in memory channels-last" in out[1], out
         assert "compiled for an example laid out row-major" in out[1]
         assert isinstance(out[2], float)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_quantization_aware_training_sized_before_compile_trains_and_unsized_is_refused():
+    # the fake-quantize modules' scales, traced at size 1, came out of the step at 16:
+    # the steps ran, then state_dict() and write_back() failed inside ddlc (a RuntimeError
+    # of an expand); a step would also have resized and refilled them at every step
+    model, opt, batches = _quantization_aware_model(warm=True)
+    want = [_eager_step(model, opt)(*b) for b in batches]
+    for refused, losses, state in spawn(_quantization_aware_steps, 2, timeout=300, deadline=100):
+        assert "the forward resized buffer 1.weight_fake_quant.scale from (1,) to (16,)" in refused, refused
+        _assert_every_rank_matches([(losses, state)], want, model)
+
+
+def test_a_buffer_the_forward_resizes_is_refused_at_trace():
+    class Resizing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.register_buffer("peak", torch.zeros(1))
+
+        def forward(self, x):
+            h = self.fc(x)
+            with torch.no_grad():
+                if self.peak.shape != (4,):
+                    self.peak.resize_(4).zero_()
+                self.peak.copy_(torch.maximum(self.peak, h.abs().amax(0)))
+            return h
+    model = Resizing()
+    with pytest.raises(UnsupportedInputError, match=r"resizes buffer peak from \(1,\) to \(4,\)"):
+        ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 4)), F.mse_loss,
+                   torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 @pytest.mark.multiprocess
