@@ -136,7 +136,8 @@ def _given(model: nn.Module, example_inputs, loss_fn, optimizer, mesh: Mesh,
 
 
 def _check_devices(model: nn.Module, example_inputs, device_type: str) -> None:
-    """Refuse a model or example input off this rank's device type (the process group's:
+    """Refuse a sparse (or otherwise not strided) parameter, buffer or example input, and a
+    model or example input off this rank's device type (the process group's:
     CUDA for NCCL, else the CPU): the trace would record the other device in the
     program (a position index made on the inputs' device, say), which then fails or
     copies at every step. Every rank has the same device types (:func:`_given`)."""
@@ -146,6 +147,13 @@ def _check_devices(model: nn.Module, example_inputs, device_type: str) -> None:
     tensors += [(f"buffer {k}", t) for k, t in model.named_buffers()]
     tensors += [(f"example input {i}", x) for i, x in enumerate(pytree.tree_leaves(example_inputs))
                 if isinstance(x, torch.Tensor)]
+    sparse = next(((what, t.layout) for what, t in tensors if t.layout != torch.strided), None)
+    if sparse is not None:
+        raise UnsupportedInputError(
+            f"{sparse[0]} is a {str(sparse[1]).removeprefix('torch.')} tensor: ddlc traces, shards and "
+            "updates dense (strided) tensors only; store it dense (.to_dense()), or build the sparse "
+            "tensor inside the forward from dense indices and values (a graph's adjacency: "
+            "index_add_ or scatter over an edge list)")
     elsewhere = [(what, t.device) for what, t in tensors if t.device.type != device_type]
     if elsewhere:
         what, device = elsewhere[0]

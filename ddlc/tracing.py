@@ -326,6 +326,9 @@ _WRAPPERS = (
     ("torch._dynamo.eval_frame", "OptimizedModule", "torch.compile",
      "the module before torch.compile (model._orig_mod): ddlc compiles the whole step itself, "
      "and compile(..., backend='inductor') runs each rank's program through Inductor"),
+    ("torch.jit._script", "ScriptModule", "TorchScript (torch.jit.script or torch.jit.trace)",
+     "the eager module it was made from: ddlc traces Python modules (a scripted function called "
+     "in the forward traces)"),
 )
 
 

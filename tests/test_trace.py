@@ -707,8 +707,17 @@ def test_a_model_wrapped_for_distribution_or_by_torch_compile_is_refused_naming_
     refused(nested, r"module 2 is wrapped by torch.compile")
     refused(torch.nn.DataParallel(plain()), r"the model is wrapped by DataParallel: pass the module it "
                                             r"wraps \(model.module\)")
+    scripted = plain()
+    scripted[2] = torch.jit.script(scripted[2])  # its state was read as a module's (AttributeError)
+    refused(scripted, r"module 2 is wrapped by TorchScript")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
+        model = plain()  # a sparse buffer failed in the broadcast of rank 0's state
+        model.register_buffer("adjacency", torch.eye(4).to_sparse())
+        with pytest.raises(UnsupportedInputError, match="buffer adjacency is a sparse_coo tensor"):
+            ddlc.compile(model, (4,), batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(UnsupportedInputError, match="example input 0 is a sparse_coo tensor"):
+            ddlc.compile(plain(), (4,), (batch[0].to_sparse(), batch[1]), F.mse_loss)
         refused(torch.nn.parallel.DistributedDataParallel(plain()), "the model is wrapped by DistributedDataParallel")
         mesh = init_device_mesh("cpu", (4,))
         refused(fully_shard(plain(), mesh=mesh), r"wrapped by fully_shard \(FSDP2\)")
