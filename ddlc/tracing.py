@@ -194,7 +194,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
 
     with _no_state_kept_across_calls(model, forward_again):
         host_generators = host_random.HostGenerators()
-        gm = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn)
+        with _targets_named(batch, n_targets):
+            gm = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn)
         host_generators.refuse_unless_seeded(gm, lambda: _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn))
         with_views = None  # the step traced with its views as views, where a check needs it
         if strided_views.needs_repair(gm):  # an in-place update of a view: see ddlc.strided_views
@@ -707,6 +708,25 @@ def _clip_by_global_norm(grads: Mapping[str, torch.Tensor], max_norm: float):
     return total, {k: g * scale.to(g.dtype) for k, g in grads.items()}
 
 
+@contextlib.contextmanager
+def _targets_named(batch: "_Batch", n_targets: int):
+    """Within, a trace error of a step on a dict batch with targets also names the entries
+    taken as the targets: the last ``n_targets`` of the dict, by order (a collator that puts
+    ``labels`` first makes ``attention_mask`` the target, and ``labels`` a model input)."""
+    try:
+        yield
+    except TraceError as error:
+        if not (batch.keyword and n_targets):
+            raise
+        message = str(error)
+        if error.where:
+            message = message.removesuffix(f"\n  at {error.where}")
+        targets = list(batch.keys[len(batch) - n_targets:])
+        raise type(error)(f"{message} [the loss_fn's target(s): the dict batch's last {n_targets} "
+                          f"entr{'y' if n_targets == 1 else 'ies'} {targets}, of {list(batch.keys)}; "
+                          "order the dict so that the targets come last]", where=error.where) from error
+
+
 def _refuse_resized_buffers(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]) -> None:
     """A buffer the forward resizes in place (``resize_``: torch.ao's fake-quantize modules
     size their per-channel statistics on their first call) would be resized, and refilled,
@@ -1086,6 +1106,11 @@ _CAUSES = (
      "attribute or a global; ddlc carries in-place updates of buffers only: keep such state "
      "in buffers (register_buffer), which the step updates as eager does (running "
      "statistics, EMA teachers, queues)"),
+    (re.compile(r"tuple of ints, ?but (?:got|found element of type) Tensor", re.I), TraceError,
+     "the step passes a tensor where torch takes a size as numbers, a size computed from tensor "
+     "values (pack_padded_sequence's batch sizes from the lengths, torch.zeros(lengths.max())), "
+     "which one static graph cannot express: pad to a fixed length and mask the padding instead "
+     "(nn.LSTM over the padded batch, its outputs masked)"),
     (re.compile(r"dtype|scalar type|type \(.*\) and .* type \(.*\) should be the same", re.I), TraceError,
      "the example inputs' dtypes do not fit the model (an integer tensor fed into a float "
      "layer, or a float64 or bfloat16 one into a float32 layer?)"),

@@ -468,6 +468,32 @@ def _loss_with_its_own_parameter():
 _X = torch.randn(8, 4)
 
 #: (what a user tried, the call, the ddlc.errors type, words the message must contain)
+class _Tagger(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 3)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.emb(input_ids).sum(1) * attention_mask.sum(1, keepdim=True)
+
+
+def _labels_first():
+    """transformers' default_data_collator moves ``label`` to the front, as ``labels``."""
+    batch = {"labels": torch.randint(0, 3, (4,)), "input_ids": torch.randint(0, 10, (4, 5)),
+             "attention_mask": torch.ones(4, 5, dtype=torch.long)}
+    return ddlc.trace(_Tagger(), batch, F.cross_entropy)
+
+
+class _Packed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(3, 6, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        return self.lstm(packed)[1][0][0]
+
+
 CATALOGUE = [
     ("forward returns None", lambda: ddlc.trace(_ReturnsNone(), (_X, _X), F.mse_loss),
      UnsupportedInputError, "forward returned None"),
@@ -514,6 +540,13 @@ CATALOGUE = [
      "has 5 axes; ddlc plans meshes of at most 4"),
     ("an unknown compile option", lambda: CompileOptions.from_kwargs(solvr="cd"),
      ddlc.errors.OptionError, "solvr"),
+    ("an LSTM over a packed sequence (its batch sizes come from the lengths' values)",
+     lambda: ddlc.trace(_Packed(), (torch.randn(4, 5, 3), torch.tensor([5, 3, 2, 1]), torch.randn(4, 6)),
+                        F.mse_loss),
+     TraceError, r"a size computed from tensor values \(pack_padded_sequence's"),
+    ("a collator's dict batch with the labels first and a loss_fn", _labels_first,
+     TraceError, r"\[the loss_fn's target\(s\): the dict batch's last 1 entry \['attention_mask'\], of "
+                 r"\['labels', 'input_ids', 'attention_mask'\]; order the dict"),
 ]
 
 
