@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["autograd_function", "caller", "cite", "custom_operator", "is_library_file", "is_torch_file", "is_user_file",
-           "source_from_stack", "user_frame"]
+           "source_from_stack", "torch_compiled_call", "user_frame"]
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
                   os.path.dirname(os.__file__))
@@ -68,6 +68,13 @@ def custom_operator(exc: BaseException) -> str | None:
                 op._qualified_op_name.partition("::")[0] not in _TORCH_NAMESPACES:
             found = op._qualified_op_name
     return found
+
+
+def torch_compiled_call(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside a call of a function ``torch.compile`` made (its
+    ``compile_wrapper``)."""
+    return any(frame.f_code.co_name == "compile_wrapper" and "_dynamo" in frame.f_code.co_filename
+               for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
 def autograd_function(exc: BaseException) -> type | None:

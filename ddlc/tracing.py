@@ -1151,6 +1151,13 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
                 "model.set_experts_implementation('batched_mm'), or experts_implementation="
                 f"'batched_mm' given to the config's constructor or from_pretrained, traces) ({text})",
                 where=line) from e
+        if sources.torch_compiled_call(e):
+            raise UnsupportedInputError(
+                "the step calls a function compiled with torch.compile, which cannot run inside the "
+                "trace ddlc makes of the whole step: call the function itself (torch.compile(f) "
+                "keeps it as ._torchdynamo_orig_callable); ddlc compiles the whole step, and "
+                f"compile(..., backend='inductor') runs each rank's program through Inductor ({text})",
+                where=line) from e
         function = sources.autograd_function(e)
         if function is not None and function.__module__.startswith("torch.") \
                 and _CUSTOM_FUNCTION.search(f"{type(e).__name__} {e}"):

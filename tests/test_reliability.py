@@ -468,6 +468,15 @@ def _loss_with_its_own_parameter():
 _X = torch.randn(8, 4)
 
 #: (what a user tried, the call, the ddlc.errors type, words the message must contain)
+class _CallsCompiled(torch.nn.Linear):
+    def __init__(self):
+        super().__init__(4, 4)
+        self.activation = torch.compile(lambda h: h * torch.sigmoid(h), backend="eager")
+
+    def forward(self, x):
+        return self.activation(super().forward(x))
+
+
 class _Tagger(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -544,6 +553,9 @@ CATALOGUE = [
      lambda: ddlc.trace(_Packed(), (torch.randn(4, 5, 3), torch.tensor([5, 3, 2, 1]), torch.randn(4, 6)),
                         F.mse_loss),
      TraceError, r"a size computed from tensor values \(pack_padded_sequence's"),
+    ("a torch.compile'd function called in the forward (an AssertionError of dynamo's)",
+     lambda: ddlc.trace(_CallsCompiled(), (_X, _X), F.mse_loss), UnsupportedInputError,
+     r"calls a function compiled with torch.compile(?s:.*)test_reliability.py:\d+ in forward"),
     ("a collator's dict batch with the labels first and a loss_fn", _labels_first,
      TraceError, r"\[the loss_fn's target\(s\): the dict batch's last 1 entry \['attention_mask'\], of "
                  r"\['labels', 'input_ids', 'attention_mask'\]; order the dict"),
