@@ -17,6 +17,7 @@ A step here is a :class:`ddlc.runtime.CompiledStep`; this module reads its publi
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,8 @@ from .errors import UnsupportedInputError
 if TYPE_CHECKING:
     from .runtime import CompiledStep
 
-__all__ = ["buffer_holders", "guard", "hold", "release", "holder", "statistics_holders", "trainers"]
+__all__ = ["buffer_holders", "guard", "hold", "release", "holder", "now", "statistics_holders", "trainers",
+           "written_since", "wrote"]
 
 #: per model, the compiled step whose steps trained it last and whose state was not written
 #: back: compiling the model again writes it back first
@@ -44,6 +46,27 @@ _MODEL_OF: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref]" = wea
 _STATE_DICT_GUARDS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 #: the handle of :func:`_refuse_stale_call`, registered for every module once (first compile)
 _CALL_GUARD = None
+#: per model, the training step that last wrote its training back into it, and when
+#: (:func:`now`)
+_WRITER: "weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, int]]" = weakref.WeakKeyDictionary()
+_CLOCK = itertools.count()
+
+
+def now() -> int:
+    """A serial number of this moment (the same sequence on every rank)."""
+    return next(_CLOCK)
+
+
+def wrote(step: "CompiledStep", model: nn.Module) -> None:
+    """``step``, a training step, has just written its training back into ``model``."""
+    _WRITER[model] = (weakref.ref(step), now())
+
+
+def written_since(model: nn.Module, since: int) -> "CompiledStep | None":
+    """The training step that wrote its training back into ``model`` after moment
+    ``since``, if it is still alive."""
+    ref, when = _WRITER.get(model, (None, -1))
+    return ref() if ref is not None and when > since else None
 
 
 def guard(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

@@ -900,6 +900,9 @@ class CompiledStep:
         self._coordinates = _coordinates(device_mesh) if device_mesh is not None else \
             [mesh.coordinate(r) for r in range(mesh.size)]
         self.steps_done = 0
+        #: when this step last took or changed the model's state (compile, a step): a
+        #: training step of the model written back after it makes this one's copies old
+        self._last_ran = holding.now()
         #: whether every rank's global batch was compared with rank 0's (the first call)
         self._batch_compared = False
         #: the parameters the step trains, as compile took them (by ``id``); the frozen ones
@@ -1200,7 +1203,15 @@ class CompiledStep:
                 "its parameters, so two steps cannot train shared parameters in turn. Compile one "
                 "model that runs both (a module calling each, with the losses added), or write "
                 "the other step back (step.write_back()) and compile this one again")
-        self._check_model()  # after the check above: that step's training changed the model's state
+        writer = holding.written_since(self._model, self._last_ran)
+        if writer is not None and writer is not self:
+            raise UnsupportedInputError(
+                "another compiled step of this model wrote its training back into the model since "
+                "this step last ran: the model's weights and optimizer state are newer than this "
+                "step's copies of them. Compile again to go on from them (ddlc.compile takes the model "
+                "as it is; one compiled step per batch shape needs a write_back and a compile at each "
+                "switch), or keep training with that step")
+        self._check_model()  # after the checks above: another step's training changed the model's state
         out = self._run(batch, keyword_batch, self._hyperparameters())
         self.params.update(out.get("param", {}))
         self.opt_state.update(out.get("opt_state", {}))
@@ -1212,6 +1223,7 @@ class CompiledStep:
         if "grad_norm" in out:
             self.last_grad_norm = out["grad_norm"]["grad_norm"].detach()
         self.steps_done += 1
+        self._last_ran = holding.now()
         holding.hold(self, self._model, self._optimizer)
         return out["loss"]["loss"].detach()
 
@@ -1299,6 +1311,8 @@ class CompiledStep:
             self._optimizer_watch.accept()
         self._accept_writes()
         holding.release(self._model)
+        if self.signature.has_loss:
+            holding.wrote(self, self._model)
 
     def _take_users_changes(self, written: set[str], changed: set[str]) -> None:
         """After :meth:`write_back`: the step goes on from the parameters and buffers the

@@ -373,17 +373,25 @@ def _old_step_after_a_newer_one(rank):
     old.step(*batch)
     new = ddlc.compile(model, (4,), batch, ce, opt)
     new.step(*batch)
-    try:
-        old.step(*batch)
-    except ddlc.errors.UnsupportedInputError as e:
-        return str(e)
+    messages = []
+    for _ in range(2):
+        try:
+            old.step(*batch)
+        except ddlc.errors.UnsupportedInputError as e:
+            messages.append(str(e))
+        new.write_back()  # then the older step's copies are older than the model's
+    return messages
 
 
 def test_an_older_compiled_step_is_refused_once_a_newer_one_has_trained_the_model():
     # with Adam, the refusal blamed the optimizer's state as changed by the user
-    # ("optimizer.load_state_dict, an eager optimizer step"), not the newer step
-    messages = spawn(_old_step_after_a_newer_one, 4, timeout=120, deadline=300)
-    assert len(set(messages)) == 1 and "another compiled step of this model has trained it" in messages[0]
+    # ("optimizer.load_state_dict, an eager optimizer step"), not the newer step, before
+    # the newer step's write-back and after it (one compiled step per batch shape)
+    per_rank = spawn(_old_step_after_a_newer_one, 4, timeout=120, deadline=300)
+    assert all(messages == per_rank[0] for messages in per_rank)
+    before, after = per_rank[0]
+    assert "another compiled step of this model has trained it" in before
+    assert "another compiled step of this model wrote its training back into the model" in after
 
 
 class _Tracked(torch.nn.Module):
