@@ -452,6 +452,9 @@ SYNTHETIC.update({
     "expand": lambda: (aten.expand.default, (_r(4, 1), [2, 4, 6]), {}),
     "squeeze_dims": lambda: (aten.squeeze.dims, (_r(4, 1, 6, 1), [1, 3]), {}),
     "split_with_sizes": lambda: (aten.split_with_sizes.default, (_r(4, 6), [1, 3], 0), {}),
+    # nn.LSTM's and nn.GRU's backward split the gradients so (it fell back to all-B)
+    "unsafe_split": lambda: (aten.unsafe_split.Tensor, (_r(4, 6), 2, 1), {}),
+    "unsafe_split_with_sizes": lambda: (aten.unsafe_split_with_sizes.default, (_r(4, 6), [1, 3], 0), {}),
     # reductions, scans, softmax
     "amax": lambda: (aten.amax.default, (_r(4, 6, 2), [1], True), {}),
     "amax_all": lambda: (aten.amax.default, (_r(4, 6),), {}),
