@@ -24,6 +24,8 @@ import sys
 from typing import Callable, Sequence
 
 import torch
+import torch.cuda
+import torch.random
 from torch import fx
 
 from .ir import leaves, map_leaves
@@ -243,11 +245,11 @@ _BY_NAME = {str(op): entry for op, entry in DRAWS.items()}
 
 #: torch's functions that seed or set the state of its default generators (CPU and CUDA),
 #: and ``fork_rng``, which restores them on exit: (module, name)
-_RESEEDS = tuple((module, name) for module in ("torch", "torch.random")
+_RESEEDS = tuple((module, name) for module in (torch, torch.random)
                  for name in ("manual_seed", "seed", "set_rng_state", "fork_rng")
-                 if name != "fork_rng" or module == "torch.random") + tuple(
-    ("torch.cuda", name) for name in ("manual_seed", "manual_seed_all", "seed", "seed_all",
-                                      "set_rng_state", "set_rng_state_all"))
+                 if name != "fork_rng" or module is torch.random) + tuple(
+    (torch.cuda, name) for name in ("manual_seed", "manual_seed_all", "seed", "seed_all",
+                                    "set_rng_state", "set_rng_state_all"))
 
 
 @contextlib.contextmanager
@@ -259,8 +261,6 @@ def reseeds_refused():
     ``get_rng_state``/``set_rng_state``, noise under ``fork_rng``) would silently not
     happen: other masks than eager's. torch's own calls (``torch.utils.checkpoint``
     recomputing its call's draws, ``fork_rng``'s own) pass."""
-    import importlib
-
     from . import sources
     from .errors import UnsupportedInputError
     patched = []
@@ -280,11 +280,10 @@ def reseeds_refused():
         return call
 
     try:
-        for module, name in _RESEEDS:
-            owner = importlib.import_module(module)
+        for owner, name in _RESEEDS:
             original = getattr(owner, name, None)
             if original is not None:
-                setattr(owner, name, refusing(module, name, original))
+                setattr(owner, name, refusing(owner.__name__, name, original))
                 patched.append((owner, name, original))
         yield
     finally:
