@@ -562,10 +562,11 @@ def _coordinates(device_mesh: DeviceMesh) -> list[tuple[int, ...]]:
     return [places[rank] for rank in range(layout.numel())]
 
 
-def _memory_order(t: torch.Tensor) -> tuple[int, ...]:
-    """The dims of ``t`` longer than 1, from outermost to innermost in its memory (the order
-    ``empty_like`` keeps)."""
-    return tuple(d for d in sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)) if t.shape[d] > 1)
+def _memory_order(t: torch.Tensor, dims: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The dims of ``t`` longer than 1 (of ``dims``, default all), from outermost to
+    innermost in its memory (the order ``empty_like`` keeps)."""
+    dims = range(t.dim()) if dims is None else dims
+    return tuple(d for d in sorted(dims, key=lambda d: (-t.stride(d), d)) if t.shape[d] > 1)
 
 
 def _layout(t: torch.Tensor) -> str:
@@ -1089,7 +1090,9 @@ class CompiledStep:
         (``empty_like``), which follows the batch's (a transposed or channels-last batch), and
         the program draws in the order the example's layout gave at compile."""
         example = GLOBAL_VAL(self._placeholders[self._spec[key].name])
-        if _memory_order(t) != _memory_order(example):
+        # a dim broadcast in either (stride 0: an expanded mask) has no place in memory
+        dims = [d for d in range(t.dim()) if t.stride(d) and example.stride(d)]
+        if _memory_order(t, dims) != _memory_order(example, dims):
             raise UnsupportedInputError(
                 f"{key} is laid out in memory {_layout(t)}, but the program was compiled for an "
                 f"example laid out {_layout(example)}: eager draws dropout masks in the memory order "

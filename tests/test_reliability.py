@@ -1150,7 +1150,7 @@ def _own_data_after_a_refused_first_call(rank):
 def _steps_on_batches_laid_out_otherwise(rank):
     """A dropout model compiled on a row-major batch, stepped on the same values transposed
     (refused), as channels-last images (refused), and as a slice of a wider row-major
-    tensor (the same memory order: taken)."""
+    tensor and an expanded one (the same memory order: taken)."""
     from ddlc.errors import UnsupportedInputError
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.Dropout(0.5), torch.nn.Flatten(),
@@ -1166,6 +1166,7 @@ def _steps_on_batches_laid_out_otherwise(rank):
             out.append(str(e))
     wider = torch.cat([x, x], dim=3)[..., :2]
     out.append(float(step.step(wider, y)))
+    out.append(float(step.step(x[:1].expand_as(x), y)))  # a broadcast dim has no memory order
     return out
 
 
@@ -1222,11 +1223,11 @@ def test_a_batch_laid_out_otherwise_than_the_example_is_refused_where_the_step_d
     # where eager follows the batch's layout (losses 0.11 off on a transposed batch, 0.17
     # on channels-last images)
     for out in spawn(_steps_on_batches_laid_out_otherwise, 2, timeout=300, deadline=100):
-        assert len(out) == 3, out
+        assert len(out) == 4, out
         assert "input0 is laid out in memory with dims (1, 0, 2, 3)" in out[0], out
         assert "input0 is laid out in memory channels-last" in out[1], out
         assert "compiled for an example laid out row-major" in out[1]
-        assert isinstance(out[2], float)
+        assert isinstance(out[2], float) and isinstance(out[3], float)
 
 
 @pytest.mark.multiprocess
