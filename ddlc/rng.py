@@ -260,7 +260,9 @@ def reseeds_refused():
     the forward (``torch.manual_seed``, a mask drawn twice around
     ``get_rng_state``/``set_rng_state``, noise under ``fork_rng``) would silently not
     happen: other masks than eager's. torch's own calls (``torch.utils.checkpoint``
-    recomputing its call's draws, ``fork_rng``'s own) pass."""
+    recomputing its call's draws, ``fork_rng``'s own) pass. A reseed these names do not see
+    (``torch.default_generator.manual_seed``, ``from torch import manual_seed`` bound before)
+    is refused after the trace, without its line: the default CPU generator's state moved."""
     from . import sources
     from .errors import UnsupportedInputError
     patched = []
@@ -279,6 +281,7 @@ def reseeds_refused():
                 where=sources.caller())
         return call
 
+    state = torch.default_generator.get_state()  # a fake trace draws nothing from it
     try:
         for owner, name in _RESEEDS:
             original = getattr(owner, name, None)
@@ -289,3 +292,11 @@ def reseeds_refused():
     finally:
         for owner, name, original in reversed(patched):
             setattr(owner, name, original)
+    if not torch.equal(torch.default_generator.get_state(), state):
+        torch.default_generator.set_state(state)
+        raise UnsupportedInputError(
+            "the step reseeded or restored torch's default generator (its state changed while the "
+            "step was traced, where tracing draws nothing from it: torch.default_generator."
+            "manual_seed or set_state, or a seeding function imported by name before compile); a "
+            "compiled step draws every random number from its own generator, one stream from step "
+            "to step, so it would not: seed once outside the model, before ddlc.compile")

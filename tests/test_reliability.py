@@ -115,20 +115,25 @@ class _Reseeding(torch.nn.Module):
         if self.how == "seed":
             torch.manual_seed(123)  # the reseed
             return F.dropout(h, 0.5)
+        if self.how == "generator":
+            torch.default_generator.manual_seed(123)  # not a function ddlc can replace
+            return F.dropout(h, 0.5)
         with torch.random.fork_rng():  # the reseed
             h = h + torch.randn_like(h)
         return F.dropout(h, 0.5)
 
 
-@pytest.mark.parametrize("how", ["replay", "seed", "fork"])
+@pytest.mark.parametrize("how", ["replay", "seed", "fork", "generator"])
 def test_a_forward_that_reseeds_torchs_generator_is_refused_at_its_line(how):
     # the step drew both masks of the replay, and every later mask, from its own stream:
     # losses 0.04-0.16 off from the first step
     model = _Reseeding(how)
-    with pytest.raises(UnsupportedInputError, match=r"reseeds or restores torch's default generator(?s:.*)"
-                                                    r"test_reliability.py:\d+ in forward: .*# the reseed"):
-        ddlc.trace(model, (torch.randn(4, 6), torch.randn(4, 6)), F.mse_loss,
-                   torch.optim.SGD(model.parameters(), lr=0.1))
+    words = (r"reseeded or restored torch's default generator \(its state changed" if how == "generator" else
+             r"reseeds or restores torch's default generator(?s:.*)test_reliability.py:\d+ in forward: .*# the reseed")
+    batch, state = (torch.randn(4, 6), torch.randn(4, 6)), torch.get_rng_state()
+    with pytest.raises(UnsupportedInputError, match=words):
+        ddlc.trace(model, batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert torch.equal(torch.get_rng_state(), state)  # as it was
 
 
 def test_a_draw_from_a_python_or_numpy_generator_is_refused_at_its_line_unless_the_step_seeds_it():
