@@ -563,18 +563,21 @@ def _coordinates(device_mesh: DeviceMesh) -> list[tuple[int, ...]]:
 
 
 def _memory_order(t: torch.Tensor, dims: Sequence[int] | None = None) -> tuple[int, ...]:
-    """The dims of ``t`` longer than 1 (of ``dims``, default all), from outermost to
-    innermost in its memory (the order ``empty_like`` keeps)."""
+    """The dims of ``t`` (of ``dims``, default all) from outermost to innermost in its
+    memory, by stride (ties by position). A dim of length 1 counts: torch's suggested
+    memory format reads its stride (a one-channel image batch in channels-last is
+    contiguous, and a convolution of it still gives a channels-last output)."""
     dims = range(t.dim()) if dims is None else dims
-    return tuple(d for d in sorted(dims, key=lambda d: (-t.stride(d), d)) if t.shape[d] > 1)
+    return tuple(sorted(dims, key=lambda d: (-t.stride(d), d)))
 
 
 def _layout(t: torch.Tensor) -> str:
-    if t.is_contiguous():
-        return "row-major (contiguous)"
+    strides = tuple(t.stride())
+    if strides == torch.empty(t.shape, device="meta").stride():
+        return f"row-major (contiguous, strides {strides})"
     if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
-        return "channels-last"
-    return f"with dims {_memory_order(t)} from outermost to innermost (strides {tuple(t.stride())})"
+        return f"channels-last (strides {strides})"
+    return f"with dims {_memory_order(t)} from outermost to innermost (strides {strides})"
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:

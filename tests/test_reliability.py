@@ -1221,6 +1221,18 @@ def _first_step_of_another_shape_on_rank_1(rank):
         return str(e)
 
 
+def test_a_one_channel_image_batch_in_channels_last_is_laid_out_otherwise():
+    # contiguous both ways (its channel dim has length 1), so it passed the check, but a
+    # convolution of it gives a channels-last output, whose dropout mask eager draws in that
+    # order (losses 0.37 off)
+    from ddlc.runtime import _layout, _memory_order
+    x = torch.randn(4, 1, 8, 8)
+    last = x.contiguous(memory_format=torch.channels_last)
+    assert x.is_contiguous() and last.is_contiguous()
+    assert _memory_order(x) != _memory_order(last)
+    assert _layout(x).startswith("row-major") and _layout(last).startswith("channels-last")
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_batch_laid_out_otherwise_than_the_example_is_refused_where_the_step_draws():
