@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .runtime import CompiledStep
 
 __all__ = ["buffer_holders", "guard", "hold", "release", "holder", "now", "statistics_holders", "trainers",
-           "written_since", "wrote"]
+           "register", "steps_of", "written_by_another", "wrote"]
 
 #: per model, the compiled step whose steps trained it last and whose state was not written
 #: back: compiling the model again writes it back first
@@ -50,6 +50,8 @@ _CALL_GUARD = None
 #: (:func:`now`)
 _WRITER: "weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, int]]" = weakref.WeakKeyDictionary()
 _CLOCK = itertools.count()
+#: per model, its live compiled programs
+_LIVE: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 
 def now() -> int:
@@ -62,11 +64,21 @@ def wrote(step: "CompiledStep", model: nn.Module) -> None:
     _WRITER[model] = (weakref.ref(step), now())
 
 
-def written_since(model: nn.Module, since: int) -> "CompiledStep | None":
-    """The training step that wrote its training back into ``model`` after moment
-    ``since``, if it is still alive."""
+def written_by_another(step: "CompiledStep", model: nn.Module, since: int) -> bool:
+    """Whether a training step other than ``step`` (alive or not) wrote its training back
+    into ``model`` after moment ``since``."""
     ref, when = _WRITER.get(model, (None, -1))
-    return ref() if ref is not None and when > since else None
+    return ref is not None and when > since and ref() is not step
+
+
+def register(step: "CompiledStep", model: nn.Module) -> None:
+    """``step`` was compiled from ``model``."""
+    _LIVE.setdefault(model, weakref.WeakSet()).add(step)
+
+
+def steps_of(model: nn.Module) -> "list[CompiledStep]":
+    """The live compiled programs of ``model``, in the order they were compiled."""
+    return sorted(_LIVE.get(model, ()), key=lambda step: step.compiled_as)
 
 
 def guard(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

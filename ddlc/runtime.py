@@ -772,8 +772,13 @@ def _compile(model: nn.Module, mesh, example_inputs, loss_fn, optimizer,
         stream = owner.unmoved_stream()
         owner.hand_back()
         rng_state = torch.get_rng_state()
+    # compile's own writes (rank 0's values, which a program written back holds already) are
+    # no user's change to the other programs of the model that saw none since they last ran
+    unchanged = [step for step in holding.steps_of(model) if step.sees_no_change()]
     _take_rank0_state(model)
     _take_rank0_optimizer_state(optimizer)
+    for step in unchanged:
+        step.accept_compiles_writes()
     # the garbage collector is not deferred here as ``ddlc plan`` defers it: with it
     # deferred, a later step of a gloo worker once aborted on a corrupted heap (as with
     # ``gc.freeze`` before); most likely gloo's functional collectives overlapping, which
@@ -904,6 +909,7 @@ class CompiledStep:
         self._coordinates = _coordinates(device_mesh) if device_mesh is not None else \
             [mesh.coordinate(r) for r in range(mesh.size)]
         self.steps_done = 0
+        holding.register(self, model)
         #: when this step last took or changed the model's state (compile, a step): a
         #: training step of the model written back after it makes this one's copies old
         self._last_ran = holding.now()
@@ -1209,8 +1215,7 @@ class CompiledStep:
                 "its parameters, so two steps cannot train shared parameters in turn. Compile one "
                 "model that runs both (a module calling each, with the losses added), or write "
                 "the other step back (step.write_back()) and compile this one again")
-        writer = holding.written_since(self._model, self._last_ran)
-        if writer is not None and writer is not self:
+        if holding.written_by_another(self, self._model, self._last_ran):
             raise UnsupportedInputError(
                 "another compiled step of this model wrote its training back into the model since "
                 "this step last ran: the model's weights and optimizer state are newer than this "
@@ -1359,6 +1364,19 @@ class CompiledStep:
         """:meth:`_ProgramDraws.take_stream`, where the program draws."""
         if self._draws is not None:
             self._draws.take_stream()
+
+    def sees_no_change(self) -> bool:
+        """Whether nothing was written into the model's parameters and buffers or the
+        optimizer's state since this program last took or wrote them."""
+        return not self._watch.written() and (self._optimizer_watch is None
+                                              or not self._optimizer_watch.changed())
+
+    def accept_compiles_writes(self) -> None:
+        """Another ``compile`` of the model wrote rank 0's values into it (the values this
+        program sees: :meth:`sees_no_change` held before): they are no change."""
+        self._accept_writes()
+        if self._optimizer_watch is not None:
+            self._optimizer_watch.accept()
 
     def _accept_writes(self) -> None:
         """Take the model's parameters and buffers as they are now (this step wrote its own

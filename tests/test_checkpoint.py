@@ -383,6 +383,51 @@ def _old_step_after_a_newer_one(rank):
     return messages
 
 
+def _a_step_for_another_batch_size_compiled_between_steps(rank):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    batches = _batches_of(model)
+    ce = torch.nn.functional.cross_entropy
+    full = ddlc.compile(model, (4,), batches[0], ce, opt)
+    losses = [float(full.step(*batches[0]))]
+    ddlc.compile(model, (4,), tuple(t[:4] for t in batches[1]), ce, opt)  # never runs
+    losses += [float(full.step(*b)) for b in batches[1:]]
+    full.write_back()
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _batches_of(model):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(3)]
+
+
+def test_compiling_another_step_of_the_model_leaves_a_step_written_back_by_it_going_on():
+    # compiling the second step wrote the first back and gave every rank rank 0's optimizer
+    # state, which the first then took for the user's edit: refused ("the optimizer's state
+    # changed after compile"), though the user changed nothing
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    want = _eager_steps_on(model, opt, _batches_of(model))
+    for losses, state in spawn(_a_step_for_another_batch_size_compiled_between_steps, 4, timeout=120,
+                               deadline=300):
+        assert losses == pytest.approx(want, rel=1e-5)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+
+
+def _eager_steps_on(model, opt, batches) -> list[float]:
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def test_an_older_compiled_step_is_refused_once_a_newer_one_has_trained_the_model():
     # with Adam, the refusal blamed the optimizer's state as changed by the user
     # ("optimizer.load_state_dict, an eager optimizer step"), not the newer step, before
