@@ -662,6 +662,8 @@ class _ProgramDraws:
         self.generator = generator
         self.handed = generator.get_state()
         self.synced = _marked_rng_state(generator.device)
+        #: whether this rank's last :meth:`hand_back` put the stream into the default generator
+        self.handed_back = False
 
     def continue_from(self, other: "_ProgramDraws | None") -> None:
         """Where another program drew since this one (a training step and an inference
@@ -673,14 +675,33 @@ class _ProgramDraws:
 
     def hold(self) -> None:
         """Hold the random stream (:data:`_STREAM`): this program draws next, or was seeded
-        or loaded last."""
+        or loaded last (no longer handed back: :data:`_HANDED`)."""
         _STREAM[self.generator.device] = self
+        _HANDED.pop(self.generator.device, None)
 
     def take_stream(self) -> None:
         """Go on from the random stream's latest state (another program's draws since this
-        one's) and hold it."""
+        one's, or, where the stream was handed back to the default generator and the user
+        drew from it since, the default generator's: :meth:`take_users_draws`) and hold it."""
         self.continue_from(_STREAM.get(self.generator.device))
+        handed = _HANDED.get(self.generator.device)
+        if handed is not None:
+            self.take_users_draws(handed)
         self.hold()
+
+    def take_users_draws(self, handed: "_ProgramDraws") -> None:
+        """After ``handed`` gave the stream to the default generator (:meth:`hand_back`),
+        the user's draws from it since (a sampled ``generate()``, a ``DataLoader``'s
+        ``iter``) come before the program's next ones, as in eager: where rank 0's default
+        generator moved since it took the stream, this program goes on from rank 0's state
+        (one collective, on every rank alike: every rank handed back at the same calls)."""
+        device = self.generator.device
+        mine = _default_rng_state(device)
+        moved = handed.handed_back and not torch.equal(mine, handed.synced)
+        moved, state = _from_rank0((moved, mine.cpu() if moved else None))
+        if moved:
+            self.generator.set_state(state.to(self.generator.get_state().device))
+            self.synced, self.handed = mine, self.generator.get_state()
 
     def unmoved_stream(self) -> torch.Tensor | None:
         """The stream's latest state (this program generator's), where the default
@@ -700,6 +721,8 @@ class _ProgramDraws:
         state stays, see :func:`_marked_rng_state`)."""
         device = self.generator.device
         state = self.generator.get_state()
+        _HANDED[device] = self  # on every rank, handed back here or not: see take_users_draws
+        self.handed_back = False
         if not torch.equal(_default_rng_state(device), self.synced) or torch.equal(state, self.handed):
             return
         if device.type == "cpu":
@@ -707,6 +730,7 @@ class _ProgramDraws:
         else:
             torch.cuda.set_rng_state(state, device)
         self.synced, self.handed = _default_rng_state(device), state
+        self.handed_back = True
 
 
 #: per device (the CPU, each GPU), the draws of the compiled program that holds the latest
@@ -714,6 +738,9 @@ class _ProgramDraws:
 #: program goes on from it before it runs, and compiling, ``write_back`` and
 #: ``save_checkpoint`` take it (one stream, as eager's one default generator)
 _STREAM: "dict[torch.device, _ProgramDraws]" = {}
+#: per device, the draws of the program that last handed the stream to the default generator
+#: (:meth:`_ProgramDraws.hand_back`), until a program takes it again
+_HANDED: "dict[torch.device, _ProgramDraws]" = {}
 
 
 #: counts the compiled steps of this process (:attr:`CompiledStep.compiled_as`)

@@ -185,6 +185,13 @@ def _eager_steps(model, opt, batch, n: int) -> list[float]:
     return losses
 
 
+def _users_draw(how: str) -> None:
+    if how == "a draw after write_back":
+        torch.rand(3)
+    else:
+        torch.manual_seed(77)
+
+
 def _dropout_continued(rank, how):
     """Two compiled steps of a model with dropout, then two more by a new compile of the
     model or by eager steps after write_back: the four losses."""
@@ -196,6 +203,10 @@ def _dropout_continued(rank, how):
             torch.manual_seed(123)  # a new phase: the user's seed, not the program's stream
         step = ddlc.compile(model, (4,), batch, torch.nn.functional.cross_entropy, opt)
         losses += [float(step.step(*batch)) for _ in range(2)]
+    elif how.startswith("a draw"):
+        step.write_back()
+        _users_draw(how)
+        losses += [float(step.step(*batch)) for _ in range(2)]
     else:
         step.write_back()
         losses += _eager_steps(model, opt, batch, 2)
@@ -203,18 +214,23 @@ def _dropout_continued(rank, how):
 
 
 @pytest.mark.parametrize("how", ["compiled again", "eager after write_back",
-                                 "compiled again after a new seed"])
+                                 "compiled again after a new seed", "a draw after write_back",
+                                 "a draw: a seed after write_back"])
 def test_dropout_goes_on_to_new_masks_after_the_compiled_steps(how):
     """The program draws its masks from its own generator; ``write_back`` (which compiling
     the trained model again calls) hands its state to the default generator, so the steps
     after continue eager's random stream. Before, they replayed the first steps' masks.
     Unless the user moved the default generator since (``torch.manual_seed`` before
-    compiling again): its state stays (it was overwritten by the program's, silently)."""
+    compiling again): its state stays (it was overwritten by the program's, silently).
+    The user's draws after a write-back (a sampled ``generate()`` for logging) come
+    before the step's next masks, as in eager (the steps went on from their own stream)."""
     losses = spawn(_dropout_continued, 4, how, timeout=120, deadline=300)[0]
     model, opt, batch = _dropout_setup()
     want = _eager_steps(model, opt, batch, 2)
     if how == "compiled again after a new seed":
         torch.manual_seed(123)
+    elif how.startswith("a draw"):
+        _users_draw(how)
     want += _eager_steps(model, opt, batch, 2)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
 
