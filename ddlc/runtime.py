@@ -671,7 +671,7 @@ class _ProgramDraws:
         state, as eager's one default generator would."""
         if other is not None and other is not self and other.generator.device == self.generator.device:
             self.generator.set_state(other.generator.get_state())
-            self.synced, self.handed = other.synced, other.handed
+            self.synced, self.handed, self.handed_back = other.synced, other.handed, other.handed_back
 
     def hold(self) -> None:
         """Hold the random stream (:data:`_STREAM`): this program draws next, or was seeded
@@ -722,8 +722,10 @@ class _ProgramDraws:
         device = self.generator.device
         state = self.generator.get_state()
         _HANDED[device] = self  # on every rank, handed back here or not: see take_users_draws
-        self.handed_back = False
-        if not torch.equal(_default_rng_state(device), self.synced) or torch.equal(state, self.handed):
+        if not torch.equal(_default_rng_state(device), self.synced):
+            self.handed_back = False  # the user's state, not the stream
+            return
+        if torch.equal(state, self.handed):  # no draw since: as the last hand-back left it
             return
         if device.type == "cpu":
             torch.set_rng_state(state)

@@ -186,10 +186,10 @@ def _eager_steps(model, opt, batch, n: int) -> list[float]:
 
 
 def _users_draw(how: str) -> None:
-    if how == "a draw after write_back":
-        torch.rand(3)
-    else:
+    if how == "a draw: a seed after write_back":
         torch.manual_seed(77)
+    else:
+        torch.rand(3)
 
 
 def _dropout_continued(rank, how):
@@ -205,6 +205,12 @@ def _dropout_continued(rank, how):
         losses += [float(step.step(*batch)) for _ in range(2)]
     elif how.startswith("a draw"):
         step.write_back()
+        if how == "a draw after two write_backs":
+            step.write_back()  # nothing drawn since the first: the stream stays handed back
+        elif how == "a draw after an inference program":
+            model.eval()
+            ddlc.compile(model, (4,), batch[:1])(batch[0])  # no draw in eval mode
+            model.train()
         _users_draw(how)
         losses += [float(step.step(*batch)) for _ in range(2)]
     else:
@@ -215,7 +221,8 @@ def _dropout_continued(rank, how):
 
 @pytest.mark.parametrize("how", ["compiled again", "eager after write_back",
                                  "compiled again after a new seed", "a draw after write_back",
-                                 "a draw: a seed after write_back"])
+                                 "a draw: a seed after write_back", "a draw after two write_backs",
+                                 "a draw after an inference program"])
 def test_dropout_goes_on_to_new_masks_after_the_compiled_steps(how):
     """The program draws its masks from its own generator; ``write_back`` (which compiling
     the trained model again calls) hands its state to the default generator, so the steps
