@@ -16,8 +16,9 @@ import torch
 __all__ = ["autograd_function", "caller", "cite", "custom_operator", "is_library_file", "is_torch_file", "is_user_file",
            "source_from_stack", "torch_compiled_call", "user_frame"]
 
-_INTERNAL_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
-                  os.path.dirname(os.__file__))
+#: torch's and ddlc's own folders, which call torch's generator functions themselves
+_TORCH_AND_DDLC = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+_INTERNAL_DIRS = (*_TORCH_AND_DDLC, os.path.dirname(os.__file__))
 
 
 def is_user_file(filename: str) -> bool:
@@ -30,7 +31,7 @@ def is_user_file(filename: str) -> bool:
 
 def is_torch_file(filename: str) -> bool:
     """torch's own file (or ddlc's: both call torch's generator functions themselves)."""
-    return os.path.abspath(filename).startswith(_INTERNAL_DIRS[:2])
+    return os.path.abspath(filename).startswith(_TORCH_AND_DDLC)
 
 
 def is_library_file(filename: str) -> bool:
