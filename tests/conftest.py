@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -253,3 +255,13 @@ def most_in_flight(gm) -> int:
         pending += is_collective(node) - is_wait(node)
         most = max(most, pending)
     return most
+
+
+def pytest_collection_modifyitems(config, items):
+    """Groups for pytest-xdist's ``--dist loadgroup`` (the README's test command): the
+    multi-process tests run one after another on one worker (their gloo ranks already fill
+    the cores), and each test module's other tests together on one worker, which builds
+    the module's fixtures (traced example graphs, the command line's runs) once."""
+    for item in items:
+        group = "gloo" if item.get_closest_marker("multiprocess") else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
