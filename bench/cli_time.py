@@ -7,7 +7,10 @@ processes: ``ddlc plan`` plans the data-parallel candidate in a forked one). The
 
 A shared VM's speed drifts by tens of percent within an hour, so ``--against REV`` also
 times the command of git revision ``REV`` (checked out in a temporary worktree), the two
-run alternately, and prints each one's best and median and their ratio.
+run alternately, and prints each one's best and median and their ratio. Each round also
+times the imports alone (a fresh interpreter importing torch, ``torch._dynamo``, which
+tracing needs, and ``ddlc.cli``): the floor under the command, and a yardstick of the
+VM's speed at the hour of the run.
 
     python bench/cli_time.py [--repeat 1] [--factory examples/factories.py:gpt2_small] [--mesh 2x4]
                              [--against REV]
@@ -53,6 +56,15 @@ def measure(factory: str, mesh: str, profile: str, tree: Path = ROOT) -> tuple[f
     return wall, cpu, passes
 
 
+def imports_alone(tree: Path = ROOT) -> float:
+    """Wall seconds of a fresh interpreter importing what every ``ddlc plan`` imports
+    before it can trace: torch, ``torch._dynamo`` and ``ddlc.cli``."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, torch._dynamo, ddlc.cli"], cwd=tree, env=env, check=True)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--factory", default="examples/factories.py:gpt2_small")
@@ -66,10 +78,14 @@ def main() -> None:
     if args.against:
         compare(args.factory, args.mesh, args.profile, args.against, args.repeat)
         return
-    rounds = [measure(args.factory, args.mesh, args.profile) for _ in range(args.repeat)]
+    rounds, floors = [], []
+    for _ in range(args.repeat):
+        rounds.append(measure(args.factory, args.mesh, args.profile))
+        floors.append(imports_alone())
     wall, cpu, passes = min(rounds, key=lambda r: r[0])
     accounted = sum(passes.values())
-    print(f"whole command {wall:.2f} s (best of {args.repeat}; target 5 s), {cpu:.2f} CPU-seconds")
+    print(f"whole command {wall:.2f} s (best of {args.repeat}; target 5 s), {cpu:.2f} CPU-seconds; "
+          f"the imports alone {min(floors):.2f} s (best of {args.repeat})")
     for name, seconds in passes.items():
         print(f"  {name:<13} {seconds:8.2f} s")
     if accounted <= wall:
@@ -97,7 +113,9 @@ def compare(factory: str, mesh: str, profile: str, rev: str, repeat: int) -> Non
     median wall time and median CPU-seconds, and the ratios of the best and the medians."""
     with checkout(rev) as tree:
         runs: dict[str, list[tuple[float, float]]] = {"this code": [], rev: []}
+        floors = []
         for i in range(repeat):
+            floors.append(imports_alone())
             order = [("this code", ROOT), (rev, tree)]
             for name, path in order if i % 2 == 0 else order[::-1]:
                 wall, cpu, _ = measure(factory, mesh, profile, path)
@@ -106,6 +124,7 @@ def compare(factory: str, mesh: str, profile: str, rev: str, repeat: int) -> Non
         walls = [w for w, _ in times]
         print(f"{name:>12}: {' '.join(f'{w:.2f}' for w in walls)} s; best {min(walls):.2f} s, "
               f"median {statistics.median(walls):.2f} s, {statistics.median(c for _, c in times):.2f} CPU-seconds")
+    print(f"the imports alone (this code): best {min(floors):.2f} s, median {statistics.median(floors):.2f} s")
     mine, theirs = ([w for w, _ in runs[k]] for k in ("this code", rev))
     print(f"this code / {rev}: best {min(mine) / min(theirs):.3f}, "
           f"median {statistics.median(mine) / statistics.median(theirs):.3f}")
