@@ -69,11 +69,15 @@ def no_input_mutation(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> None:
             written = node.args[1] if isinstance(node.args[1], fx.Node) else node
             at = source_from_stack(written.meta.get("stack_trace")) or None
             if spec is not None and spec.role == "param":
+                how = (f" with the result of {written.target}" if written.op == "call_function"
+                       and written.target is not torch.ops.aten.copy.default else "")
                 raise UnsupportedInputError(
-                    f"the forward writes parameter {spec.key!r} in place (e.g. "
-                    "nn.Embedding(max_norm=...) renormalizes the rows it reads); ddlc carries "
-                    "in-place updates of the model's buffers only: renormalize outside the "
-                    "step, or use F.normalize on the looked-up rows", where=at)
+                    f"the forward writes parameter {spec.key!r} in place{how} (a clamp_, copy_ or "
+                    "write to .data under no_grad, or nn.Embedding(max_norm=...) renormalizing "
+                    "the rows it reads); ddlc carries in-place updates of the model's buffers "
+                    "only, a parameter changes through the optimizer: compute the value where "
+                    "it is read instead (`w.clamp(lo, hi)` for `w.clamp_(lo, hi)`, F.normalize "
+                    "on the rows an embedding looks up), or keep the tensor in a buffer", where=at)
             raise UnsupportedInputError(
                 f"the step mutates its input {node.args[0].name!r} in place (a batch tensor "
                 "or a tensor captured from outside the model); ddlc carries in-place updates "

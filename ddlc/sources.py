@@ -78,6 +78,14 @@ def torch_compiled_call(exc: BaseException) -> bool:
                for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
+def validating_distribution(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while a ``torch.distributions`` distribution validated
+    its arguments or a value given to it (``validate_args``, on by default)."""
+    return any(frame.f_code.co_name in ("__init__", "_validate_sample")
+               and frame.f_code.co_filename.endswith(os.path.join("torch", "distributions", "distribution.py"))
+               for frame, _ in traceback.walk_tb(exc.__traceback__))
+
+
 def autograd_function(exc: BaseException) -> type | None:
     """The innermost ``torch.autograd.Function`` subclass whose ``apply`` was running when
     ``exc`` was raised; None if there is none."""

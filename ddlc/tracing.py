@@ -1061,6 +1061,10 @@ class _ModuleAnnotator:
 #: torch's error for a custom autograd Function (or a custom op's autograd formula) under torch.func
 _CUSTOM_FUNCTION = re.compile(r"autograd\.Function .*setup_context|custom_function_call", re.I)
 
+#: torch's errors for a read of a tensor's value while tracing
+_DATA_DEPENDENT = re.compile(r"data.dependent|GuardOnDataDependent|DataDependentOutput|Could not guard on|"
+                             r"item\(\)|tolist\(\)|unallocated storage|aten\._local_scalar_dense", re.I)
+
 #: What torch's errors while tracing mean, first match wins: (pattern, error type, cause).
 #: "The example inputs may not match the model" is said only for shape errors.
 _CAUSES = (
@@ -1073,8 +1077,7 @@ _CAUSES = (
      "`x[mask]`), and an operator, or its gradient, needs that size as a number (a mean over "
      "it), which one static graph cannot plan; write it with a fixed size, e.g. "
      "`torch.where(mask, loss, 0).sum() / mask.sum()` for `loss[mask].mean()`"),
-    (re.compile(r"data.dependent|GuardOnDataDependent|DataDependentOutput|Could not guard on|"
-                r"item\(\)|tolist\(\)|unallocated storage|aten\._local_scalar_dense", re.I), TraceError,
+    (_DATA_DEPENDENT, TraceError,
      "the model has data-dependent Python control flow or reads a tensor's value (e.g. "
      "`if x.sum() > 0`, `.item()`, `.tolist()`), which one static graph cannot express"),
     (_CUSTOM_FUNCTION, UnsupportedInputError,
@@ -1166,6 +1169,13 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
                 "(torch.distributions samples Beta, Dirichlet and Gamma distributions through one), which "
                 "the torch.func transforms ddlc traces with cannot run: draw the number with torch.rand, "
                 f"torch.randn or torch.randint, or pass it in as an example input ({text})", where=line) from e
+        if sources.validating_distribution(e) and _DATA_DEPENDENT.search(f"{type(e).__name__} {e}"):
+            raise TraceError(
+                "a torch.distributions distribution checks the values of its arguments (or of "
+                "a value given to log_prob) while validate_args is on, which one static graph "
+                "cannot express: pass validate_args=False to it, or call "
+                "torch.distributions.Distribution.set_default_validate_args(False) before "
+                f"ddlc.compile ({text})", where=line) from e
         for pattern, error, cause in _CAUSES:
             if pattern.search(f"{type(e).__name__} {e}"):
                 inputs = graph_checks.describe_tensors(batch)

@@ -379,6 +379,33 @@ class _ReturnsNone(torch.nn.Module):
         self.fc(x)
 
 
+class _ValidatedDistribution(torch.nn.Module):
+    """A VAE-style head sampling from a torch.distributions Normal with its default
+    validate_args, which checks the scale's values."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 8)
+
+    def forward(self, x):
+        mu, log_var = self.fc(x).chunk(2, -1)
+        return torch.distributions.Normal(mu, (0.5 * log_var).exp()).rsample()
+
+
+class _ClampsAParameter(torch.nn.Module):
+    """CLIP's learnable temperature clamped in place inside forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.logit_scale.clamp_(0, 4.6)
+        return self.fc(x) * self.logit_scale.exp()
+
+
 class _ReadsValues(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -561,6 +588,13 @@ CATALOGUE = [
     ("a torch.compile'd function called in the forward (an AssertionError of dynamo's)",
      lambda: ddlc.trace(_CallsCompiled(), (_X, _X), F.mse_loss), UnsupportedInputError,
      r"calls a function compiled with torch.compile(?s:.*)test_reliability.py:\d+ in forward"),
+    ("a torch.distributions distribution validating its arguments' values (its default)",
+     lambda: ddlc.trace(_ValidatedDistribution(), (_X, _X), F.mse_loss), TraceError,
+     r"a torch.distributions distribution checks the values of its arguments(?s:.*)"
+     r"pass validate_args=False(?s:.*)test_reliability.py:\d+ in forward"),
+    ("a parameter clamped in place in the forward", lambda: ddlc.trace(_ClampsAParameter(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, r"writes parameter 'logit_scale' in place with the result of aten.clamp"
+                            r"(?s:.*)`w.clamp\(lo, hi\)` for `w.clamp_\(lo, hi\)`"),
     ("a collator's dict batch with the labels first and a loss_fn", _labels_first,
      TraceError, r"\[the loss_fn's target\(s\): the dict batch's last 1 entry \['attention_mask'\], of "
                  r"\['labels', 'input_ids', 'attention_mask'\]; order the dict"),
