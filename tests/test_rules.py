@@ -407,6 +407,20 @@ SYNTHETIC.update({
     "scatter_add_dim1": lambda: (aten.scatter_add.default,
                                  (_r(4, 6), 1, _indices(4, 4, vocab=6), _r(4, 6, seed=1)), {}),
     "scatter_value": lambda: (aten.scatter.value, (_r(4, 6), 1, _indices(4, 2, vocab=6), 0.5), {}),
+    # a graph network's messages reduced into nodes, a mixture of experts' combine
+    "scatter_reduce_amax": lambda: (aten.scatter_reduce.two, (_r(6, 4), 0, _indices(8, 4, vocab=6),
+                                                              _r(8, 4, seed=1), "amax"), {}),
+    "scatter_reduce_mean_dim1": lambda: (aten.scatter_reduce.two, (_r(4, 6), 1, _indices(4, 6, vocab=6),
+                                                                   _r(4, 6, seed=1), "mean"), {"include_self": False}),
+    "index_add_dim0": lambda: (aten.index_add.default, (_r(6, 4), 0, _indices(8, vocab=6), _r(8, 4, seed=1)),
+                               {"alpha": 0.5}),
+    "index_add_dim1": lambda: (aten.index_add.default, (_r(4, 6, 2), 1, _indices(8, vocab=6),
+                                                        _r(4, 8, 2, seed=1)), {}),
+    "index_add_0d": lambda: (aten.index_add.default, (_r(), 0, torch.tensor([0]), _r(seed=1)), {}),
+    "index_copy": lambda: (aten.index_copy.default, (_r(6, 4), 0, torch.tensor([4, 1, 3]), _r(3, 4, seed=1)), {}),
+    "index_reduce_mean": lambda: (aten.index_reduce.default, (_r(6, 4), 0, _indices(8, vocab=6),
+                                                              _r(8, 4, seed=1), "mean"), {}),
+    "floor_divide": lambda: (aten.floor_divide.default, (_indices(4, 6, vocab=9), torch.tensor(4)), {}),
     "index_select": lambda: (aten.index_select.default, (_r(4, 6), 1, _indices(4, vocab=6)), {}),
     "index_select_dim0": lambda: (aten.index_select.default, (_r(4, 6), 0, _indices(8, vocab=4)), {}),
     # 0-d tensors (a cummax backward's scatter_add): the rules raised while planning
@@ -696,6 +710,17 @@ def test_indexing_and_view_claims():
     assert "S1->S1" not in _claims(aten.constant_pad_nd.default, _r(4, 6), [1, 0], 0.0)
     assert "P->P" not in _claims(aten.constant_pad_nd.default, _r(4, 6), [1, 0], 1.0)
     assert "S1->S1" not in _claims(aten.repeat.default, _r(4, 6), [1, 2])
+
+
+def test_index_add_claims():
+    # a mixture of experts' combine: each rank adds the rows of its tokens (P); an
+    # overwrite or an amax never splits along the index
+    added = _claims(aten.index_add.default, _r(6, 4), 0, _indices(8, vocab=6), _r(8, 4))
+    assert {"P,S0,S0->P", "S1,B,S1->S1", "P,B,P->P"} <= added
+    copied = _claims(aten.index_copy.default, _r(6, 4), 0, torch.tensor([4, 1, 3]), _r(3, 4))
+    assert copied == {"B,B,B->B", "S1,B,S1->S1"}
+    assert _claims(aten.scatter_reduce.two, _r(6, 4), 0, _indices(8, 4, vocab=6), _r(8, 4), "amax") \
+        == {"B,B,B->B", "S1,S1,S1->S1"}
 
 
 def test_index_put_claims():

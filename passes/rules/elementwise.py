@@ -71,6 +71,7 @@ LINEAR_IN: dict = {
     aten.silu.default: (), aten.hardtanh.default: (), aten.hardswish.default: (),
     aten.pow.Tensor_Scalar: (), aten.pow.Tensor_Tensor: (), aten.pow.Scalar: (),
     aten.bernoulli.default: (),                              # self: the probabilities
+    aten.floor_divide.default: (),                           # untagged (a GNN's node // size)
 }
 
 #: op: (number argument, linear sets when it is 0, else none). ``masked_fill(x, m, 0)`` is

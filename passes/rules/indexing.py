@@ -12,6 +12,12 @@ the data, the index and the output share position by position splits all of them
   the output ``P`` and ``self`` ``P`` with it (each piece adds its part of ``src``); on
   another dim all four split where they are equally long. Linear in ``self`` and
   ``src`` jointly. ``scatter`` (overwrite) splits only on the shared dims, no ``P``.
+- ``index_add(self, dim, index, source)``: ``scatter_add`` with a 1-d index of the rows
+  of ``source`` along ``dim`` (a mixture of experts' combine, a graph network's messages
+  summed into nodes): the index and that dim of ``source`` split together, the output
+  ``P`` with ``self`` ``P``; the other dims split ``self``, ``source`` and the output
+  where they are equally long. ``index_copy`` and ``index_reduce`` (overwrite, amax, mean)
+  and ``scatter_reduce`` split only on those other dims, no ``P``.
 - ``index_select(self, dim, index)``: the 1-d index splits the output's ``dim``;
   ``self``'s other dims split through. Linear in ``self``.
 - ``index.Tensor(self, indices)``: the index tensors broadcast to one index shape that
@@ -76,6 +82,32 @@ def scatter(call: Call) -> Labels:
     if isinstance(call.get("src"), TensorMeta):
         inputs["src"] = src
     return Labels(inputs, [out])
+
+
+def _index_labels(call: Call, along_dim: bool) -> tuple[str, str, str]:
+    """(self/output, index, source) labels of ``index_add``/``index_copy``/``index_reduce``
+    (a 1-d ``index`` of the rows of ``source`` along ``dim``)."""
+    meta, index, source = call["self"], call["index"], call["source"]
+    if meta.ndim == 0 or source.ndim != meta.ndim or index.ndim != 1:  # nothing lines up
+        return UNSPLIT * meta.ndim, UNSPLIT * index.ndim, UNSPLIT * source.ndim
+    d = call.dim("dim", meta.ndim)
+    out = "".join(c if i != d and source.shape[i] == meta.shape[i] else UNSPLIT
+                  for i, c in enumerate(letters(meta.ndim)))
+    if not along_dim:
+        return out, UNSPLIT, out
+    return out, "z", out[:d] + "z" + out[d + 1:]
+
+
+def index_add(call: Call) -> Labels:
+    out, idx, src = _index_labels(call, along_dim=True)
+    return Labels({"self": out, "index": idx, "source": src}, [out], addends=["self"],
+                  linear=[{"self", "source"}])
+
+
+def index_overwrite(call: Call) -> Labels:
+    """``index_copy`` and ``index_reduce``: the dims other than ``dim`` only."""
+    out, idx, src = _index_labels(call, along_dim=False)
+    return Labels({"self": out, "index": idx, "source": src}, [out])
 
 
 def index_select(call: Call) -> Labels:
@@ -170,7 +202,9 @@ def _gathers_to(meta: TensorMeta, entries: list, values: TensorMeta) -> bool:
 RULES = {
     aten.gather.default: gather,
     aten.scatter_add.default: scatter_add,
-    aten.scatter.src: scatter, aten.scatter.value: scatter,
+    aten.scatter.src: scatter, aten.scatter.value: scatter, aten.scatter_reduce.two: scatter,
+    aten.index_add.default: index_add,
+    aten.index_copy.default: index_overwrite, aten.index_reduce.default: index_overwrite,
     aten.index_select.default: index_select,
     aten.index.Tensor: index,
     aten.index_put.default: index_put,
