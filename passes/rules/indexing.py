@@ -70,10 +70,16 @@ def _scatter_labels(call: Call, along_dim: bool) -> tuple[str, str, str]:
     return out, idx, idx
 
 
+def _added(labels: tuple[str, str, str], source: str) -> Labels:
+    """``self`` plus ``source`` added at the index positions, from its (self/output, index,
+    source) labels: the output ``P`` with ``self``; linear in both jointly."""
+    out, idx, src = labels
+    return Labels({"self": out, "index": idx, source: src}, [out], addends=["self"],
+                  linear=[{"self", source}])
+
+
 def scatter_add(call: Call) -> Labels:
-    out, idx, src = _scatter_labels(call, along_dim=True)
-    return Labels({"self": out, "index": idx, "src": src}, [out], addends=["self"],
-                  linear=[{"self", "src"}])
+    return _added(_scatter_labels(call, along_dim=True), "src")
 
 
 def scatter(call: Call) -> Labels:
@@ -99,9 +105,7 @@ def _index_labels(call: Call, along_dim: bool) -> tuple[str, str, str]:
 
 
 def index_add(call: Call) -> Labels:
-    out, idx, src = _index_labels(call, along_dim=True)
-    return Labels({"self": out, "index": idx, "source": src}, [out], addends=["self"],
-                  linear=[{"self", "source"}])
+    return _added(_index_labels(call, along_dim=True), "source")
 
 
 def index_overwrite(call: Call) -> Labels:
