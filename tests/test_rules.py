@@ -97,6 +97,11 @@ def _r(*shape, seed=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed + sum(shape)))
 
 
+def _cdist_backward_args():
+    x1, x2 = _r(2, 6, 3), _r(2, 4, 3, seed=1)
+    return _r(2, 6, 4, seed=2), x1, x2, 2.0, torch.cdist(x1, x2)
+
+
 def _with_indices(backward, forward, shape, *args, backward_takes_args=True):
     """A max-pooling backward call with the indices its forward (of ``args``) gives."""
     x = _r(*shape)
@@ -420,6 +425,11 @@ SYNTHETIC.update({
     "index_copy": lambda: (aten.index_copy.default, (_r(6, 4), 0, torch.tensor([4, 1, 3]), _r(3, 4, seed=1)), {}),
     "index_reduce_mean": lambda: (aten.index_reduce.default, (_r(6, 4), 0, _indices(8, vocab=6),
                                                               _r(8, 4, seed=1), "mean"), {}),
+    # pairwise distances (a triplet loss's hard negatives) and their backward
+    "cdist": lambda: (aten._cdist_forward.default, (_r(6, 3), _r(4, 3, seed=1), 2.0, None), {}),
+    "cdist_batched_p1": lambda: (aten._cdist_forward.default, (_r(2, 6, 3), _r(2, 4, 3, seed=1), 1.0, None), {}),
+    "cdist_backward": lambda: (aten._cdist_backward.default, _cdist_backward_args(), {}),
+    "eye": lambda: (aten.eye.m, (4, 6), {}),
     "floor_divide": lambda: (aten.floor_divide.default, (_indices(4, 6, vocab=9), torch.tensor(4)), {}),
     "index_select": lambda: (aten.index_select.default, (_r(4, 6), 1, _indices(4, vocab=6)), {}),
     "index_select_dim0": lambda: (aten.index_select.default, (_r(4, 6), 0, _indices(8, vocab=4)), {}),
@@ -721,6 +731,12 @@ def test_index_add_claims():
     assert copied == {"B,B,B->B", "S1,B,S1->S1"}
     assert _claims(aten.scatter_reduce.two, _r(6, 4), 0, _indices(8, 4, vocab=6), _r(8, 4), "amax") \
         == {"B,B,B->B", "S1,S1,S1->S1"}
+
+
+def test_cdist_claims():
+    # either set of rows splits the distances; the gradient of x1 sums over x2's rows
+    assert {"S0,B->S0", "B,S0->S1"} <= _claims(aten._cdist_forward.default, _r(6, 3), _r(4, 3), 2.0, None)
+    assert {"S2,B,S1,S2->P", "S1,S1,B,S1->S1"} <= _claims(aten._cdist_backward.default, *_cdist_backward_args())
 
 
 def test_index_put_claims():

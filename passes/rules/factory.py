@@ -7,8 +7,9 @@ argument is localized; ``new_*``'s ``self`` (its dtype and device only) may have
 SBP. Zero-filled outputs may also be ``P`` (zeros sum to zeros); ones and other fills
 only ``B`` or ``S``, and so do ``empty`` outputs (their values are undefined, and a plan
 must not read them). ``fill.Tensor`` broadcasts its 0-d value over
-``self``'s shape: linear in the value (``P`` value, ``P`` output). ``arange`` and
-``scalar_tensor`` stay ``B`` (a split ``arange`` would need per-rank start values).
+``self``'s shape: linear in the value (``P`` value, ``P`` output). ``arange``,
+``scalar_tensor`` and ``eye`` stay ``B`` (a split ``arange`` would need per-rank start
+values, a split ``eye`` the offset of its diagonal).
 
 Random factories (``rand``, ``randn``, ``randint``, ``normal``, ``rand_like``,
 ``randn_like``, ``uniform``) split the same way, never ``P``: a rule says only how shapes
@@ -37,7 +38,7 @@ SIZED = {aten.zeros.default: True, aten.ones.default: False, aten.full.default: 
 FILL_ARG = {aten.full_like.default: "fill_value", aten.fill.Scalar: "value",
             aten.full.default: "fill_value", aten.new_full.default: "fill_value"}
 UNSPLIT_FACTORIES = [aten.arange.default, aten.arange.start, aten.arange.start_step,
-                     aten.scalar_tensor.default]
+                     aten.scalar_tensor.default, aten.eye.default, aten.eye.m]
 
 
 def _zero(call: Call, table: dict) -> bool:

@@ -39,6 +39,12 @@
   gradient; the grid's gradient sums over channels (``P`` under a channel split). An
   affine grid (``theta [N, k, k+1]`` -> ``[N, *out, k]``) splits by batch, its ``size``
   localized; linear in ``theta`` (its backward in the gradient).
+- pairwise distances (``_cdist_forward(x1 [*, P, M], x2 [*, R, M]) -> [*, P, R]``: a
+  triplet loss's hard negatives, a prototype layer): the batch dims (equal in both)
+  split everything, the rows of ``x1`` and of ``x2`` the output's two last dims; the
+  feature dim ``M`` never (a norm of it). The backward (the gradient of ``x1``) splits
+  with ``x1``'s rows and sums over ``x2``'s (``P`` where they split); linear in the
+  incoming gradient.
 """
 from __future__ import annotations
 
@@ -251,8 +257,37 @@ def upsample_backward_size(call: Call, in_shapes, out_shapes) -> dict:
     return {"input_size": list(out_shapes[0])}
 
 
+def _cdist_labels(call: Call) -> tuple[str, str, str] | None:
+    """(x1, x2, the distances) labels of a pairwise distance; None where the batch dims
+    differ (broadcast)."""
+    x1, x2 = call["x1"], call["x2"]
+    if x1.ndim != x2.ndim or x1.shape[:-2] != x2.shape[:-2]:
+        return None
+    batch = letters(x1.ndim - 2)
+    return batch + "p" + UNSPLIT, batch + "r" + UNSPLIT, batch + "pr"
+
+
+def cdist(call: Call) -> Labels:
+    labels = _cdist_labels(call)
+    if labels is None:
+        return Labels({"x1": UNSPLIT * call["x1"].ndim, "x2": UNSPLIT * call["x2"].ndim},
+                      [UNSPLIT * call.outputs[0].ndim])
+    x1, x2, distances = labels
+    return Labels({"x1": x1, "x2": x2}, [distances])
+
+
+def cdist_backward(call: Call) -> Labels:
+    labels = _cdist_labels(call)
+    if labels is None:
+        return Labels({name: UNSPLIT * call[name].ndim for name in ("grad", "x1", "x2", "cdist")},
+                      [UNSPLIT * call.outputs[0].ndim], linear=[{"grad"}])
+    x1, x2, distances = labels
+    return Labels({"grad": distances, "x1": x1, "x2": x2, "cdist": distances}, [x1], linear=[{"grad"}])
+
+
 RULES = {
     **{op: _per_plane(*entry) for op, entry in PER_PLANE.items()},
+    aten._cdist_forward.default: cdist, aten._cdist_backward.default: cdist_backward,
     aten.im2col.default: columns, aten.col2im.default: columns,
     aten.grid_sampler_2d.default: grid_sampler, aten.grid_sampler_3d.default: grid_sampler,
     aten.grid_sampler_2d_backward.default: grid_sampler_backward,
