@@ -430,6 +430,9 @@ SYNTHETIC.update({
     "cdist_batched_p1": lambda: (aten._cdist_forward.default, (_r(2, 6, 3), _r(2, 4, 3, seed=1), 1.0, None), {}),
     "cdist_backward": lambda: (aten._cdist_backward.default, _cdist_backward_args(), {}),
     "eye": lambda: (aten.eye.m, (4, 6), {}),
+    "count_nonzero_all": lambda: (aten.count_nonzero.default, (_indices(4, 6, vocab=3),), {}),
+    "count_nonzero_dim1": lambda: (aten.count_nonzero.dim_IntList, (_indices(4, 6, 2, vocab=3), [1]), {}),
+    "logcumsumexp": lambda: (aten.logcumsumexp.default, (_r(4, 6), 1), {}),
     "floor_divide": lambda: (aten.floor_divide.default, (_indices(4, 6, vocab=9), torch.tensor(4)), {}),
     "index_select": lambda: (aten.index_select.default, (_r(4, 6), 1, _indices(4, vocab=6)), {}),
     "index_select_dim0": lambda: (aten.index_select.default, (_r(4, 6), 0, _indices(8, vocab=4)), {}),
@@ -731,6 +734,14 @@ def test_index_add_claims():
     assert copied == {"B,B,B->B", "S1,B,S1->S1"}
     assert _claims(aten.scatter_reduce.two, _r(6, 4), 0, _indices(8, 4, vocab=6), _r(8, 4), "amax") \
         == {"B,B,B->B", "S1,S1,S1->S1"}
+
+
+def test_count_nonzero_claims():
+    # a count over a split dim adds up (an integer P); a P input does not
+    claims = _claims(aten.count_nonzero.dim_IntList, _indices(4, 6, vocab=3), [1])
+    assert {"S0->S0", "S1->P"} <= claims and "P->P" not in claims
+    # a log-sum-exp scan splits the other dims only
+    assert _claims(aten.logcumsumexp.default, _r(4, 6), 1) == {"B->B", "S0->S0"}
 
 
 def test_cdist_claims():

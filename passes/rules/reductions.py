@@ -5,8 +5,10 @@
 - other reductions (``amax``, ``any``, ``argmax``, ``max.dim``, ``prod``, ``var``,
   ``logsumexp``, ``linalg_vector_norm``...): a reduced dim is never split (its pieces
   would combine by max, or, or another non-sum), kept dims split through; no ``P``.
-- ``cumsum`` (``cumprod``): the scanned dim is never split, the others split through;
-  ``cumsum`` is linear (``P->P``). Selections along a dim (``topk``, ``sort``,
+- ``count_nonzero``: a split reduced dim gives ``P`` (the pieces' counts add up); kept
+  dims split through; not linear (no ``P`` input).
+- ``cumsum`` (``cumprod``, ``logcumsumexp``): the scanned dim is never split, the others
+  split through; ``cumsum`` is linear (``P->P``). Selections along a dim (``topk``, ``sort``,
   ``cummax``/``cummin``; ``kthvalue``, ``median``, ``mode`` reduce it): that dim is never
   split, the others split through (values and indices alike); no ``P``.
 - softmax / log-softmax / ``_safe_softmax``: the softmax dim is never split; no ``P``
@@ -88,8 +90,16 @@ def reduce_unsplit(call: Call) -> Labels:
     return Labels({"self": labels}, [out] * len(call.outputs))
 
 
+def count_nonzero(call: Call) -> Labels:
+    """Reduced dims contract (``P``), kept dims split through; no ``P`` input."""
+    ndim = call["self"].ndim
+    reduced = _dims(call, ndim)
+    labels = letters(ndim)
+    return Labels({"self": labels}, ["".join(c for d, c in enumerate(labels) if d not in reduced)])
+
+
 def scan(call: Call) -> Labels:
-    """cumsum/cumprod: the scanned dim never splits; cumsum is linear."""
+    """cumsum/cumprod/logcumsumexp: the scanned dim never splits; cumsum is linear."""
     ndim = call["self"].ndim
     labels = _except_dim(ndim, call.dim("dim", ndim)) if ndim else ""
     linear = [{"self"}] if call.target is aten.cumsum.default else []
@@ -344,7 +354,8 @@ RULES = {
                      aten.huber_loss_backward.default, aten.binary_cross_entropy_backward.default,
                      aten.soft_margin_loss_backward.default], elementwise_loss_backward),
     **dict.fromkeys(REDUCE_UNSPLIT, reduce_unsplit),
-    aten.cumsum.default: scan, aten.cumprod.default: scan,
+    aten.cumsum.default: scan, aten.cumprod.default: scan, aten.logcumsumexp.default: scan,
+    aten.count_nonzero.dim_IntList: count_nonzero, aten.count_nonzero.default: count_nonzero,
     **dict.fromkeys([aten.topk.default, aten.sort.default, aten.sort.stable, aten.cummax.default,
                      aten.cummin.default], along_dim),
     **dict.fromkeys([aten.native_batch_norm.default, aten._native_batch_norm_legit_no_training.default,
