@@ -430,6 +430,11 @@ SYNTHETIC.update({
     "cdist_batched_p1": lambda: (aten._cdist_forward.default, (_r(2, 6, 3), _r(2, 4, 3, seed=1), 1.0, None), {}),
     "cdist_backward": lambda: (aten._cdist_backward.default, _cdist_backward_args(), {}),
     "eye": lambda: (aten.eye.m, (4, 6), {}),
+    # a covariance's diagonal (VICReg, W-MSE), its gradient, a batch of diagonal matrices
+    "diagonal": lambda: (aten.diagonal_copy.default, (_r(3, 4, 4),), {"dim1": 1, "dim2": 2}),
+    "diagonal_offset": lambda: (aten.diagonal_copy.default, (_r(4, 3, 5),), {"offset": 1, "dim1": 0, "dim2": 2}),
+    "diagonal_backward": lambda: (aten.diagonal_backward.default, (_r(3, 4), [3, 4, 4], 0, 1, 2), {}),
+    "diag_embed": lambda: (aten.diag_embed.default, (_r(3, 4),), {"offset": -1}),
     "count_nonzero_all": lambda: (aten.count_nonzero.default, (_indices(4, 6, vocab=3),), {}),
     "count_nonzero_dim1": lambda: (aten.count_nonzero.dim_IntList, (_indices(4, 6, 2, vocab=3), [1]), {}),
     "logcumsumexp": lambda: (aten.logcumsumexp.default, (_r(4, 6), 1), {}),
@@ -742,6 +747,13 @@ def test_count_nonzero_claims():
     assert {"S0->S0", "S1->P"} <= claims and "P->P" not in claims
     # a log-sum-exp scan splits the other dims only
     assert _claims(aten.logcumsumexp.default, _r(4, 6), 1) == {"B->B", "S0->S0"}
+
+
+def test_diagonal_claims():
+    # the batch of a batch of matrices splits; the pair of dims and the diagonal never
+    assert _claims(aten.diagonal_copy.default, _r(3, 4, 4), 0, 1, 2) == {"B->B", "S0->S0", "P->P"}
+    assert _claims(aten.diag_embed.default, _r(3, 4)) == {"B->B", "S0->S0", "P->P"}
+    assert _claims(aten.diagonal_backward.default, _r(3, 4), [3, 4, 4], 0, 1, 2) == {"B->B", "S0->S0", "P->P"}
 
 
 def test_cdist_claims():

@@ -870,3 +870,38 @@ def test_dropout_masks_follow_eagers_layout_in_every_form(variant):
     want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())})
+
+
+class _MatrixTerms(torch.nn.Module):
+    """Self-supervised and metric-learning terms over a split batch: a covariance's
+    diagonal and off-diagonal parts (VICReg, W-MSE: ``diagonal``, ``diag_embed``, ``eye``),
+    pairwise distances to prototypes (``cdist``), a log-sum-exp scan and a count of active
+    units; operators that ran whole on every rank before they had rules (2026-12-06)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 5)
+        self.prototypes = torch.nn.Parameter(torch.randn(7, 5))
+
+    def forward(self, x):
+        z = self.fc(x)
+        centred = z - z.mean(0)
+        cov = centred.T @ centred / (z.shape[0] - 1)
+        off_diagonal = cov - torch.diag_embed(torch.diagonal(cov))
+        distances = torch.cdist(z, self.prototypes)
+        active = torch.count_nonzero(z > 0, dim=1).float()
+        return (off_diagonal.pow(2).sum() + (torch.eye(5) - cov).pow(2).mean()
+                + distances.logcumsumexp(1).mean() + (distances.mean(1) * active).mean() / 5)
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_covariance_and_distance_terms_train_like_single_device(mesh_shape):
+    torch.manual_seed(0)
+    model = _MatrixTerms()
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, 5, generator=g)) for _ in range(3)]
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)  # noqa: E731
+    _, _, gm, _ = _matches_eager(model, lambda out, target: out + 0.1 * target.pow(2).mean(), adamw, data,
+                                 mesh_shape)
+    from passes.rules import fallback_ops  # imported on use: see conftest
+    assert fallback_ops(gm) == []

@@ -13,7 +13,10 @@ repeated more than once never splits (the copies interleave the pieces). Padding
 (``constant_pad_nd``) never splits a padded dim; ``triu``/``tril`` only split the batch
 dims (the mask depends on the row and column of the last two); ``roll`` and ``flip``
 never split the dims they move (a roll without dims rolls the flattened tensor: nothing
-splits).
+splits). The diagonal family (``diagonal``, ``diag_embed``, ``diagonal_backward``: a pair
+of dims of the full tensor against one diagonal dim, last, on the other side) never
+splits the pair or the diagonal; the other dims split through (``input_sizes``
+localized).
 """
 from __future__ import annotations
 
@@ -241,7 +244,33 @@ def view_as_complex(call: Call) -> Labels:
     return Labels({"self": labels + UNSPLIT}, [labels], linear=SELF)
 
 
+def _diagonal_pair(ndim: int, dim1: int, dim2: int) -> tuple[str, str]:
+    """(labels of the ``ndim``-d full tensor, of its diagonal): the pair ``dim1``,
+    ``dim2`` unsplit, the diagonal's other dims those of the full tensor in order, its
+    last dim unsplit."""
+    pair = {dim1 % ndim, dim2 % ndim}
+    full = "".join(UNSPLIT if i in pair else c for i, c in enumerate(letters(ndim)))
+    return full, full.replace(UNSPLIT, "") + UNSPLIT
+
+
+def diagonal(call: Call) -> Labels:
+    full, diag = _diagonal_pair(call["self"].ndim, call.get("dim1", 0), call.get("dim2", 1))
+    return Labels({"self": full}, [diag], linear=SELF)
+
+
+def diag_embed(call: Call) -> Labels:
+    full, diag = _diagonal_pair(call["self"].ndim + 1, call.get("dim1", -2), call.get("dim2", -1))
+    return Labels({"self": diag}, [full], linear=SELF)
+
+
+def diagonal_backward(call: Call) -> Labels:
+    full, diag = _diagonal_pair(len(call["input_sizes"]), call["dim1"], call["dim2"])
+    return Labels({"grad_output": diag}, [full], linear=[{"grad_output"}])
+
+
 RULES = {
+    **dict.fromkeys([aten.diagonal.default, aten.diagonal_copy.default], diagonal),
+    aten.diag_embed.default: diag_embed, aten.diagonal_backward.default: diagonal_backward,
     **dict.fromkeys([aten.roll.default, aten.flip.default], moved_in_place),
     **dict.fromkeys([aten.view_as_real.default, aten.view_as_real_copy.default], view_as_real),
     **dict.fromkeys([aten.view_as_complex.default, aten.view_as_complex_copy.default], view_as_complex),
@@ -297,5 +326,6 @@ LOCALIZERS = {
                      aten.expand.default, aten.expand_copy.default], local_size),
     aten.select_backward.default: local_input_sizes,
     aten.slice_backward.default: local_input_sizes,
+    aten.diagonal_backward.default: local_input_sizes,
     aten.repeat.default: local_repeats,
 }
