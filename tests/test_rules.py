@@ -435,6 +435,10 @@ SYNTHETIC.update({
     "diagonal_offset": lambda: (aten.diagonal_copy.default, (_r(4, 3, 5),), {"offset": 1, "dim1": 0, "dim2": 2}),
     "diagonal_backward": lambda: (aten.diagonal_backward.default, (_r(3, 4), [3, 4, 4], 0, 1, 2), {}),
     "diag_embed": lambda: (aten.diag_embed.default, (_r(3, 4),), {"offset": -1}),
+    # bucketing values by sorted boundaries (a bucketed relative position, a quantizer)
+    "searchsorted_1d": lambda: (aten.searchsorted.Tensor, (torch.linspace(-2, 2, 9), _r(4, 6)), {}),
+    "searchsorted_rows": lambda: (aten.searchsorted.Tensor, (torch.sort(_r(4, 9)).values, _r(4, 6, seed=1)),
+                                  {"right": True}),
     "count_nonzero_all": lambda: (aten.count_nonzero.default, (_indices(4, 6, vocab=3),), {}),
     "count_nonzero_dim1": lambda: (aten.count_nonzero.dim_IntList, (_indices(4, 6, 2, vocab=3), [1]), {}),
     "logcumsumexp": lambda: (aten.logcumsumexp.default, (_r(4, 6), 1), {}),
@@ -754,6 +758,13 @@ def test_diagonal_claims():
     assert _claims(aten.diagonal_copy.default, _r(3, 4, 4), 0, 1, 2) == {"B->B", "S0->S0", "P->P"}
     assert _claims(aten.diag_embed.default, _r(3, 4)) == {"B->B", "S0->S0", "P->P"}
     assert _claims(aten.diagonal_backward.default, _r(3, 4), [3, 4, 4], 0, 1, 2) == {"B->B", "S0->S0", "P->P"}
+
+
+def test_searchsorted_claims():
+    assert _claims(aten.searchsorted.Tensor, torch.linspace(-2, 2, 9), _r(4, 6)) == {"B,B->B", "B,S0->S0",
+                                                                                    "B,S1->S1"}
+    assert _claims(aten.searchsorted.Tensor, torch.sort(_r(4, 9)).values, _r(4, 6)) == {"B,B->B", "S0,S0->S0",
+                                                                                       "B,S1->S1"}
 
 
 def test_cdist_claims():

@@ -18,6 +18,9 @@ the data, the index and the output share position by position splits all of them
   ``P`` with ``self`` ``P``; the other dims split ``self``, ``source`` and the output
   where they are equally long. ``index_copy`` and ``index_reduce`` (overwrite, amax, mean)
   and ``scatter_reduce`` split only on those other dims, no ``P``.
+- ``searchsorted(sorted_sequence, self)``: each value is looked up alone, so every dim
+  of ``self`` splits the output; a 1-d sequence stays ``B``, an n-d one (a sequence per
+  row of ``self``) splits with ``self``'s leading dims, its own last dim never.
 - ``index_select(self, dim, index)``: the 1-d index splits the output's ``dim``;
   ``self``'s other dims split through. Linear in ``self``.
 - ``index.Tensor(self, indices)``: the index tensors broadcast to one index shape that
@@ -114,6 +117,21 @@ def index_overwrite(call: Call) -> Labels:
     return Labels({"self": out, "index": idx, "source": src}, [out])
 
 
+def searchsorted(call: Call) -> Labels:
+    sequence, values = call["sorted_sequence"], call["self"]
+    labels = letters(values.ndim)
+    if sequence.ndim == 1:
+        rows = UNSPLIT
+    elif sequence.ndim == values.ndim and sequence.shape[:-1] == values.shape[:-1]:
+        rows = labels[:-1] + UNSPLIT
+    else:  # nothing lines up
+        rows, labels = UNSPLIT * sequence.ndim, UNSPLIT * values.ndim
+    inputs = {"sorted_sequence": rows, "self": labels}
+    if isinstance(call.get("sorter"), TensorMeta):
+        inputs["sorter"] = rows
+    return Labels(inputs, [labels])
+
+
 def index_select(call: Call) -> Labels:
     meta, index = call["self"], call["index"]
     if meta.ndim == 0:  # a 0-d self: nothing to split
@@ -207,7 +225,7 @@ RULES = {
     aten.gather.default: gather,
     aten.scatter_add.default: scatter_add,
     aten.scatter.src: scatter, aten.scatter.value: scatter, aten.scatter_reduce.two: scatter,
-    aten.index_add.default: index_add,
+    aten.index_add.default: index_add, aten.searchsorted.Tensor: searchsorted,
     aten.index_copy.default: index_overwrite, aten.index_reduce.default: index_overwrite,
     aten.index_select.default: index_select,
     aten.index.Tensor: index,
