@@ -689,7 +689,7 @@ def test_an_uneven_data_parallel_refusal_names_the_flatten_that_needs_the_move()
 
 def test_a_data_parallel_refusal_names_the_operators_without_a_rule():
     """With ``move_activations=False``, an operator ddlc has no sharding rule for (here
-    ``torch.logcumsumexp``) runs on whole tensors and forces a gather; the refusal names
+    ``torch.renorm``) runs on whole tensors and forces a gather; the refusal names
     it (it named only a move)."""
     class Scanned(nn.Module):
         def __init__(self):
@@ -697,12 +697,12 @@ def test_a_data_parallel_refusal_names_the_operators_without_a_rule():
             self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 2)
 
         def forward(self, x):
-            return self.fc2(torch.logcumsumexp(self.fc1(x), 1))
+            return self.fc2(torch.renorm(self.fc1(x), 2, 0, 1.0))
 
     gm = canonicalize(ddlc.trace(Scanned(), (torch.randn(4, 6), torch.randint(0, 2, (4,))),
                                  F.cross_entropy, None))
     names = {i.key: i.name for i in gm.meta["ddlc_step"].inputs}
-    with pytest.raises(ShardingError, match="without a sharding rule.*logcumsumexp"):
+    with pytest.raises(ShardingError, match="without a sharding rule.*renorm"):
         shard(gm, ddlc.Mesh((4,)), fixed={names["input0"]: NdSBP((S(0),)), names["input1"]: NdSBP((S(0),))},
               move_activations=False)
 
