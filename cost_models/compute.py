@@ -17,7 +17,6 @@ torch operator (``operator.getitem``, Python arithmetic on sizes), views
 from __future__ import annotations
 
 import torch
-from torch import fx
 from torch._ops import HigherOrderOperator, OpOverload
 from torch.utils.flop_counter import flop_registry
 
@@ -60,15 +59,12 @@ def op_bytes(args, kwargs, out) -> int:
     return _nbytes(tensors((args, kwargs, out)))
 
 
-def op_time(target, args, kwargs, out, profile: HardwareProfile, cold: frozenset[int] = frozenset()) -> float:
-    """Seconds for one call at the shapes of ``args``/``kwargs``/``out`` (tensors or fakes).
-    ``cold``: the positions in ``args`` of tensors out of the cache when the call reads
-    them (:func:`cold_args`); measured mode times the call so, the roofline's cache level
-    ignores it."""
+def op_time(target, args, kwargs, out, profile: HardwareProfile) -> float:
+    """Seconds for one call at the shapes of ``args``/``kwargs``/``out`` (tensors or fakes)."""
     if target is fused_update.OP:
         return _update_time(args, profile)
     if profile.compute == "measured":  # cost_models/measured.py
-        return measured_time(target, args, kwargs, out, profile, op_time, cold)
+        return measured_time(target, args, kwargs, out, profile, op_time)
     outs = tensors(out)
     if (not outs or not isinstance(target, (OpOverload, HigherOrderOperator))
             or getattr(target, "is_view", False)):
@@ -77,15 +73,6 @@ def op_time(target, args, kwargs, out, profile: HardwareProfile, cold: frozenset
     dtype = (ins or outs)[0].dtype
     flop_time = op_flops(target, args, kwargs, out) / profile.flops_for(str(dtype))
     return max(flop_time, memory_seconds(_nbytes(ins) + _nbytes(outs), profile))
-
-
-def cold_args(node: fx.Node) -> frozenset[int]:
-    """The positions in ``node.args`` of the step's inputs (placeholders: parameters,
-    buffers, optimizer state, the batch). A step reads each of them long after it last
-    touched it (the step before), so they come from memory, not the cache, where the
-    values the step has just made are in it: an AdamW ``lerp_`` on a parameter of 36 K
-    floats takes 2.8x its time on cached inputs (the 2-core EPYC of ``cpu-gloo``)."""
-    return frozenset(i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "placeholder")
 
 
 _UPDATE_TIMES: dict[tuple, float] = {}
@@ -98,8 +85,7 @@ def _update_time(args, profile: HardwareProfile) -> float:
     key = (profile, args[0], args[1],
            tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in inputs))
     if key not in _UPDATE_TIMES:
-        _UPDATE_TIMES[key] = sum(op_time(t, a, k, out, profile, cold)
-                                 for t, a, k, out, cold in fused_update.parts(args))
+        _UPDATE_TIMES[key] = sum(op_time(t, a, k, out, profile) for t, a, k, out in fused_update.parts(args))
     return _UPDATE_TIMES[key]
 
 

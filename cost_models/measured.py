@@ -48,7 +48,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -72,8 +71,6 @@ __all__ = ["REPEATS", "MIN_SAMPLE", "BUDGET", "cache_dir", "cache_path", "base_p
 
 REPEATS = 5          # samples per op; the median is kept
 MIN_SAMPLE = 2e-4    # seconds each sample lasts at least (loops of several calls for tiny ops)
-COLD_BYTES = 64 << 20  # bytes between two reads of a cold input: twice the 32 MiB L3 of cpu-gloo's CPU
-MAX_COPIES = 1024    # copies of a call's cold inputs at most
 BUDGET = 60.0        # seconds of measuring per process before falling back to the scaled roofline
 _SAVE_EVERY = 5.0    # seconds between writes of new measurements
 
@@ -179,13 +176,11 @@ def _key_of(x) -> str:
     raise _Unbuildable(type(x).__name__)
 
 
-def op_key(target, args, kwargs, cold: frozenset[int] = frozenset()) -> str | None:
+def op_key(target, args, kwargs) -> str | None:
     """The cache key of one call: the op, and every argument (tensors by dtype, shape and
-    strides where not contiguous), and the positions of its ``cold`` arguments (see
-    :func:`measure_op`); None when an argument cannot be keyed (not measured)."""
+    strides where not contiguous); None when an argument cannot be keyed (not measured)."""
     try:
-        return f"{target}({_key_of(list(args))};{_key_of(dict(kwargs or {}))})" + \
-            (f"cold{sorted(cold)}" if cold else "")
+        return f"{target}({_key_of(list(args))};{_key_of(dict(kwargs or {}))})"
     except _Unbuildable:
         return None
 
@@ -206,46 +201,22 @@ def _real(x):
     return x
 
 
-def measure_op(target, args, kwargs, repeats: int = REPEATS, cold: frozenset[int] = frozenset()) -> float:
+def measure_op(target, args, kwargs, repeats: int = REPEATS) -> float:
     """Median seconds of one call of ``target`` on real CPU tensors shaped like the tensors
-    of ``args``/``kwargs`` (a warm-up call first; samples loop until MIN_SAMPLE). The
-    tensors at the positions ``cold`` of ``args`` are read from memory, not the cache:
-    the calls take them in turn from copies that together exceed :data:`COLD_BYTES`."""
+    of ``args``/``kwargs`` (a warm-up call first; samples loop until MIN_SAMPLE)."""
     real_args, real_kwargs = tree_map(_real, (tuple(args), dict(kwargs or {})))
-    calls = _cold_copies(real_args, cold)
     with torch.no_grad():
         start = time.perf_counter()
         target(*real_args, **real_kwargs)
         once = time.perf_counter() - start
         loops = max(1, min(1000, int(MIN_SAMPLE / max(once, 1e-7))))
-        samples, turn = [], itertools.cycle(calls[1:] or calls)  # the oldest copies first
+        samples = []
         for _ in range(repeats):
             start = time.perf_counter()
             for _ in range(loops):
-                target(*next(turn), **real_kwargs)
+                target(*real_args, **real_kwargs)
             samples.append((time.perf_counter() - start) / loops)
     return statistics.median(samples)
-
-
-def _cold_copies(real_args: tuple, cold: frozenset[int]) -> list[tuple]:
-    """``real_args``, then, where ``cold`` names tensors among them, copies of those (the
-    others shared), made in order: taken in turn from the first copy on, each call's cold
-    tensors were last touched :data:`COLD_BYTES` of other tensors before (at most
-    :data:`MAX_COPIES` copies: below ``COLD_BYTES / MAX_COPIES`` bytes a call's cold tensors
-    stay partly cached, and cost little either way)."""
-    cold = [i for i in sorted(cold) if i < len(real_args) and isinstance(real_args[i], torch.Tensor)]
-    nbytes = sum(real_args[i].untyped_storage().nbytes() for i in cold)
-    if not cold or nbytes == 0:
-        return [real_args]
-    copies = min(MAX_COPIES, max(2, math.ceil(COLD_BYTES / nbytes)))
-    calls = [real_args]
-    for _ in range(copies - 1):
-        call = list(real_args)
-        for i in cold:
-            x = real_args[i]
-            call[i] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).copy_(x)
-        calls.append(tuple(call))
-    return calls
 
 
 # -- the table ---------------------------------------------------------------------------
@@ -307,11 +278,11 @@ class MeasuredTable:
             self._ratios = {name: statistics.median(rs) for name, rs in by_op.items()}
         return self._ratios.get(op, 1.0)
 
-    def seconds(self, target, args, kwargs, roofline: float, cold: frozenset[int] = frozenset()) -> float:
+    def seconds(self, target, args, kwargs, roofline: float) -> float:
         """The measured seconds of this call (measuring it now if it is new and the budget
         allows), else the roofline scaled by the op's measured ratio. Not yet multiplied by
-        :func:`sharing`. ``cold``: as :func:`measure_op`'s, part of the key."""
-        key = op_key(target, args, kwargs, cold)
+        :func:`sharing`."""
+        key = op_key(target, args, kwargs)
         if key is not None and key in self.entries:
             return self.entries[key][1]
         op = str(target)
@@ -326,7 +297,7 @@ class MeasuredTable:
             return roofline * self.ratio(op)
         start = time.perf_counter()
         try:
-            seconds = measure_op(target, args, kwargs, cold=cold)
+            seconds = measure_op(target, args, kwargs)
         except Exception:  # made-up values the op refuses (or a kernel this build lacks)
             self.failed.add(key)
             return roofline * self.ratio(op)
@@ -384,26 +355,16 @@ def flush_all() -> None:
 atexit.register(flush_all)
 
 
-def _runs_as_view(target, out) -> bool:
-    """Whether the call is an aten view with a tensor output (the roofline prices it 0)."""
-    return (isinstance(target, OpOverload) and target.namespace == "aten" and target.is_view
-            and isinstance(out, torch.Tensor))
-
-
-def measured_time(target, args, kwargs, out, profile: HardwareProfile, roofline_time,
-                  cold: frozenset[int] = frozenset()) -> float:
+def measured_time(target, args, kwargs, out, profile: HardwareProfile, roofline_time) -> float:
     """Seconds of one call in measured mode. ``roofline_time`` is
     :func:`cost_models.compute.op_time` (passed in: this module does not import it), which
-    prices the call on the base profile: 0 there (non-operators, no tensor output) stays 0,
-    but for an aten view, which the roofline leaves free (it moves no byte) and which is
-    measured as it runs: its dispatch, a few microseconds a call on a CPU (a program of
-    small operators runs hundreds of them), or the copy a ``reshape`` of a
-    non-contiguous input makes. A view never measured stays free."""
+    prices the call on the base profile: 0 there (views, non-operators, no tensor output)
+    stays 0."""
     roofline = roofline_time(target, args, kwargs, out, base_profile(profile))
-    if roofline == 0.0 and not _runs_as_view(target, out):
+    if roofline == 0.0:
         return 0.0
     shared = profile.shared_cores
     overhead = shared.per_operator if shared is not None else 0.0
     if not isinstance(target, OpOverload) or target.namespace != "aten":
         return roofline + overhead   # only aten ops run alone: never a collective (it would wait for peers)
-    return table_for(profile).seconds(target, args, kwargs, roofline, cold) * sharing(profile) + overhead
+    return table_for(profile).seconds(target, args, kwargs, roofline) * sharing(profile) + overhead

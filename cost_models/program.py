@@ -40,7 +40,7 @@ from ddlc import fused_update
 from ddlc.ir import COLLECTIVE, is_collective
 from ddlc.mesh import HardwareProfile
 
-from .compute import cold_args, op_time, tensors
+from .compute import op_time, tensors
 from .timeline import COMPUTE, Timeline, TimelineResult
 
 __all__ = ["ALIASES", "NodeCosts", "ProgramClock", "allocated_bytes", "live_bytes", "order_makespan",
@@ -188,7 +188,7 @@ class NodeCosts:
         if alike is not None and _same_call(alike, node):
             return self._earlier.seconds(alike)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
-        return op_time(node.target, args, kwargs, node.meta.get("val"), self.profile, cold_args(node))
+        return op_time(node.target, args, kwargs, node.meta.get("val"), self.profile)
 
     def alloc(self, node: fx.Node) -> int:
         """:func:`allocated_bytes` of ``node``."""

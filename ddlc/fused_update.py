@@ -144,25 +144,13 @@ def fake_values(spec: str, scalars: str, inputs: Sequence[torch.Tensor], runs: d
 
 
 def parts(args: Sequence[Any]) -> list[tuple]:
-    """The ``(target, args, kwargs, out, cold)`` of every operator the update runs on the
-    operator's arguments ``args`` (meta or fake tensors): what the cost model prices;
-    ``cold``: the positions in ``args`` of the step's inputs the update reads (the
-    parameter, its state and hyper-parameters: :func:`cost_models.compute.cold_args`),
-    not its gradient, made in backward, nor the values the update made just before.
+    """The ``(target, args, kwargs, out)`` of every operator the update runs on the
+    operator's arguments ``args`` (meta or fake tensors): what the cost model prices.
     Each value the operators make is a meta tensor of its shape and dtype (contiguous).
     Running the template on meta tensors costs about 0.4 ms an operator (their meta
     kernels are Python); its values are shaped like the parameter, or 0-d, so their
     shapes are found once per template (:func:`_shapes`) and made here directly."""
-    records = _records(args)
-    grad = _placeholders(records)[1]
-    return [(node.target, a, k, out, frozenset(i for i, x in enumerate(node.args) if isinstance(x, fx.Node)
-                                               and x.op == "placeholder" and x is not grad))
-            for node, a, k, out in records]
-
-
-def _placeholders(records: list[tuple]) -> list[fx.Node]:
-    """The template's placeholders (``[param, grad, *state, *hp]``) that ``records`` read."""
-    return [n for n in next(iter(records))[0].graph.nodes if n.op == "placeholder"] if records else [None, None]
+    return [(node.target, a, k, out) for node, a, k, out in _records(args)]
 
 
 def _records(args: Sequence[Any]) -> list[tuple]:

@@ -45,7 +45,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from cost_models.boxing import boxing_table
-from cost_models.compute import cold_args, op_time
+from cost_models.compute import op_time
 from ddlc.errors import ShardingError
 from ddlc.ir import ORIGIN, ROLE, SHARDING, SHARED_READ, STEP, is_scalar_valued, leaves, map_leaves, output_scalars, phase_of, where
 from ddlc.mesh import Mesh
@@ -198,7 +198,7 @@ def compute_seconds(node: fx.Node, sig: NdSignature, mesh: Mesh) -> float:
         return _local(a.meta["val"], next(in_sbps), mesh) if is_tensor_node(a) else a.meta.get("val")
 
     args, kwargs = map_leaves(to_local, (node.args, node.kwargs))
-    return op_time(node.target, args, kwargs, out_spec.unflatten(local_out), mesh.profile, cold_args(node))
+    return op_time(node.target, args, kwargs, out_spec.unflatten(local_out), mesh.profile)
 
 
 class _NodeSeconds:
