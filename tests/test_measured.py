@@ -79,16 +79,31 @@ def test_cache_is_keyed_by_profile_and_thread_count():
     assert measured.cache_path(cpu) == measured.cache_path(measured.base_profile(cpu))
 
 
-def test_views_non_operators_and_collectives_are_not_measured():
+def test_non_operators_and_collectives_are_not_measured():
     profile = measured.measured_profile(GLOO)
     x = meta(8, 8)
-    assert op_time(aten.view.default, (x, [64]), {}, meta(64), profile) == 0.0
     assert op_time(lambda *a: None, (x,), {}, x, profile) == 0.0
     # a collective is never run alone (it would wait for its peers): priced by the roofline
     all_reduce = torch.ops._c10d_functional.all_reduce.default
     assert op_time(all_reduce, (x, "sum", "0"), {}, x, profile) == op_time(
         all_reduce, (x, "sum", "0"), {}, x, measured.base_profile(profile))
     assert measured.table_for(profile).measured == 0
+
+
+def test_views_are_measured_as_they_run(cache):
+    """A view moves no byte (the roofline prices it 0) but each call costs its dispatch:
+    measured mode times it, far below a copy of the same tensor; a view it has not
+    measured (the budget spent) stays free."""
+    profile = measured.measured_profile(GLOO)
+    x, flat = meta(1024, 1024), meta(1024 * 1024)
+    view = op_time(aten.view.default, (x, [1024 * 1024]), {}, flat, profile)
+    copy = op_time(aten.clone.default, (x,), {}, x, profile)
+    assert measured.table_for(profile).measured == 2
+    assert 0 < view < copy / 10
+    assert op_time(aten.view.default, (x, [1024, 1024]), {}, x, measured.base_profile(profile)) == 0.0
+    measured.table_for(profile).spent = math.inf
+    assert op_time(aten.t.default, (x,), {}, x, profile) == 0.0
+    assert measured.table_for(profile).measured == 2
 
 
 def test_unseen_shapes_fall_back_to_the_roofline_scaled_by_the_ops_measured_ratio(cache):
@@ -206,11 +221,12 @@ def test_a_measured_contention_prices_operators_in_measured_mode_and_collectives
     shared = dataclasses.replace(plain, contention=Contention(4, 2.5, 1e-5, 3.0, 1.5))
     args, out = (meta(32, 32), meta(32, 32)), meta(32, 32)
     alone = op_time(aten.mm.default, args, {}, out, plain)   # no process group: sharing 1
+    view = (aten.view.default, (meta(32, 32), [1024]), {}, meta(1024))   # measured as it runs
+    view_alone = op_time(*view, plain)
     assert op_time(aten.mm.default, args, {}, out, shared) == pytest.approx(2.5 * alone + 1e-5)
     monkeypatch.setenv("DDLC_SHARING", "3")
     assert op_time(aten.mm.default, args, {}, out, shared) == pytest.approx(3 * alone + 1e-5)
-    view = aten.view.default
-    assert op_time(view, (meta(32, 32), [1024]), {}, meta(1024), shared) == 0   # views cost nothing
+    assert op_time(*view, shared) == pytest.approx(3 * view_alone + 1e-5)
     link = shared.link_for("all_reduce", base.intra_node)
     assert link.latency == pytest.approx(3.0 * base.intra_node.latency)
     assert link.bandwidth == pytest.approx(base.intra_node.bandwidth / 1.5)
