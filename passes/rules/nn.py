@@ -257,31 +257,23 @@ def upsample_backward_size(call: Call, in_shapes, out_shapes) -> dict:
     return {"input_size": list(out_shapes[0])}
 
 
-def _cdist_labels(call: Call) -> tuple[str, str, str] | None:
-    """(x1, x2, the distances) labels of a pairwise distance; None where the batch dims
-    differ (broadcast)."""
+def _cdist_labels(call: Call, distances: int) -> tuple[str, str, str]:
+    """(x1, x2, the ``distances``-d distances) labels of a pairwise distance; nothing
+    splits where the batch dims differ (broadcast)."""
     x1, x2 = call["x1"], call["x2"]
     if x1.ndim != x2.ndim or x1.shape[:-2] != x2.shape[:-2]:
-        return None
+        return UNSPLIT * x1.ndim, UNSPLIT * x2.ndim, UNSPLIT * distances
     batch = letters(x1.ndim - 2)
     return batch + "p" + UNSPLIT, batch + "r" + UNSPLIT, batch + "pr"
 
 
 def cdist(call: Call) -> Labels:
-    labels = _cdist_labels(call)
-    if labels is None:
-        return Labels({"x1": UNSPLIT * call["x1"].ndim, "x2": UNSPLIT * call["x2"].ndim},
-                      [UNSPLIT * call.outputs[0].ndim])
-    x1, x2, distances = labels
+    x1, x2, distances = _cdist_labels(call, call.outputs[0].ndim)
     return Labels({"x1": x1, "x2": x2}, [distances])
 
 
 def cdist_backward(call: Call) -> Labels:
-    labels = _cdist_labels(call)
-    if labels is None:
-        return Labels({name: UNSPLIT * call[name].ndim for name in ("grad", "x1", "x2", "cdist")},
-                      [UNSPLIT * call.outputs[0].ndim], linear=[{"grad"}])
-    x1, x2, distances = labels
+    x1, x2, distances = _cdist_labels(call, call["cdist"].ndim)
     return Labels({"grad": distances, "x1": x1, "x2": x2, "cdist": distances}, [x1], linear=[{"grad"}])
 
 
