@@ -17,7 +17,7 @@ from .mesh import HardwareProfile, LinkModel, Mesh, load_profile
 from .sbp import B, NdSBP, P, S, SBP
 
 #: Public name -> the module that defines it, imported on first access.
-_LAZY = {"spawn": "launch", "Plan": "plan", "CompiledStep": "runtime", "compile": "runtime",
+_LAZY = {"spawn": "launch", "Plan": "plan", "CompiledStep": "step", "compile": "runtime",
          "CompileOptions": "options", "trace": "tracing"}
 
 __all__ = ["B", "CompiledStep", "CompileOptions", "DDLCError", "HardwareProfile", "LinkModel", "Mesh",

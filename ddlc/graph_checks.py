@@ -197,7 +197,7 @@ def hidden_mutations(gm: fx.GraphModule) -> None:
     """Refuse a ``native_batch_norm`` in training mode with running statistics: its CPU
     kernel updates them in place though its schema does not say so, so the traced graph
     misses that write (``F.batch_norm`` and ``F.instance_norm`` are written as reductions
-    while tracing, :class:`ddlc.tracing._ForwardRewrites`; this is another way to the kernel)."""
+    while tracing, :class:`ddlc.forward_rewrites.ForwardRewrites`; this is another way to the kernel)."""
     for node in gm.graph.nodes:
         if node.target is torch.ops.aten.native_batch_norm.default and node.args[5] \
                 and (node.args[3] is not None or node.args[4] is not None):

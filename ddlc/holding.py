@@ -12,7 +12,7 @@ registered once) and ``state_dict()`` of the model or its optimizer (hooks that 
 while a step holds the training, so a model written back pickles and scripts as before).
 Reading ``model.parameters()`` directly cannot be seen.
 
-A step here is a :class:`ddlc.runtime.CompiledStep`; this module reads its public
+A step here is a :class:`ddlc.step.CompiledStep`; this module reads its public
 ``steps_done``, ``trained_ids``, ``compiled_as`` and ``signature``.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch.nn.modules import module as module_mod
 from .errors import UnsupportedInputError
 
 if TYPE_CHECKING:
-    from .runtime import CompiledStep
+    from .step import CompiledStep
 
 __all__ = ["buffer_holders", "guard", "hold", "release", "holder", "now", "statistics_holders", "trainers",
            "register", "steps_of", "written_by_another", "wrote"]

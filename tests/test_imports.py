@@ -35,9 +35,11 @@ LAYERS = (
               "ddlc.comm", "ddlc.model_state", "ddlc.optim", "ddlc.options", "ddlc.portable", "ddlc.rng",
               "ddlc.fake", "ddlc.sources", "ddlc.fused_update")),
     ("cost_models", ("cost_models", "cost_models.")),
-    ("passes", ("passes", "passes.", "ddlc.graph_checks", "ddlc.host_random", "ddlc.tracing", "ddlc.updates", "ddlc.strided_views")),
+    ("passes", ("passes", "passes.", "ddlc.forward_rewrites", "ddlc.graph_checks", "ddlc.host_random", "ddlc.tracing",
+                "ddlc.updates", "ddlc.strided_views")),
     ("pipeline", ("ddlc.pipeline",)),
-    ("runtime", ("ddlc.holding", "ddlc.inductor", "ddlc.runtime", "ddlc.simulate")),
+    ("runtime", ("ddlc.holding", "ddlc.inductor", "ddlc.random_stream", "ddlc.ranks", "ddlc.runtime",
+                 "ddlc.simulate", "ddlc.step")),
     ("public", ("ddlc", "ddlc.__main__", "ddlc.calibrate", "ddlc.cli", "ddlc.factory", "ddlc.launch",
                 "ddlc.picture", "ddlc.report", "ddlc.zoo")),
 )

@@ -1260,7 +1260,7 @@ def test_a_one_channel_image_batch_in_channels_last_is_laid_out_otherwise():
     # contiguous both ways (its channel dim has length 1), so it passed the check, but a
     # convolution of it gives a channels-last output, whose dropout mask eager draws in that
     # order (losses 0.37 off)
-    from ddlc.runtime import _layout, _memory_order
+    from ddlc.step import layout as _layout, memory_order as _memory_order
     x = torch.randn(4, 1, 8, 8)
     last = x.to(memory_format=torch.channels_last)  # strides (64, 1, 8, 1)
     assert x.is_contiguous() and last.is_contiguous()

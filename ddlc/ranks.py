@@ -1,0 +1,154 @@
+"""What the ranks of a process group tell each other while compiling and stepping: one
+rank decides and every rank receives the decision (:func:`on_rank0`, a failure raised on
+every rank instead of leaving the others waiting), rank 1's point-to-point messages to
+rank 0, rank 0's model and optimizer state given to every rank (as
+``DistributedDataParallel`` gives its parameters), and a fingerprint that tells tensors
+apart without sending them.
+"""
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import as_shared
+
+__all__ = ["broadcast_from_rank0", "from_rank0", "on_rank", "on_rank0", "receive_from", "send_to_rank0",
+           "take_rank0_hyperparameters", "take_rank0_optimizer_state", "take_rank0_state", "tensor_fingerprint"]
+
+
+def on_rank0(what: str, decide):
+    """``decide()`` on rank 0 (the others pass None), broadcast to every rank: one decision
+    for all, whatever a solver's time limit or a timed search would give elsewhere, and
+    the others need not repeat the work. Rank 0's failure is raised on every rank (as
+    itself where it is a ``ddlc.errors`` error) instead of leaving the others waiting."""
+    return on_rank(0, what, decide)
+
+
+def on_rank(source: int, what: str, decide):
+    """:func:`on_rank0` with rank ``source`` deciding."""
+    if dist.get_rank() == source:
+        try:
+            message = [decide()]
+        except Exception as error:
+            dist.broadcast_object_list([as_shared(error, f"rank {source} failed while {what}")], src=source)
+            raise
+    else:
+        message = [None]
+    dist.broadcast_object_list(message, src=source)
+    if isinstance(message[0], Exception):
+        raise message[0]
+    return message[0]
+
+
+def from_rank0(value):
+    """Rank 0's ``value``, on every rank."""
+    message = [value]
+    dist.broadcast_object_list(message, src=0)
+    return message[0]
+
+
+def broadcast_from_rank0(tensor: torch.Tensor) -> None:
+    """Rank 0's values into ``tensor`` on every rank, in place (collective)."""
+    if tensor.is_contiguous():
+        dist.broadcast(tensor, src=0)
+    else:
+        dense = tensor.contiguous()
+        dist.broadcast(dense, src=0)
+        tensor.copy_(dense)
+
+
+def receive_from(source: int):
+    """The one object ``source`` sends this rank (pickled once by the sender where it goes
+    to several ranks)."""
+    message = [None]
+    dist.recv_object_list(message, src=source)
+    return pickle.loads(message[0]) if isinstance(message[0], bytes) else message[0]
+
+
+def send_to_rank0(message) -> None:
+    """Rank 1's one message to rank 0 during ``compile``: its data-parallel
+    :class:`ddlc.pipeline.Candidate` (as sent) or ``NoCandidate``, None, or its failure."""
+    dist.send_object_list([message], dst=0)
+
+
+def take_rank0_state(model: nn.Module) -> None:
+    """Overwrite every rank's parameters and buffers with rank 0's, in place (as
+    ``DistributedDataParallel`` does): ranks that initialised their models differently (no
+    common seed) would otherwise each shard their own values, and replicated parameters
+    would differ between ranks."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            broadcast_from_rank0(tensor)
+
+
+def take_rank0_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
+    """Give every rank's ``optimizer`` rank 0's state (``optimizer.state``), as
+    :func:`take_rank0_state` gives it rank 0's parameters: the program continues from the
+    optimizer's state where it has one (a loaded checkpoint, eager steps before compile),
+    and ranks whose optimizers stepped on other data, or only rank 0's loaded a checkpoint,
+    would otherwise each continue from their own. Rank 0 broadcasts what its state holds per
+    parameter (in ``param_groups`` order): scalars (a step count) by value, other tensors
+    by shape, dtype and device type, each then broadcast; every other rank's state is made
+    to hold exactly that (what rank 0's lacks is dropped)."""
+    if optimizer is None:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def held(value):
+        if not isinstance(value, torch.Tensor):
+            return ("value", value)
+        if value.dim() == 0:
+            return ("scalar", value.item(), value.dtype, value.device.type)
+        return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+
+    message = [[{name: held(v) for name, v in optimizer.state.get(p, {}).items()} for p in params]
+               if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(message, src=0)
+    with torch.no_grad():
+        for param, wanted in zip(params, message[0]):
+            if not wanted:
+                optimizer.state.pop(param, None)
+                continue
+            state = optimizer.state[param]
+            for name in [k for k in state if k not in wanted]:
+                del state[name]
+            for name, (kind, *what) in wanted.items():
+                if kind == "value":
+                    state[name] = what[0]
+                    continue
+                device = param.device if what[-1] == param.device.type else torch.device(what[-1])
+                if kind == "scalar":
+                    state[name] = torch.tensor(what[0], dtype=what[1], device=device)
+                    continue
+                shape, dtype = what[0], what[1]
+                mine = state.get(name)  # rank 0's own always fits (a strided one too: Adagrad's
+                # sum of a transposed weight, kept in its layout; replacing it lost its values)
+                if not (isinstance(mine, torch.Tensor) and tuple(mine.shape) == shape and mine.dtype == dtype
+                        and mine.device == device):
+                    mine = state[name] = torch.empty(shape, dtype=dtype, device=device)
+                broadcast_from_rank0(mine)
+
+
+def take_rank0_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
+    """Give every rank's ``optimizer`` rank 0's param-group settings (learning rate,
+    betas, ...: every entry but the parameters), as an ``optimizer.load_state_dict`` on rank
+    0 alone sets them there."""
+    message = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+               if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(message, src=0)
+    for group, settings in zip(optimizer.param_groups, message[0]):
+        group.update(settings)
+
+
+def tensor_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Float64 numbers that tell tensors of one shape apart: the sum of the finite values
+    and their sum weighted by position (so a reordering shows too), and the position-weighted
+    sums of where the NaNs and the infinities are (a NaN would make every sum NaN alike)."""
+    x = t.detach().reshape(-1).to(torch.float64)
+    weights = torch.arange(x.numel(), dtype=torch.float64, device=x.device) % 997 + 1
+    finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.stack([finite.sum(), (finite * weights).sum(), (x.isnan() * weights).sum(),
+                        (x.isinf() * x.sign() * weights).sum()])
