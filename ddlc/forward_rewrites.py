@@ -45,7 +45,10 @@ class ForwardRewrites(TorchFunctionMode):
       respect to the parameters whatever the flags of the tensors in between. Hugging
       Face's ``enable_input_require_grads`` (which ``gradient_checkpointing_enable`` turns
       on) calls it on the input embeddings' output, so that reentrant checkpointing sees an
-      input that requires a gradient.
+      input that requires a gradient. Only at the level of the step's own transform
+      (:data:`_STEP_LEVEL_ONLY`): the forward's own ``torch.func.grad``, ``vjp`` or
+      ``jacrev`` marks its inputs so at a level of its own, and left undone there, its
+      gradient came out as zeros (a MAML inner step trained otherwise than eager).
     - ``F.one_hot(labels, num_classes)`` as torch traces it on symbolic values, the classes
       compared with ``arange(num_classes)``: eager's kernel first checks every label's
       range, which reads the values (the trace fails there; a label out of range then gives
@@ -61,9 +64,17 @@ class ForwardRewrites(TorchFunctionMode):
       ``observations - correction``, without the check that reads whether that count is
       positive (``aten.equal``, which the trace cannot evaluate: it failed there)."""
 
+    def __enter__(self):
+        #: the torch.func level of the step's transform, which the forward runs in
+        self.level = torch._C._functorch.maybe_current_level()
+        return super().__enter__()
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         rewrite = _REWRITES.get(func)
+        if rewrite is not None and func in _STEP_LEVEL_ONLY \
+                and torch._C._functorch.maybe_current_level() != self.level:
+            rewrite = None  # inside a torch.func transform of the forward's own
         if rewrite is not None:
             result = rewrite(*args, **kwargs)
             if result is not _AS_IS:
@@ -157,6 +168,8 @@ _REWRITES = {F.batch_norm: _batch_norm, F.instance_norm: _instance_norm,
              torch.Tensor.requires_grad_: _requires_grad, F.one_hot: _one_hot,
              F.gaussian_nll_loss: _gaussian_nll_loss, F.embedding: _embedding,
              torch.cov: _cov, torch.Tensor.cov: _cov, torch.corrcoef: _corrcoef, torch.Tensor.corrcoef: _corrcoef}
+#: the calls rewritten only at the level of the step's own transform (see ForwardRewrites)
+_STEP_LEVEL_ONLY = frozenset({torch.Tensor.requires_grad_})
 
 
 def _instance_norm_by_reductions(input, running_mean, running_var, weight, bias, use_input_stats,

@@ -905,3 +905,43 @@ def test_covariance_and_distance_terms_train_like_single_device(mesh_shape):
                                  mesh_shape)
     from passes.rules import fallback_ops  # imported on use: see conftest
     assert fallback_ops(gm) == []
+
+
+class _ForwardTransform(nn.Module):
+    """A model whose forward calls a reverse-mode torch.func transform of its own."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.embed = nn.Linear(16, 4)
+        self.f = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        h = self.embed(x)
+        if self.kind == "maml":  # one inner gradient step on the first samples, then the batch
+            params = dict(self.f.named_parameters())
+            grads = torch.func.grad(lambda p: torch.func.functional_call(self.f, p, (h[:4],)).pow(2).mean())(params)
+            return torch.func.functional_call(self.f, {k: v - 0.5 * grads[k] for k, v in params.items()}, (h,))
+        if self.kind == "grad":
+            g = torch.func.vmap(torch.func.grad(lambda r: self.f(r).sum()))(h)
+        elif self.kind == "vjp":
+            out, pull = torch.func.vjp(self.f, h)
+            (g,) = pull(torch.ones_like(out))
+        else:
+            g = torch.func.vmap(torch.func.jacrev(self.f))(h).diagonal(dim1=1, dim2=2)
+        return self.f(h) + 0.1 * g
+
+
+@pytest.mark.parametrize("kind", ["grad", "vjp", "jacrev", "maml"])
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_torch_func_transforms_inside_the_forward_train_like_single_device(kind, mesh_shape):
+    """``torch.func.grad``, ``vjp`` and ``jacrev`` called by the forward (a MAML inner step
+    over the module's own parameters; an input-gradient term) train as in eager. Their
+    transforms mark their inputs with ``requires_grad_`` at a level of their own, which the
+    trace's rewrite of that call (a no-op at the step's level) had swallowed: their
+    gradients came out as zeros and the losses differed from eager's from the first step."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+    _matches_eager(_ForwardTransform(kind), F.mse_loss, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                   data, mesh_shape)
