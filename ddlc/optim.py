@@ -325,8 +325,8 @@ def _spec_for_group(optimizer: torch.optim.Optimizer, group: dict) -> OptimizerS
             f"which ddlc does not run: it compiles {base.__name__}'s own update (use "
             f"torch.optim.{base.__name__} itself)")
     if isinstance(optimizer, torch.optim.SGD):
-        if group.get("dampening", 0):
-            raise UnsupportedInputError("SGD with dampening != 0 is not supported "
+        if group.get("dampening", 0) and group.get("momentum", 0):  # torch ignores it without momentum
+            raise UnsupportedInputError("SGD with momentum and dampening != 0 is not supported "
                                         "(its first step differs from the traced update)")
         return SGDSpec.from_group(group)
     if isinstance(optimizer, torch.optim.AdamW) or (

@@ -80,13 +80,15 @@ DRAWS: dict[torch._ops.OpOverload, tuple[tuple[str, ...], Callable]] = {
 
 
 def draws_random_numbers(node: fx.Node) -> bool:
-    """Whether ``node`` is an op torch tags as seeded-random, other than one whose dropout
-    is switched off by its arguments (attention with ``dropout_p=0``, ``train=False``)."""
+    """Whether ``node`` is an op torch tags as seeded-random, other than one whose draw is
+    switched off by its arguments (attention with ``dropout_p=0``, ``train=False``; RReLU
+    in eval mode, ``training=False``: a leaky ReLU of the mean slope)."""
     target = node.target
     if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
         return False
     values = bound_arguments(node)
-    return not (values.get("dropout_p", None) == 0 or values.get("train", None) is False)
+    return not (values.get("dropout_p", None) == 0 or values.get("train", None) is False
+                or values.get("training", None) is False)
 
 
 def supported(node: fx.Node) -> bool:

@@ -212,8 +212,10 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         if specs and len(untrained) == len(specs):
             raise UnsupportedInputError(
                 "the loss depends on no trainable parameter (computed under torch.no_grad(), from "
-                "detached values, or from frozen parameters only), so the step would train "
-                "nothing: eager's loss.backward() raises on it")
+                "detached values, from frozen parameters only, or through ops with no gradient to "
+                "their inputs, such as torch.normal's to its mean), so the step would train "
+                "nothing: eager's loss.backward() raises on it, or gives every parameter a zero "
+                "or no gradient")
     inputs = [InputSpec(_rename_placeholder(n, spec), spec.role, spec.key)
               for n, spec in zip(placeholders, inputs)]
     if outputs is None:
@@ -666,8 +668,9 @@ def _loss_of(out, loss_fn: Callable | None, targets: Sequence[torch.Tensor]) -> 
                 f"{what} returned {type(out).__name__} with loss=None: give the model the "
                 "batch entry it computes the loss from (e.g. labels=...), or pass a loss_fn")
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-        raise UnsupportedInputError(f"{what} must return a one-element loss tensor, got "
-                                    f"{type(loss).__name__} {list(getattr(loss, 'shape', []))}")
+        got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else \
+            f"a {type(loss).__name__}" + (f" of {len(loss)}" if isinstance(loss, (tuple, list)) else "")
+        raise UnsupportedInputError(f"{what} must return a one-element loss tensor, got {got}")
     if not loss.is_floating_point():
         raise UnsupportedInputError(
             f"{what} returned a {loss.dtype} loss, which has no gradient (a count or an accuracy: "

@@ -945,3 +945,28 @@ def test_torch_func_transforms_inside_the_forward_train_like_single_device(kind,
     data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
     _matches_eager(_ForwardTransform(kind), F.mse_loss, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                    data, mesh_shape)
+
+
+def test_sgd_dampening_without_momentum_trains_like_single_device():
+    """torch.optim.SGD ignores ``dampening`` without momentum: such an optimizer trains as
+    in eager (it was refused as if it damped; with momentum it still is, tests/test_trace.py)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g)) for _ in range(3)]
+    _matches_eager(zoo.MLP(), F.mse_loss, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, dampening=0.5),
+                   data, (4,))
+
+
+def test_rrelu_in_eval_mode_trains_like_single_device():
+    """``nn.RReLU`` in eval mode is a leaky ReLU of the mean slope and draws nothing: it
+    trains as in eager (its op, tagged random, was refused as a draw). In training mode it
+    draws per element, which ddlc does not reproduce: still refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.RReLU(0.1, 0.3), nn.Linear(32, 4))
+    model[1].eval()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+    _matches_eager(model, F.mse_loss, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), data, (4,))
+    model[1].train()
+    with pytest.raises(ddlc.errors.UnsupportedInputError, match="rrelu"):
+        ddlc.trace(model, data[0], F.mse_loss, torch.optim.Adam(model.parameters(), lr=1e-2))
