@@ -927,7 +927,9 @@ _CAUSES = (
      "the example inputs' dtypes do not fit the model (an integer tensor fed into a float "
      "layer, or a float64 or bfloat16 one into a float32 layer?)"),
     (re.compile(r"shape|size|dim|mat1 and mat2", re.I), TraceError,
-     "the example inputs may not match the model"),
+     "the example inputs may not match the model (or, where eager runs the model on them, its "
+     "code fails on the path libraries take while compiling: torch.compiler.is_compiling() is "
+     "True while ddlc traces, as under torch.compile and torch.export)"),
 )
 
 

@@ -205,7 +205,10 @@ def test_schedule_prints_the_timeline_and_writes_a_trace(runs):
     ("svg_no_folder", "cannot write --svg"),
     ("factory_exits", "the factory raised SystemExit: 3"),  # rc 3 and no message before
     # torch's fake tensor mode logged the failing kernel's traceback first (19 lines)
-    ("inputs_misfit", "the example inputs may not match the model; the example inputs are float32[8, 9]"),
+    ("inputs_misfit", "the example inputs may not match the model (or, where eager runs the model on them, its "
+                      "code fails on the path libraries take while compiling: torch.compiler.is_compiling() is "
+                      "True while ddlc traces, as under torch.compile and torch.export); the example inputs are "
+                      "float32[8, 9]"),
 ])
 def test_bad_input_is_one_line_and_exit_2(runs, name, cause):
     out = _result(runs, name)
