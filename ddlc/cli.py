@@ -376,8 +376,9 @@ def _search_meshes(gm, devices: int, profile, options):
     :data:`SEARCH_LOWERED` shapes of least objective and choose the one whose program has
     the least modeled step (its timeline counts what the objective leaves out: the
     start-ups of buckets, overlap, decoupling). Returns (mesh, plan, program) of the choice
-    and, per shape, (shape, objective or None, modeled step or None, note). A progress bar
-    on a terminal."""
+    and, per shape, (shape, the searched plan's objective or None, the kept plan's modeled
+    step or None, note, which plan ``choose_plan`` kept or None: :func:`report.kept_plan`).
+    A progress bar on a terminal."""
     import copy
 
     from tqdm import tqdm
@@ -386,6 +387,7 @@ def _search_meshes(gm, devices: int, profile, options):
     from . import pipeline
     from .errors import ShardingError
     from .mesh import Mesh
+    from .report import kept_plan
     shapes = pipeline.mesh_shapes(devices)
     objectives = {}
     notes = {}
@@ -407,8 +409,8 @@ def _search_meshes(gm, devices: int, profile, options):
         step = timeline.makespan if timeline is not None else program_makespan(program, mesh.profile)
         lowered[shape] = (step, (mesh, plan, program))
     best = min(lowered, key=lambda s: (lowered[s][0], ranked.index(s)))
-    rows = [(s, objectives.get(s), lowered[s][0] if s in lowered else None, notes.get(s, ""))
-            for s in shapes]
+    rows = [(s, objectives.get(s), lowered[s][0] if s in lowered else None, notes.get(s, ""),
+             kept_plan(lowered[s][1][1].stats) if s in lowered else None) for s in shapes]
     return lowered[best][1], rows
 
 
@@ -438,8 +440,8 @@ def _plan(args) -> int:
         data["stats"] = {k: v for k, v in data["stats"].items() if not k.endswith("seconds")}
         if compiled.searched:  # the mesh shapes' table, in its order
             data["mesh_search"] = [{"mesh": "x".join(map(str, shape)), "modeled_step": step_seconds,
-                                    "planner_objective": objective, "note": note}
-                                   for shape, objective, step_seconds, note in _ranked(compiled.searched)]
+                                    "kept": kept, "planner_objective": objective, "note": note}
+                                   for shape, objective, step_seconds, note, kept in _ranked(compiled.searched)]
         _write(args.json, json.dumps(data, indent=1) + "\n")
     if args.svg or args.html:
         _pictures(args, compiled, rows, text)
@@ -455,19 +457,20 @@ def _ranked(results) -> list:
 
 
 def _format_search(results) -> str:
-    """The searched shapes: the lowered ones by modeled step, then the rest by planner
-    objective, then those with no plan; ties in the order :func:`_search_meshes` breaks
-    them (planner objective, then the order of ``results``), so the first row is the
-    shape chosen."""
+    """The searched shapes: the lowered ones by modeled step (of the plan ``choose_plan``
+    kept there: searched, data parallel or replicated), then the rest by the searched
+    plan's objective, then those with no plan; ties in the order :func:`_search_meshes`
+    breaks them (objective, then the order of ``results``), so the first row is the shape
+    chosen."""
     ranked = [r for r in _ranked(results) if r[1] is not None]
     lines = [f"mesh shapes of {math.prod(results[0][0])} devices, best {min(SEARCH_SHOWN, len(ranked))} "
              f"of {len(results)}, by the modeled step of the {min(SEARCH_LOWERED, len(ranked))} of "
              "least planner objective (lowered)",
-             f"  {'mesh':>8}  {'modeled step':>12}  {'planner objective':>17}"]
-    for s, objective, step, _ in ranked[:SEARCH_SHOWN]:
+             f"  {'mesh':>8}  {'modeled step':>12}  {'of the plan kept':>16}  {'searched plan objective':>23}"]
+    for s, objective, step, _, kept in ranked[:SEARCH_SHOWN]:
         modeled = f"{step * 1e3:9.3f} ms" if step is not None else f"{'-':>12}"
-        lines.append(f"  {'x'.join(map(str, s)):>8}  {modeled}  {objective * 1e3:14.3f} ms")
-    lines += [f"  {'x'.join(map(str, s)):>8}  no plan: {note}" for s, objective, _, note in results
+        lines.append(f"  {'x'.join(map(str, s)):>8}  {modeled}  {kept or '-':>16}  {objective * 1e3:20.3f} ms")
+    lines += [f"  {'x'.join(map(str, s)):>8}  no plan: {note}" for s, objective, _, note, _ in results
               if objective is None]
     return "\n".join(lines)
 

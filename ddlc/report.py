@@ -253,6 +253,14 @@ _KEPT = (("replicated_chosen", "replication (every rank runs the whole step; not
          ("startups_priced_chosen", "the plan searched with every start-up priced"))
 
 
+def kept_plan(stats) -> str:
+    """Which plan ``choose_plan`` kept, from its plan's ``stats``, in a word or two (the
+    names of :data:`_COMPARED`): searched, data parallel, replicated or start-ups priced."""
+    won = {"replicated_chosen": "replicated", "chosen_over_search": "data parallel",
+           "startups_priced_chosen": "start-ups priced"}
+    return next((label for flag, label in won.items() if stats.get(flag)), "searched")
+
+
 def format_report(plan: Plan, rows: list[ModuleRow], step: StepBreakdown,
                   collectives: list[CollectiveRow]) -> str:
     """The plan table, the modeled step and the collectives per step, as text."""

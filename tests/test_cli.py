@@ -163,11 +163,18 @@ def test_mesh_search_lists_the_shapes(runs):
     head = out.stdout.split("\n\n")[0]
     assert head.startswith("mesh shapes of 4 devices, best 2 of 2, by the modeled step")
     assert " 4 " in head and "2x2" in head
-    rows = [line.split() for line in head.splitlines()[2:]]  # mesh, modeled step, ms, objective, ms
+    rows = [line.split() for line in head.splitlines()[2:]]  # mesh, modeled step, ms, kept plan, objective, ms
     steps = [float(r[1]) for r in rows]
     assert steps == sorted(steps)  # both shapes lowered, the least modeled step first
     chosen = out.stdout.split("plan on mesh ")[1].split("(")[0]
     assert chosen == rows[0][0]
+    # the plan choose_plan kept on each shape: the chosen shape's is the one the report says
+    kept = [" ".join(r[3:-2]) for r in rows]
+    assert set(kept) <= {"searched", "data parallel", "replicated", "start-ups priced"}
+    said = re.search(r"kept (the searched plan|data parallelism|replication|the plan searched with every start-up "
+                     r"priced)", out.stdout)
+    assert said is not None and {"the searched plan": "searched", "data parallelism": "data parallel",
+                                 "replication": "replicated"}.get(said.group(1), "start-ups priced") == kept[0]
     modeled = float(re.search(r"modeled step ([\d.]+) ms", out.stdout).group(1))
     assert modeled == pytest.approx(steps[0], abs=1e-3)  # the report is of the chosen program
     # --json holds the table too, in its order
@@ -180,7 +187,8 @@ def test_the_search_table_breaks_ties_as_the_choice_does():
     # two shapes of the same modeled step (a replicated plan): the choice takes the one of
     # least planner objective, and the table listed the other first
     from ddlc.cli import _format_search
-    results = [((4,), 3.2e-6, 3.0e-6, ""), ((2, 2), 2.9e-6, 3.0e-6, ""), ((1, 4), None, None, "cannot cut")]
+    results = [((4,), 3.2e-6, 3.0e-6, "", "replicated"), ((2, 2), 2.9e-6, 3.0e-6, "", "replicated"),
+               ((1, 4), None, None, "cannot cut", None)]
     rows = _format_search(results).splitlines()[2:]
     assert [r.split()[0] for r in rows] == ["2x2", "4", "1x4"]
 
