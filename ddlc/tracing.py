@@ -635,6 +635,29 @@ def _without_generation_cache(model: nn.Module):
 
 
 @contextlib.contextmanager
+def _inference_mode_as_no_grad():
+    """``torch.inference_mode()`` inside the step (a block of the forward, a decorated
+    helper: an EMA teacher's targets) runs as ``torch.no_grad()`` while ddlc traces: the
+    same values, none tracked for the gradient, where real inference mode would make the
+    trace's fake tensors inference tensors, which the transforms cannot carry (the trace
+    failed: "Cannot set version_counter for inference tensor"). ``inference_mode(False)``
+    changes nothing there. (Eager raises where an inference tensor is saved for backward,
+    ``linear(inference_out)``; the trace does not.)"""
+    cls = torch.autograd.grad_mode.inference_mode
+    enter = cls.__enter__
+
+    def as_no_grad(self):  # its __exit__ leaves whatever this entered
+        self._inference_mode_context = torch.no_grad() if self.mode else contextlib.nullcontext()
+        self._inference_mode_context.__enter__()
+
+    cls.__enter__ = as_no_grad
+    try:
+        yield
+    finally:
+        cls.__enter__ = enter
+
+
+@contextlib.contextmanager
 def _sync_batch_norm_as_batch_norm():
     """``nn.SyncBatchNorm`` runs as the batch norm it is while tracing. Under DDP it
     reduces the statistics of every rank's part of the batch; ddlc traces the step on the
@@ -943,7 +966,7 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
         # GPT-2-small step)
         with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model), \
                 _forward_frames_only(), _loss_frames_kept(loss_fn), _use_lazy_graph_module(True), \
-                _checkpoints_as_regions(annotator), _sync_batch_norm_as_batch_norm(), \
+                _checkpoints_as_regions(annotator), _sync_batch_norm_as_batch_norm(), _inference_mode_as_no_grad(), \
                 _failed_kernels_unlogged(), rng.reseeds_refused():
             # a tensor the forward or loss captures from outside the model (class weights
             # in a global) becomes a constant of the graph

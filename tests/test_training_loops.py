@@ -970,3 +970,33 @@ def test_rrelu_in_eval_mode_trains_like_single_device():
     model[1].train()
     with pytest.raises(ddlc.errors.UnsupportedInputError, match="rrelu"):
         ddlc.trace(model, data[0], F.mse_loss, torch.optim.Adam(model.parameters(), lr=1e-2))
+
+
+class _InferenceModeTeacher(nn.Module):
+    """A forward that computes part of its output under ``torch.inference_mode()``, in a
+    block and in a decorated helper (an EMA teacher's targets, written so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.teacher, self.student = nn.Linear(16, 4), nn.Linear(16, 4)
+
+    @torch.inference_mode()
+    def targets(self, x):
+        return self.teacher(x)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            weights = self.teacher(x).softmax(-1)
+        return self.student(x) * 0.5 + weights - self.targets(x)
+
+
+def test_inference_mode_inside_the_forward_trains_like_single_device():
+    """``torch.inference_mode()`` inside the forward is traced as ``torch.no_grad()``: the
+    same values, no gradient (the teacher's parameters get none, and AdamW leaves them as
+    eager's does). Real inference mode made the trace's fake tensors inference tensors,
+    and the trace failed ("Cannot set version_counter for inference tensor")."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+    _matches_eager(_InferenceModeTeacher(), F.mse_loss, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                   data, (2, 2))
