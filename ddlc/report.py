@@ -106,6 +106,16 @@ class _Module:
     communication: float = 0.0
     memory: float = 0.0
     first_forward: float = math.inf                  # plan position of its first forward node
+    first_copy: float = math.inf                     # ... of its first forward clone or alias
+
+    @property
+    def order(self) -> float:
+        """Where the module comes in the forward: its first forward node other than a
+        clone or alias, else its first of those. The trace clones every buffer when the
+        forward starts (the copy the forward may update in place; ``passes/shared_reads``
+        aliases it), so a module holding a buffer (a router's bias, rotary embeddings'
+        frequencies) would otherwise come first."""
+        return self.first_forward if self.first_forward < math.inf else self.first_copy
 
 
 def _modules(plan: Plan, signature: StepSignature) -> dict[str, _Module]:
@@ -125,7 +135,10 @@ def _modules(plan: Plan, signature: StepSignature) -> dict[str, _Module]:
         m.memory += n.memory
         if n.phase == "forward" and n.outputs:
             m.activation, m.placement = ", ".join(n.outputs), n.outputs[0]
-            m.first_forward = min(m.first_forward, position)
+            if n.op in ("aten.clone", "aten.alias"):
+                m.first_copy = min(m.first_copy, position)
+            else:
+                m.first_forward = min(m.first_forward, position)
     return modules
 
 
@@ -158,7 +171,7 @@ def module_rows(plan: Plan, signature: StepSignature) -> list[ModuleRow]:
     for label, (layers, m, compute, comm, memory) in merged.items():
         sbps = " ".join(f"{leaf} {sbp}" for leaf, sbp in m.parameters)
         placement = m.parameters[0][1] if m.parameters else m.placement
-        rows.append((m.first_forward, ModuleRow(label, layers, sbps or "-", m.activation or "-",
+        rows.append((m.order, ModuleRow(label, layers, sbps or "-", m.activation or "-",
                                                 placement or "-", compute, comm, memory)))
     return [row for _, row in sorted(rows, key=lambda r: r[0])]
 

@@ -427,3 +427,33 @@ def test_calibrate_refuses_a_world_it_cannot_measure_before_starting(capsys, arg
     from ddlc.cli import main
     assert main(args) == 2
     assert cause in capsys.readouterr().err
+
+
+def test_the_module_table_is_in_forward_order_whatever_modules_hold_buffers():
+    """The trace clones every buffer as the forward starts (the copy the forward may
+    update in place): a module holding one came first in the plan table, before the
+    modules the forward runs earlier (DeepSeek-V3's router bias put ``layers.1.mlp.gate``
+    above the embedding)."""
+    import torch
+    from torch import nn
+
+    from ddlc import Mesh, pipeline
+    from ddlc.ir import STEP
+    from ddlc.options import CompileOptions
+    from ddlc.report import module_rows
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+            self.register_buffer("scale", torch.full((4,), 2.0))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Scaled())
+    gm = pipeline.trace_step(model, (torch.randn(8, 4), torch.randn(8, 4)), torch.nn.functional.mse_loss,
+                             torch.optim.SGD(model.parameters(), lr=0.1), CompileOptions())
+    plan = pipeline.plan(gm, Mesh((2,)), CompileOptions(), {})
+    order = [row.module for row in module_rows(plan, STEP(gm))]
+    assert order.index("0") < order.index("2") and order.index("0") < order.index("2.lin")
