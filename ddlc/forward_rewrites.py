@@ -59,10 +59,22 @@ class ForwardRewrites(TorchFunctionMode):
     - ``F.gaussian_nll_loss`` with a variance tensor: torch's formula (the variance clamped
       to ``eps`` without a gradient through the clamp, ``0.5 * (log var + (x - y)^2 / var)``)
       without its check that no variance is negative, which reads the values.
+    - ``p.register_hook(...)`` on a parameter, and ``register_post_accumulate_grad_hook``
+      on any tensor, are refused at the user's line: eager adds the hook to the parameter
+      itself, where it stays for every later step (and one more at every call that
+      registers it again), and runs a post-accumulate hook as ``.grad`` fills, which the
+      traced step has none of; the trace saw one call's. A hook on an activation's
+      gradient (``h.register_hook(...)``) is traced as it runs.
     - ``torch.cov`` and ``torch.corrcoef`` of a real floating tensor without observation
       weights (VICReg's and Barlow Twins' losses): torch's formula, centred product over
       ``observations - correction``, without the check that reads whether that count is
       positive (``aten.equal``, which the trace cannot evaluate: it failed there)."""
+
+    def __init__(self):
+        super().__init__()
+        #: where the forward registered hooks on activations' gradients (the user's lines),
+        #: which run while the backward is traced, where no frame of a forward is
+        self.hook_sites: list[str] = []
 
     def __enter__(self):
         #: the torch.func level of the step's transform, which the forward runs in
@@ -71,6 +83,8 @@ class ForwardRewrites(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.register_hook and (site := sources.caller()):
+            self.hook_sites.append(site)
         rewrite = _REWRITES.get(func)
         if rewrite is not None and func in _STEP_LEVEL_ONLY \
                 and torch._C._functorch.maybe_current_level() != self.level:
@@ -101,6 +115,26 @@ def _instance_norm(*args, **kwargs):
 
 def _requires_grad(tensor, requires_grad=True):
     return tensor if requires_grad else _AS_IS
+
+
+def _register_hook(tensor, hook):
+    if not (tensor.is_leaf and tensor.requires_grad):
+        return _AS_IS  # an activation's gradient: traced as it runs
+    raise UnsupportedInputError(
+        "the forward registers a hook on a parameter's gradient (p.register_hook), which eager "
+        "keeps on the parameter for every later step (one more at each call that registers it "
+        "again), and ddlc traces one step: register the hook on the activation the parameter "
+        "makes (h = layer(x); h.register_hook(...)), or express it in the loss",
+        where=sources.caller())
+
+
+def _register_post_accumulate_grad_hook(tensor, hook):
+    raise UnsupportedInputError(
+        "the forward registers a post-accumulate-grad hook (register_post_accumulate_grad_hook), "
+        "which eager runs as .grad fills at every later step; the compiled step computes its "
+        "gradients inside the traced program and fills no .grad: express what the hook does in "
+        "the loss or the model, or use clip_grad_norm= for clipping",
+        where=sources.caller())
 
 
 def _one_hot(tensor, num_classes=-1):
@@ -167,9 +201,12 @@ _INSTANCE_NORM = inspect.signature(F.instance_norm)
 _REWRITES = {F.batch_norm: _batch_norm, F.instance_norm: _instance_norm,
              torch.Tensor.requires_grad_: _requires_grad, F.one_hot: _one_hot,
              F.gaussian_nll_loss: _gaussian_nll_loss, F.embedding: _embedding,
-             torch.cov: _cov, torch.Tensor.cov: _cov, torch.corrcoef: _corrcoef, torch.Tensor.corrcoef: _corrcoef}
+             torch.cov: _cov, torch.Tensor.cov: _cov, torch.corrcoef: _corrcoef, torch.Tensor.corrcoef: _corrcoef,
+             torch.Tensor.register_hook: _register_hook,
+             torch.Tensor.register_post_accumulate_grad_hook: _register_post_accumulate_grad_hook}
 #: the calls rewritten only at the level of the step's own transform (see ForwardRewrites)
-_STEP_LEVEL_ONLY = frozenset({torch.Tensor.requires_grad_})
+_STEP_LEVEL_ONLY = frozenset({torch.Tensor.requires_grad_, torch.Tensor.register_hook,
+                              torch.Tensor.register_post_accumulate_grad_hook})
 
 
 def _instance_norm_by_reductions(input, running_mean, running_var, weight, bias, use_input_stats,

@@ -27,18 +27,33 @@ def describe_tensors(flat) -> str:
     return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in flat)
 
 
-def no_captured_parameters(gm: fx.GraphModule, model: nn.Module) -> None:
+def no_captured_parameters(gm: fx.GraphModule, model: nn.Module, updated_buffers=frozenset(),
+                           hook_sites: Sequence[str] = ()) -> None:
     """Refuse a trainable parameter the step read as a constant: a reference the forward or
     the loss took before ``compile`` (``params = list(model.parameters())`` or
-    ``w = model.fc.weight`` in a closure, an optimizer's ``param_groups``) holds the real
-    tensor, not the step's, so a penalty on it would keep its value at compile and give
-    it no gradient. (Through the model, ``model.parameters()`` inside the loss, it is the
-    step's.) Likewise any other trainable tensor the step reads (another module's
-    parameter: a GAN's discriminator called in the generator's loss), whose training the
-    step would not see."""
+    ``w = model.fc.weight`` in a closure, an optimizer's ``param_groups``), or a hook that
+    reads it while the backward runs, holds the real tensor, not the step's, so a penalty
+    on it would keep its value at compile and give it no gradient. (Through the model,
+    ``model.parameters()`` inside the loss, it is the step's.) Likewise any other
+    trainable tensor the step reads (another module's parameter: a GAN's discriminator
+    called in the generator's loss), whose training the step would not see, and a buffer
+    that the step updates (``updated_buffers``, by name) read so: the real buffer keeps its
+    value at compile while the step's moves on (a gradient hook reading a count the
+    forward increments). A constant read while the backward runs has no frame of the
+    forward: the refusal then points at the first hook the forward registered
+    (``hook_sites``, the user's lines)."""
     names = {id(p): k for k, p in model.named_parameters() if p.requires_grad}
+    buffers = {id(b): k for k, b in model.named_buffers() if k in updated_buffers}
     for node in gm.graph.find_nodes(op="get_attr"):
         value = getattr(gm, node.target, None)
+        at = source_from_stack(node.meta.get("stack_trace")) or (hook_sites[0] if hook_sites else None)
+        if id(value) in buffers:
+            raise UnsupportedInputError(
+                f"the step reads buffer {buffers[id(value)]!r}, which it updates, outside the "
+                "model's call (a hook registered in the forward that reads it while the backward "
+                "runs, or a reference kept before compile): it would read the value at compile, "
+                "where eager reads the buffer's value then. Bind the value in the forward "
+                "(c = self.count.clone(); h.register_hook(lambda g: g * c))", where=at)
         name = names.get(id(value))
         if name is None and isinstance(value, torch.Tensor) and value.requires_grad:
             raise UnsupportedInputError(
@@ -52,10 +67,11 @@ def no_captured_parameters(gm: fx.GraphModule, model: nn.Module) -> None:
             raise UnsupportedInputError(
                 f"the step reads parameter {name!r} through a reference taken outside the model "
                 "(a list of model.parameters() or a tensor kept before compile, or an optimizer's "
-                "param_groups), which would be a constant of its value at compile with no "
-                "gradient: read it through the model when the loss or forward runs "
-                "(model.parameters(), model.fc.weight)",
-                where=source_from_stack(node.meta.get("stack_trace")) or None)
+                "param_groups), or in a hook that reads it while the backward runs, which would be "
+                "a constant of its value at compile with no gradient: read it through the model "
+                "when the loss or forward runs (model.parameters(), model.fc.weight; for a hook, "
+                "bind it in the forward: w = self.fc.weight; h.register_hook(lambda g: g * w))",
+                where=at)
 
 
 def no_input_mutation(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> None:

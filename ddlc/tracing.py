@@ -119,6 +119,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
 
     n_model_inputs = len(batch) - n_targets
     annotator = _ModuleAnnotator(model)
+    rewrites = ForwardRewrites()  # one mode for every call of the forward (it keeps hook sites)
 
     def unpack(flat):
         it = iter(flat)
@@ -133,7 +134,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         is functionalized into outputs)."""
         updated = {k: v.clone() for k, v in buffer_values.items()}
         annotator.phase("forward")
-        with ForwardRewrites():
+        with rewrites:
             result = batch.call(model, {**weights, **updated}, xs[:n_model_inputs],
                                 lambda out: then(_checked_output(out)))
         _refuse_resized_buffers(buffer_values, updated)
@@ -223,7 +224,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     outputs += [OutputSpec("buffer", k) for k in buffers]
     outputs = _drop_unchanged_buffers(gm, inputs, outputs)
     graph_checks.no_input_mutation(gm, inputs)
-    graph_checks.no_captured_parameters(gm, model)
+    graph_checks.no_captured_parameters(gm, model, updated_buffers={o.key for o in outputs if o.role == "buffer"},
+                                        hook_sites=rewrites.hook_sites)
     _annotate_origins(gm, inputs, annotator)
     graph_checks.random_ops(gm)
     graph_checks.checkpointed_draws(gm, annotator.fresh_draws)
@@ -996,6 +998,13 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
                 f"compile(..., backend='inductor') runs each rank's program through Inductor ({text})",
                 where=line) from e
         function = sources.autograd_function(e)
+        if function is torch.nn.modules._functions.BackwardHookFunction:
+            raise UnsupportedInputError(
+                "the forward registers a backward hook on a module (register_full_backward_hook "
+                "or register_full_backward_pre_hook), which torch runs through an autograd.Function "
+                "the torch.func transforms ddlc traces with cannot run: register a hook on the "
+                f"activation's gradient instead (h.register_hook(...) inside forward is traced) ({text})",
+                where=line) from e
         if function is not None and function.__module__.startswith("torch.") \
                 and _CUSTOM_FUNCTION.search(f"{type(e).__name__} {e}"):
             raise UnsupportedInputError(

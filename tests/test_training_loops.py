@@ -1000,3 +1000,72 @@ def test_inference_mode_inside_the_forward_trains_like_single_device():
     data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
     _matches_eager(_InferenceModeTeacher(), F.mse_loss, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
                    data, (2, 2))
+
+
+class _HookedForward(nn.Module):
+    """A forward that registers a hook as it runs (``kind``), beside a count buffer it
+    increments."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        with torch.no_grad():
+            self.count.add_(1)
+        h = h * 1.0
+        if self.kind == "count bound":   # the hook reads the value bound in the forward
+            count = self.count.clone()
+            h.register_hook(lambda g: g * count)
+        elif self.kind == "weight bound":
+            bias = self.fc2.bias
+            h.register_hook(lambda g: g * bias.sum())
+        elif self.kind == "count read in backward":
+            h.register_hook(lambda g: g * self.count)
+        elif self.kind == "weight read in backward":
+            h.register_hook(lambda g: g * self.fc2.bias.sum())
+        elif self.kind == "on a parameter":
+            self.fc1.weight.register_hook(lambda g: g * 2)
+        elif self.kind == "post-accumulate":
+            self.fc1.weight.register_post_accumulate_grad_hook(lambda p: None)
+        elif self.kind == "module backward":
+            self.fc2.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 3,))
+        return self.fc2(h)
+
+
+def _hook_data():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+
+
+@pytest.mark.parametrize("kind", ["count bound", "weight bound"])
+def test_a_gradient_hook_registered_in_the_forward_trains_like_single_device(kind):
+    """A hook on an activation's gradient registered by the forward, reading values the
+    forward bound (a count it increments, a weight), trains as in eager."""
+    torch.manual_seed(0)
+    _matches_eager(_HookedForward(kind), F.mse_loss, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                   _hook_data(), (2, 2))
+
+
+@pytest.mark.parametrize("kind, cause", [
+    ("count read in backward", "reads buffer 'count', which it updates, outside the model's call"),
+    ("weight read in backward", "reads parameter 'fc2.bias' .* or in a hook"),
+    ("on a parameter", "registers a hook on a parameter's gradient"),
+    ("post-accumulate", "registers a post-accumulate-grad hook"),
+    ("module backward", "registers a backward hook on a module"),
+])
+def test_hooks_the_trace_cannot_reproduce_are_refused_with_the_cause(kind, cause):
+    """What eager does with these hooks, one traced step does not: a hook that reads a
+    buffer the forward updates when the backward runs read the real buffer, frozen at its
+    value at compile (eager multiplied the gradient by 1, 2, 3 over the steps; the
+    compiled step by 0, silently); a hook registered on a parameter stays there in eager
+    (one more at every call); post-accumulate hooks run as ``.grad`` fills, which the
+    traced step has none of; a module backward hook registered in the forward was refused
+    as torch.distributions' sampling."""
+    model = _HookedForward(kind)
+    with pytest.raises(ddlc.errors.UnsupportedInputError, match=cause) as info:
+        ddlc.trace(model, _hook_data()[0], F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "test_training_loops.py" in str(info.value)
