@@ -64,7 +64,8 @@ class ForwardRewrites(TorchFunctionMode):
       itself, where it stays for every later step (and one more at every call that
       registers it again), and runs a post-accumulate hook as ``.grad`` fills, which the
       traced step has none of; the trace saw one call's. A hook on an activation's
-      gradient (``h.register_hook(...)``) is traced as it runs.
+      gradient (``h.register_hook(...)``) is traced as it runs; ``h.retain_grad()`` does
+      nothing (torch.func refuses it, and the step fills no ``.grad`` for anyone to read).
     - ``torch.cov`` and ``torch.corrcoef`` of a real floating tensor without observation
       weights (VICReg's and Barlow Twins' losses): torch's formula, centred product over
       ``observations - correction``, without the check that reads whether that count is
@@ -126,6 +127,10 @@ def _register_hook(tensor, hook):
         "again), and ddlc traces one step: register the hook on the activation the parameter "
         "makes (h = layer(x); h.register_hook(...)), or express it in the loss",
         where=sources.caller())
+
+
+def _retain_grad(tensor):
+    return None  # the step fills no .grad; eager's stays unread by it
 
 
 def _register_post_accumulate_grad_hook(tensor, hook):
@@ -202,10 +207,10 @@ _REWRITES = {F.batch_norm: _batch_norm, F.instance_norm: _instance_norm,
              torch.Tensor.requires_grad_: _requires_grad, F.one_hot: _one_hot,
              F.gaussian_nll_loss: _gaussian_nll_loss, F.embedding: _embedding,
              torch.cov: _cov, torch.Tensor.cov: _cov, torch.corrcoef: _corrcoef, torch.Tensor.corrcoef: _corrcoef,
-             torch.Tensor.register_hook: _register_hook,
+             torch.Tensor.register_hook: _register_hook, torch.Tensor.retain_grad: _retain_grad,
              torch.Tensor.register_post_accumulate_grad_hook: _register_post_accumulate_grad_hook}
 #: the calls rewritten only at the level of the step's own transform (see ForwardRewrites)
-_STEP_LEVEL_ONLY = frozenset({torch.Tensor.requires_grad_, torch.Tensor.register_hook,
+_STEP_LEVEL_ONLY = frozenset({torch.Tensor.requires_grad_, torch.Tensor.register_hook, torch.Tensor.retain_grad,
                               torch.Tensor.register_post_accumulate_grad_hook})
 
 

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten
 
 from . import rng
@@ -72,6 +73,24 @@ def no_captured_parameters(gm: fx.GraphModule, model: nn.Module, updated_buffers
                 "when the loss or forward runs (model.parameters(), model.fc.weight; for a hook, "
                 "bind it in the forward: w = self.fc.weight; h.register_hook(lambda g: g * w))",
                 where=at)
+
+
+def no_traced_constants(gm: fx.GraphModule) -> None:
+    """Refuse a constant of the graph that is a value of the trace itself (a fake tensor,
+    which holds no data): a function the forward built around traced values and called
+    outside them kept them (``torch.func.linearize`` in the forward returns a function
+    holding its primals). No program could run it (it failed when the graph was copied
+    or sent to the other ranks, with torch's traceback)."""
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = getattr(gm, node.target, None)
+        if isinstance(value, torch.Tensor) and is_fake(value):
+            raise UnsupportedInputError(
+                "the step holds a value of its own trace as a constant, kept by a function the "
+                "forward built and called later (torch.func.linearize's function keeps its "
+                "primals), which no program can run: use torch.func.jvp at the point of use "
+                "instead (out, tangent_out = torch.func.jvp(f, (x,), (v,)))",
+                where=next((at for n in (node, *node.users) if (at := source_from_stack(n.meta.get("stack_trace")))),
+                           None))
 
 
 def no_input_mutation(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> None:

@@ -224,6 +224,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     outputs += [OutputSpec("buffer", k) for k in buffers]
     outputs = _drop_unchanged_buffers(gm, inputs, outputs)
     graph_checks.no_input_mutation(gm, inputs)
+    graph_checks.no_traced_constants(gm)
     graph_checks.no_captured_parameters(gm, model, updated_buffers={o.key for o in outputs if o.role == "buffer"},
                                         hook_sites=rewrites.hook_sites)
     _annotate_origins(gm, inputs, annotator)
@@ -930,12 +931,15 @@ _CAUSES = (
      "cannot run: leave it out (ddlc keeps activations within memory_budget= by its plan; "
      "activation checkpointing, torch.utils.checkpoint with use_reentrant=False, is "
      "recomputed in the graph)"),
-    (re.compile(r"differentiated Tensors does not require grad", re.I), UnsupportedInputError,
+    (re.compile(r"differentiated Tensors does not require grad|does not require grad and does not have a "
+                r"grad_fn", re.I), UnsupportedInputError,
      "the model calls torch.autograd.grad with respect to a tensor it marks with "
-     "requires_grad_() inside the step (a gradient penalty on the input batch): under the "
-     "torch.func transforms ddlc traces with only the parameters carry gradients, and "
-     "requires_grad_() does nothing; take the gradient with respect to an activation the "
-     "parameters produce (e.g. the first layer's output), which ddlc traces"),
+     "requires_grad_() inside the step (a gradient penalty on the input batch; forces as the "
+     "gradient of an energy): under the torch.func transforms ddlc traces with only the "
+     "parameters carry gradients, and requires_grad_() does nothing; take the gradient with "
+     "torch.func.grad (g = torch.func.grad(lambda x: energy(x).sum())(x)), or with respect "
+     "to an activation the parameters produce (e.g. the first layer's output), which ddlc "
+     "traces"),
     (re.compile(r"mutate a captured Tensor", re.I), UnsupportedInputError,
      "the model updates in place a tensor that is not one of its buffers: an input of the "
      "step (`x.mul_(2)` on the batch: write `x = x * 2`), a frozen parameter "

@@ -865,3 +865,45 @@ def test_each_update_equals_torch_optims(make, dtype):
         assert set(state) == set(opt.state[param])
         for name, value in opt.state[param].items():
             torch.testing.assert_close(state[name].to(value.dtype), value, **tolerance, msg=name)
+
+
+def test_torch_func_linearize_in_the_forward_is_refused_with_the_fix():
+    """``torch.func.linearize``'s function keeps its primals, fake tensors of the trace,
+    which became constants of the graph: ddlc.compile then failed copying or sending the
+    graph, with torch's traceback. Refused when traced, pointing at torch.func.jvp."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.f = torch.nn.Linear(16, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+
+        def forward(self, x):
+            h = self.embed(x)
+            out, push = torch.func.linearize(self.f, h)
+            return out + 0.1 * push(h)
+
+    model = Model()
+    with pytest.raises(UnsupportedInputError, match="linearize.*torch.func.jvp"):
+        ddlc.trace(model, (torch.randn(8, 16), torch.randn(8, 4)), F.mse_loss,
+                   torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_an_inference_program_taking_autograd_grad_of_its_input_is_refused_with_the_fix():
+    """An inference program whose forward takes ``torch.autograd.grad`` of an energy with
+    respect to its marked input (forces) failed with torch's 'does not require grad'
+    message; the refusal names the cause and torch.func.grad, which traces."""
+
+    class Energy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+        def forward(self, x):
+            with torch.enable_grad():
+                x = x.detach().requires_grad_()
+                (g,) = torch.autograd.grad(self.net(x).sum(), x)
+            return -g
+
+    with pytest.raises(UnsupportedInputError, match="torch.func.grad") as info:
+        ddlc.trace(Energy(), (torch.randn(8, 4),))
+    assert "test_trace.py" in str(info.value)

@@ -1033,6 +1033,8 @@ class _HookedForward(nn.Module):
             self.fc1.weight.register_post_accumulate_grad_hook(lambda p: None)
         elif self.kind == "module backward":
             self.fc2.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 3,))
+        elif self.kind == "retain_grad":
+            h.retain_grad()
         return self.fc2(h)
 
 
@@ -1041,10 +1043,11 @@ def _hook_data():
     return [(torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
 
 
-@pytest.mark.parametrize("kind", ["count bound", "weight bound"])
+@pytest.mark.parametrize("kind", ["count bound", "weight bound", "retain_grad"])
 def test_a_gradient_hook_registered_in_the_forward_trains_like_single_device(kind):
     """A hook on an activation's gradient registered by the forward, reading values the
-    forward bound (a count it increments, a weight), trains as in eager."""
+    forward bound (a count it increments, a weight), trains as in eager; so does a forward
+    that calls ``h.retain_grad()`` (torch.func refused it: the trace failed)."""
     torch.manual_seed(0)
     _matches_eager(_HookedForward(kind), F.mse_loss, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                    _hook_data(), (2, 2))
