@@ -223,6 +223,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         outputs = [OutputSpec("output", f"output{i}") for i in range(outputs_tree.num_tensors)]
     outputs += [OutputSpec("buffer", k) for k in buffers]
     outputs = _drop_unchanged_buffers(gm, inputs, outputs)
+    _bind_reads_in_backward(gm, model, inputs, outputs)
     graph_checks.no_input_mutation(gm, inputs)
     graph_checks.no_traced_constants(gm)
     graph_checks.no_captured_parameters(gm, model, updated_buffers={o.key for o in outputs if o.role == "buffer"},
@@ -798,6 +799,36 @@ def _drop_unchanged_buffers(gm: fx.GraphModule, inputs: Sequence[InputSpec],
 
 
 _COPIES = (torch.ops.aten.clone.default, torch.ops.aten.alias.default, torch.ops.aten.alias_copy.default)
+
+
+def _bind_reads_in_backward(gm: fx.GraphModule, model: nn.Module, inputs: Sequence[InputSpec],
+                            outputs: Sequence[OutputSpec]) -> None:
+    """A hook on an activation's gradient that reads a parameter or buffer through the
+    module (``h.register_hook(lambda g: g * self.scale)``) runs while the backward is
+    traced, after the forward's reparametrization ended: it reads the real tensor, which
+    make_fx keeps as a constant of its value at compile. Eager reads the tensor's value at
+    that moment, and no gradient flows through what a hook computes: the step's parameter
+    (its update comes after the backward), or the buffer's value after the forward's
+    in-place updates. So a constant that is one of the model's tensors and that only
+    backward nodes read becomes that value: the parameter's or buffer's placeholder, or the
+    buffer's value the step returns. Read anywhere else (a reference kept before compile,
+    read by the forward or the loss), it stays, and
+    :func:`graph_checks.no_captured_parameters` refuses it."""
+    key_of = {id(t): k for k, t in [*model.named_parameters(), *model.named_buffers()]}
+    placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+    value_of = {i.key: placeholders[i.name] for i in inputs if i.role in ("param", "buffer")}
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    value_of.update((o.key, v) for o, v in zip(outputs, output.args[0]) if o.role == "buffer")
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        value = value_of.get(key_of.get(id(getattr(gm, node.target, None))))
+        in_backward = node.users and all((u.meta.get("custom") or {}).get("ddlc_phase") == "backward"
+                                         for u in node.users)
+        if value is not None and in_backward and all(position[value] < position[u] for u in node.users):
+            node.replace_all_uses_with(value)
+            gm.graph.erase_node(node)
+            if not any(n.target == node.target for n in gm.graph.find_nodes(op="get_attr")):
+                delattr(gm, node.target)  # the real tensor, no longer read
 
 
 class _ModuleAnnotator:
