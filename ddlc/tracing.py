@@ -964,13 +964,14 @@ _CAUSES = (
      "recomputed in the graph)"),
     (re.compile(r"differentiated Tensors does not require grad|does not require grad and does not have a "
                 r"grad_fn", re.I), UnsupportedInputError,
-     "the model calls torch.autograd.grad with respect to a tensor it marks with "
-     "requires_grad_() inside the step (a gradient penalty on the input batch; forces as the "
-     "gradient of an energy): under the torch.func transforms ddlc traces with only the "
-     "parameters carry gradients, and requires_grad_() does nothing; take the gradient with "
-     "torch.func.grad (g = torch.func.grad(lambda x: energy(x).sum())(x)), or with respect "
-     "to an activation the parameters produce (e.g. the first layer's output), which ddlc "
-     "traces"),
+     "the model calls torch.autograd.grad with respect to a tensor that carries no gradient in "
+     "ddlc's trace: one it marks with requires_grad_() inside the step (a gradient penalty on "
+     "the input batch; forces as the gradient of an energy), or any tensor in an inference "
+     "program (no loss_fn and no optimizer: nothing requires a gradient). Under the torch.func "
+     "transforms ddlc traces with, only a training step's parameters carry gradients and "
+     "requires_grad_() does nothing: take the gradient with torch.func.grad "
+     "(g = torch.func.grad(lambda x: energy(x).sum())(x)), or, in a training step, with "
+     "respect to an activation the parameters produce, which ddlc traces"),
     (re.compile(r"mutate a captured Tensor", re.I), UnsupportedInputError,
      "the model updates in place a tensor that is not one of its buffers: an input of the "
      "step (`x.mul_(2)` on the batch: write `x = x * 2`), a frozen parameter "
