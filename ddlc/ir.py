@@ -199,7 +199,8 @@ class StepSignature:
     #: how a forward pass's outputs rebuild the model's output structure
     output_tree: "OutputTree | None" = None
     #: the optimizer's parameters the loss does not read: never updated, and without state
-    #: in torch.optim (which creates a parameter's state at its first gradient)
+    #: in torch.optim (which creates a parameter's state at its first gradient); without an
+    #: optimizer, the trainable parameters whose gradient eager leaves None
     untrained: tuple[str, ...] = ()
 
     def keys(self, role: str) -> list[str]:

@@ -964,8 +964,10 @@ class CompiledStep:
                 if not (g.get("capturable") or g.get("fused")) for p in g["params"] if id(p) in names}
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """Full gradients of the last step (compiled with loss_fn, no optimizer; collective)."""
-        return {k: self._gather(k, v) for k, v in self.gradients_local.items()}
+        """Full gradients of the last step (compiled with loss_fn, no optimizer; collective),
+        but of the parameters the loss does not reach, whose ``.grad`` eager leaves None."""
+        unreached = set(self.signature.untrained)
+        return {k: self._gather(k, v) for k, v in self.gradients_local.items() if k not in unreached}
 
     def timeline(self):
         """The modeled timeline of this rank's program (:mod:`cost_models.program`):

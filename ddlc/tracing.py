@@ -208,6 +208,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
                 DRAW_ORDER.set(mask, order)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     untrained = ()
+    if training and optimizer is None:  # the gradients are the step's outputs
+        untrained = _without_gradient(gm, len(clip), list(trainable))
     if training and optimizer is not None:
         untrained = _stamp_updates(gm, placeholders, inputs, specs, group_of, scalar_names, len(clip))
         if specs and len(untrained) == len(specs):
@@ -272,6 +274,17 @@ def _stamp_updates(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: 
     for update in updates:  # the zeros of an unused parameter's gradient
         _erase_if_unused(gm.graph, update.grad)
     return tuple(k for k, u in zip(specs, updates) if u.grad not in from_loss)
+
+
+def _without_gradient(gm: fx.GraphModule, n_norm: int, trainable: Sequence[str]) -> tuple[str, ...]:
+    """The trainable parameters of a step without optimizer, traced as ``(loss, *norm,
+    *grads, ...)``, whose gradient the loss does not give (torch.func's zeros, where
+    eager's ``.grad`` stays None): ``CompiledStep.gradients`` leaves them out."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = list(output.args[0])
+    from_loss = _descendants(values[0], stop=set(values[1:1 + n_norm]))
+    grads = values[1 + n_norm:1 + n_norm + len(trainable)]
+    return tuple(k for k, grad in zip(trainable, grads) if grad not in from_loss)
 
 
 def _erase_if_unused(graph: fx.Graph, node: fx.Node) -> None:

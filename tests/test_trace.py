@@ -54,6 +54,30 @@ def test_gradients_without_optimizer_match_autograd():
         torch.testing.assert_close(out["grad"][name], p.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_gradients_without_optimizer_leave_out_what_eager_leaves_none():
+    """Without an optimizer the step's gradients are its outputs; a parameter the loss does
+    not reach gets torch.func's zeros, where eager's ``.grad`` stays None: the signature
+    names it (``untrained``), and ``CompiledStep.gradients`` leaves it out."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "unused": torch.nn.Linear(4, 4)})
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    gm = ddlc.trace(_Used(model), (x, y), F.mse_loss)
+    assert gm.meta["ddlc_step"].untrained == ("model.unused.weight", "model.unused.bias")
+    F.mse_loss(_Used(model)(x), y).backward()
+    assert model["unused"].weight.grad is None and model["used"].weight.grad is not None
+
+
+class _Used(torch.nn.Module):
+    """Calls the ``used`` layer of a ModuleDict and leaves its ``unused`` one alone."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model["used"](x)
+
+
 def test_forward_only_and_roles():
     model = MLP()
     x = torch.randn(8, 32)
