@@ -975,6 +975,12 @@ _CAUSES = (
      "cannot run: leave it out (ddlc keeps activations within memory_budget= by its plan; "
      "activation checkpointing, torch.utils.checkpoint with use_reentrant=False, is "
      "recomputed in the graph)"),
+    (re.compile(r"attempting to call Tensor\.requires_grad_\(\) \(or perhaps using torch\.autograd\.functional", re.I),
+     UnsupportedInputError,
+     "the step calls torch.autograd.functional (vjp, jvp, hvp, vhp, jacobian, hessian) or "
+     "requires_grad_() inside a torch.func transform of its own: those mark their inputs with "
+     "requires_grad_(), which the torch.func transforms ddlc traces with refuse; use "
+     "torch.func's own (torch.func.vjp, jvp, jacrev, jacfwd, hessian), which trace"),
     (re.compile(r"differentiated Tensors does not require grad|does not require grad and does not have a "
                 r"grad_fn", re.I), UnsupportedInputError,
      "the model calls torch.autograd.grad with respect to a tensor that carries no gradient in "

@@ -931,3 +931,24 @@ def test_an_inference_program_taking_autograd_grad_of_its_input_is_refused_with_
     with pytest.raises(UnsupportedInputError, match="torch.func.grad") as info:
         ddlc.trace(Energy(), (torch.randn(8, 4),))
     assert "test_trace.py" in str(info.value)
+
+
+def test_torch_autograd_functional_in_the_forward_is_refused_naming_torch_func():
+    """``torch.autograd.functional.vjp`` (hvp, jacobian...) marks its inputs with
+    ``requires_grad_()``, which the transforms refuse; the refusal names the API and
+    torch.func's own transforms (it was torch's message alone, wrapped in a TraceError)."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.f = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+
+        def forward(self, x):
+            h = self.a(x)
+            _, v = torch.autograd.functional.vjp(self.f, h, torch.ones_like(h), create_graph=True)
+            return h + v
+
+    model = Model()
+    with pytest.raises(UnsupportedInputError, match=r"torch.autograd.functional \(vjp.*torch.func.vjp") as info:
+        ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 4)), F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "test_trace.py" in str(info.value)
