@@ -950,5 +950,6 @@ def test_torch_autograd_functional_in_the_forward_is_refused_naming_torch_func()
 
     model = Model()
     with pytest.raises(UnsupportedInputError, match=r"torch.autograd.functional \(vjp.*torch.func.vjp") as info:
-        ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 4)), F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+        ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 4)), F.mse_loss,
+                   torch.optim.SGD(model.parameters(), lr=0.1))
     assert "test_trace.py" in str(info.value)
