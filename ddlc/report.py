@@ -260,18 +260,20 @@ _COMPARED = (("searched_step", "searched"), ("data_parallel_step", "data paralle
              ("replicated_step", "replicated"), ("startups_priced_step", "start-ups priced"))
 _CANDIDATE_NAMES = {"data parallel": "data parallelism", "replicated": "replication",
                     "start-ups priced": "the plan searched with every start-up priced"}
-#: the flag ``choose_plan`` sets in its plan's stats when a candidate won, and the plan kept
-_KEPT = (("replicated_chosen", "replication (every rank runs the whole step; nothing is communicated)"),
-         ("chosen_over_search", "data parallelism"),
-         ("startups_priced_chosen", "the plan searched with every start-up priced"))
+#: the flag ``choose_plan`` sets in its plan's stats when a candidate won, and that
+#: candidate's name in :data:`_COMPARED`
+_KEPT = (("replicated_chosen", "replicated"), ("chosen_over_search", "data parallel"),
+         ("startups_priced_chosen", "start-ups priced"))
+#: how the report's "kept ..." names each plan
+_KEPT_TEXT = {"searched": "the searched plan",
+              "replicated": "replication (every rank runs the whole step; nothing is communicated)",
+              "data parallel": "data parallelism", "start-ups priced": "the plan searched with every start-up priced"}
 
 
 def kept_plan(stats) -> str:
-    """Which plan ``choose_plan`` kept, from its plan's ``stats``, in a word or two (the
-    names of :data:`_COMPARED`): searched, data parallel, replicated or start-ups priced."""
-    won = {"replicated_chosen": "replicated", "chosen_over_search": "data parallel",
-           "startups_priced_chosen": "start-ups priced"}
-    return next((label for flag, label in won.items() if stats.get(flag)), "searched")
+    """Which plan ``choose_plan`` kept, from its plan's ``stats``, by its name in
+    :data:`_COMPARED`: searched, data parallel, replicated or start-ups priced."""
+    return next((label for flag, label in _KEPT if stats.get(flag)), "searched")
 
 
 def format_report(plan: Plan, rows: list[ModuleRow], step: StepBreakdown,
@@ -281,7 +283,7 @@ def format_report(plan: Plan, rows: list[ModuleRow], step: StepBreakdown,
     lines = [f"plan on mesh {mesh}, profile {plan.profile}, solver {plan.solver}"]
     stats = plan.stats
     steps = [(label, stats[key]) for key, label in _COMPARED if key in stats]
-    kept = next((text for flag, text in _KEPT if stats.get(flag)), "the searched plan")
+    kept = _KEPT_TEXT[kept_plan(stats)]
     if "data_parallel_none" in stats:
         lines.append(f"checked against data parallelism: none could be planned "
                      f"({stats['data_parallel_none']})" + ("" if len(steps) > 1 else f": kept {kept}"))

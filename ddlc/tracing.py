@@ -260,28 +260,29 @@ def _stamp_updates(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: 
     rest = iter(values[1 + n_norm + len(specs):])
     scalars = {g: tuple(next(rest) for _ in names) for g, names in scalar_names.items()}
     buffers = list(rest)
-    # not through the clipping norm: every clipped gradient is computed from it, the zeros
-    # of an unused parameter's too
-    from_loss = _descendants(head[0], stop=set(head[1:]))
+    untrained = _without_gradient(gm, n_norm, list(specs))
     updates = [Update(spec, node_of["param", k], grad,
                       tuple(node_of["opt_state", f"{k}:{s}"] for s in spec.state_names),
                       scalar_names[group_of[k]], scalars[group_of[k]])
                for (k, spec), grad in zip(specs.items(), grads)]
-    stamped = iter(stamp_updates(gm.graph, [u for u in updates if u.grad in from_loss],
+    stamped = iter(stamp_updates(gm.graph, [u for k, u in zip(specs, updates) if k not in untrained],
                                  {"ddlc_phase": "optimizer", "ddlc_module": None}))
-    new = [next(stamped) if u.grad in from_loss else (u.param, *u.state) for u in updates]
+    new = [next(stamped) if k not in untrained else (u.param, *u.state) for k, u in zip(specs, updates)]
     output.args = ((*head, *(n[0] for n in new), *(s for n in new for s in n[1:]), *buffers),)
     for update in updates:  # the zeros of an unused parameter's gradient
         _erase_if_unused(gm.graph, update.grad)
-    return tuple(k for k, u in zip(specs, updates) if u.grad not in from_loss)
+    return untrained
 
 
 def _without_gradient(gm: fx.GraphModule, n_norm: int, trainable: Sequence[str]) -> tuple[str, ...]:
-    """The trainable parameters of a step without optimizer, traced as ``(loss, *norm,
-    *grads, ...)``, whose gradient the loss does not give (torch.func's zeros, where
-    eager's ``.grad`` stays None): ``CompiledStep.gradients`` leaves them out."""
+    """The trainable parameters of a step traced as ``(loss, *norm, *grads, ...)`` whose
+    gradient the loss does not give (torch.func's zeros, where eager's ``.grad`` stays
+    None): with an optimizer, :func:`_stamp_updates` leaves them as they are; without,
+    ``CompiledStep.gradients`` leaves them out."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = list(output.args[0])
+    # not through the clipping norm: every clipped gradient is computed from it, the zeros
+    # of an unused parameter's too
     from_loss = _descendants(values[0], stop=set(values[1:1 + n_norm]))
     grads = values[1 + n_norm:1 + n_norm + len(trainable)]
     return tuple(k for k, grad in zip(trainable, grads) if grad not in from_loss)
@@ -827,6 +828,8 @@ def _bind_reads_in_backward(gm: fx.GraphModule, model: nn.Module, inputs: Sequen
     buffer's value the step returns. Read anywhere else (a reference kept before compile,
     read by the forward or the loss), it stays, and
     :func:`graph_checks.no_captured_parameters` refuses it."""
+    if not gm.graph.find_nodes(op="get_attr"):
+        return
     key_of = {id(t): k for k, t in [*model.named_parameters(), *model.named_buffers()]}
     placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
     value_of = {i.key: placeholders[i.name] for i in inputs if i.role in ("param", "buffer")}

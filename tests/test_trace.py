@@ -896,20 +896,26 @@ def test_torch_func_linearize_in_the_forward_is_refused_with_the_fix():
     which became constants of the graph: ddlc.compile then failed copying or sending the
     graph, with torch's traceback. Refused when traced, pointing at torch.func.jvp."""
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed, self.f = torch.nn.Linear(16, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    def linearized(f, h):
+        out, push = torch.func.linearize(f, h)
+        return out + 0.1 * push(h)
 
-        def forward(self, x):
-            h = self.embed(x)
-            out, push = torch.func.linearize(self.f, h)
-            return out + 0.1 * push(h)
-
-    model = Model()
+    model = _TransformInForward(linearized)
     with pytest.raises(UnsupportedInputError, match="linearize.*torch.func.jvp"):
-        ddlc.trace(model, (torch.randn(8, 16), torch.randn(8, 4)), F.mse_loss,
+        ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 4)), F.mse_loss,
                    torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+class _TransformInForward(torch.nn.Module):
+    """A linear layer, then ``transform(f, h)`` of a small function ``f`` of its output."""
+
+    def __init__(self, transform):
+        super().__init__()
+        self.transform = transform
+        self.a, self.f = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+
+    def forward(self, x):
+        return self.transform(self.f, self.a(x))
 
 
 def test_an_inference_program_taking_autograd_grad_of_its_input_is_refused_with_the_fix():
@@ -938,17 +944,11 @@ def test_torch_autograd_functional_in_the_forward_is_refused_naming_torch_func()
     ``requires_grad_()``, which the transforms refuse; the refusal names the API and
     torch.func's own transforms (it was torch's message alone, wrapped in a TraceError)."""
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.f = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    def vjp_term(f, h):
+        _, v = torch.autograd.functional.vjp(f, h, torch.ones_like(h), create_graph=True)
+        return h + v
 
-        def forward(self, x):
-            h = self.a(x)
-            _, v = torch.autograd.functional.vjp(self.f, h, torch.ones_like(h), create_graph=True)
-            return h + v
-
-    model = Model()
+    model = _TransformInForward(vjp_term)
     with pytest.raises(UnsupportedInputError, match=r"torch.autograd.functional \(vjp.*torch.func.vjp") as info:
         ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 4)), F.mse_loss,
                    torch.optim.SGD(model.parameters(), lr=0.1))
