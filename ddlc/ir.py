@@ -202,6 +202,8 @@ class StepSignature:
     #: in torch.optim (which creates a parameter's state at its first gradient); without an
     #: optimizer, the trainable parameters whose gradient eager leaves None
     untrained: tuple[str, ...] = ()
+    #: the shape of the loss the model or ``loss_fn`` returns (one element; the graph's is 0-d)
+    loss_shape: tuple[int, ...] = ()
 
     def keys(self, role: str) -> list[str]:
         return [i.key for i in self.inputs if i.role == role]

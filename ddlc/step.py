@@ -486,7 +486,7 @@ class CompiledStep:
         self.steps_done += 1
         self._last_ran = holding.now()
         holding.hold(self, self._model, self._optimizer)
-        return out["loss"]["loss"].detach()
+        return out["loss"]["loss"].detach().reshape(self.signature.loss_shape)
 
     def _take_inference_statistics(self) -> None:
         """Where an inference program of this model, or of a model sharing a submodule with

@@ -115,6 +115,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         outputs = ([OutputSpec("loss", "loss"), *clip] + [OutputSpec("param", k) for k in specs]
                    + [OutputSpec("opt_state", k) for k in opt_state])
     outputs_tree = None
+    loss_shape: tuple[int, ...] = ()  # a one-element loss of another shape is traced 0-d
     scalar_names: dict[int, tuple[str, ...]] = {}  # per param group, its update's scalars
 
     n_model_inputs = len(batch) - n_targets
@@ -152,8 +153,11 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         frozen = {k: v for k, v in p.items() if k not in trainable}
 
         def compute_loss(train_params, buffer_values):
+            nonlocal loss_shape
             loss, updated = run_forward({**train_params, **frozen}, buffer_values, xs,
                                         lambda out: _loss_of(out, loss_fn, xs[n_model_inputs:]))
+            if loss.ndim:  # step() returns it in its shape; torch.func takes 0-d losses only
+                loss_shape, loss = tuple(loss.shape), loss.reshape(())
             annotator.phase("backward")
             annotator.watch_backward(loss)
             return loss, updated
@@ -239,7 +243,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     gm.recompile()
     STEP.set(gm, StepSignature(tuple(inputs), tuple(outputs), tuple((k, specs[k]) for k in specs),
                                n_targets, tuple(groups.items()), tuple(hyper.items()),
-                               keyword_batch=batch.keyword, output_tree=outputs_tree, untrained=untrained))
+                               keyword_batch=batch.keyword, output_tree=outputs_tree, untrained=untrained,
+                               loss_shape=loss_shape))
     return gm
 
 
@@ -692,7 +697,9 @@ def _sync_batch_norm_as_batch_norm():
 
 def _loss_of(out, loss_fn: Callable | None, targets: Sequence[torch.Tensor]) -> torch.Tensor:
     """The step's loss: ``loss_fn(out, *targets)``, or the model's own (``out`` itself, its
-    ``.loss`` or ``["loss"]``, or a scalar first element of a tuple)."""
+    ``.loss`` or ``["loss"]``, or a scalar first element of a tuple); any one-element
+    tensor, as eager's ``backward()`` takes (``(1,)``, as code written for
+    ``nn.DataParallel`` returns)."""
     if loss_fn is not None:
         loss, what = loss_fn(out, *targets), "loss_fn"
     else:

@@ -1085,3 +1085,49 @@ def test_a_buffer_the_step_updates_read_by_the_loss_through_a_reference_is_refus
     with pytest.raises(ddlc.errors.UnsupportedInputError, match="reads buffer 'count', which it updates"):
         ddlc.trace(model, _hook_data()[0], lambda out, y: F.mse_loss(out, y) * count,
                    torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _one_element_loss(out, target):
+    """A loss of shape ``(1,)``, as code written for ``nn.DataParallel`` returns it (eager's
+    ``backward()`` takes any one-element loss)."""
+    return F.mse_loss(out, target).unsqueeze(0)
+
+
+def _one_element_loss_data():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g)) for _ in range(3)]
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_a_loss_of_shape_one_trains_as_eager(mesh_shape):
+    """It is traced as the 0-d loss torch.func takes (it was refused as if the example
+    inputs did not fit the model)."""
+    torch.manual_seed(0)
+    model = zoo.MLP()
+    reference = copy.deepcopy(model)
+    losses, params, _, _ = simulated(model, _one_element_loss, _adamw, _one_element_loss_data(), mesh_shape)
+    want, _ = eager(reference, _one_element_loss, _adamw, _one_element_loss_data())
+    assert_matches_reference({"losses": torch.stack(losses), "params": params},
+                             {"losses": torch.cat(want), "params": dict(reference.named_parameters())})
+
+
+def _one_element_loss_steps(rank):
+    torch.manual_seed(0)
+    model = zoo.MLP()
+    data = _one_element_loss_data()
+    step = ddlc.compile(model, (1,), data[0], loss_fn=_one_element_loss, optimizer=_adamw(model))
+    return [step.step(*batch) for batch in data]
+
+
+@pytest.mark.multiprocess
+def test_step_returns_a_loss_of_shape_one_in_its_shape():
+    from ddlc.launch import spawn
+    got = spawn(_one_element_loss_steps, 1, timeout=60, deadline=100)[0]
+    torch.manual_seed(0)
+    want, _ = eager(zoo.MLP(), _one_element_loss, _adamw, _one_element_loss_data())
+    assert [loss.shape for loss in got] == [torch.Size([1])] * 3
+    torch.testing.assert_close(torch.cat(got), torch.cat(want))
