@@ -119,14 +119,19 @@ class _Emitter:
 
     def laid_out_as(self, x: fx.Node, boxed: fx.Node, reader: fx.Node) -> fx.Node:
         """``boxed`` (``x`` redistributed for ``reader``, which reads its storage through
-        strides recorded from eager's layout: an ``as_strided`` replay) in ``x``'s layout
-        where that is not row-major: a collective's result is row-major, and the replay
-        would read other elements. A ``LoweringError`` where the replay reads a piece (its
-        recorded strides are the whole tensor's)."""
+        strides and an offset recorded from eager's layout: ``as_strided``) copied into a
+        tensor of its own in ``x``'s layout. A collective's result is row-major, where the
+        reader would read other elements of a layout that is not; and it need not own its
+        storage: :mod:`passes.fuse` hands out views of its bucket, whose storage the reader
+        would read from the bucket's start. A ``LoweringError`` where the reader reads a
+        piece of a tensor that is not row-major (its recorded strides are the whole
+        tensor's)."""
         val = x.meta["val"]
-        if boxed is x or val.is_contiguous():
+        if boxed is x:
             return boxed
         if not all(sbp.is_broadcast for sbp in _out_sbp(boxed)):
+            if val.is_contiguous():
+                return boxed
             raise LoweringError(f"{reader.name} ({reader.target}) reads {x.name} through the strides of "
                                 f"its layout in eager ({tuple(val.stride())}), but the plan gives it a "
                                 f"piece ({_out_sbp(boxed)}); pin {x.name}'s producer whole or make the "
