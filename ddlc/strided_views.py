@@ -67,14 +67,29 @@ def _layout(node: fx.Node) -> tuple:
     return (tuple(val.shape), val.stride(), val.storage_offset()) if isinstance(val, torch.Tensor) else ()
 
 
+def _distinct_replays(gm: fx.GraphModule, targets) -> tuple[list[fx.Node], dict[fx.Node, list[fx.Node]]]:
+    """The replays (``targets``) of ``gm`` that something reads, each once: a replay with the
+    arguments of an earlier one is left out of the list, and mapped with it to that one
+    (the two traces decompose some backwards with other numbers of dead or repeated
+    replays: a linear layer's weight and bias gradients each read their own replay of
+    ``as_strided``'s gradient with views, one shared replay without)."""
+    first: dict[str, fx.Node] = {}
+    alike: dict[fx.Node, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in targets and node.users:
+            key = str((node.target, node.args, node.kwargs))  # nodes print as their unique names
+            alike.setdefault(first.setdefault(key, node), []).append(node)
+    return list(alike), alike
+
+
 def repair(without_views: fx.GraphModule, with_views: fx.GraphModule, where) -> None:
     """Give every replay of ``without_views`` the size, strides and offset of its
-    counterpart in ``with_views`` (the same step traced keeping views; the replays pair up
-    in order), and the storage it reads, in place; ``where(node)``: the source line an error
+    counterpart in ``with_views`` (the same step traced keeping views; the distinct replays
+    that something reads pair up in order, :func:`_distinct_replays`), and the storage it reads, in place; ``where(node)``: the source line an error
     cites. A replay of a view reads the view's root: ``without_views`` has the same chain of
     views there, as copies, down to a root of the same layout (else the step is refused)."""
-    ours = [n for n in without_views.graph.nodes if n.op == "call_function" and n.target in REPLAYS]
-    theirs = [n for n in with_views.graph.nodes if n.op == "call_function" and n.target in REPLAYS.values()]
+    ours, alike_ours = _distinct_replays(without_views, REPLAYS)
+    theirs, _ = _distinct_replays(with_views, REPLAYS.values())
     if [REPLAYS[n.target] for n in ours] != [n.target for n in theirs]:
         raise TraceError("the step replays views differently with and without views, so ddlc cannot "
                          "check its in-place updates of views; write them out of place",
@@ -93,5 +108,7 @@ def repair(without_views: fx.GraphModule, with_views: fx.GraphModule, where) -> 
         if len(args) <= position or args[position] is None:  # as_strided's default: the input's
             args[position:] = [counterpart.args[0].meta["val"].storage_offset()]
         # as_strided reads the storage from the offset, whatever its input's strides: the root's
-        node.args = (our_chain[-1], *node.args[1:position - 2], *args[position - 2:])
+        repaired = (our_chain[-1], *node.args[1:position - 2], *args[position - 2:])
+        for alike_node in alike_ours[node]:
+            alike_node.args = repaired
     without_views.graph.lint()

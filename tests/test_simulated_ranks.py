@@ -279,26 +279,36 @@ class _OverlappingFrames(nn.Module):
     """Overlapping windows of an activation by ``as_strided`` (how ``torch.stft`` and
     hand-written framing cut frames): its backward adds each window's gradient into the
     activation's storage (``index_add``), a partial sum over a split batch whose all-reduce
-    the replay ``as_strided(grad, ..., offset 0)`` reads."""
+    the replay ``as_strided(grad, ..., offset 0)`` reads. ``frames``: "tanh" (of the linear
+    layer's output), "linear" (of the output itself) or "stft" (``torch.stft`` of it)."""
 
-    def __init__(self):
+    def __init__(self, frames: str = "tanh"):
         super().__init__()
-        self.lin, self.out = nn.Linear(32, 32), nn.Linear(16, 2)
+        self.frames = frames
+        self.lin, self.out = nn.Linear(32, 32), nn.Linear(9 if frames == "stft" else 16, 2)
+        self.register_buffer("window", torch.hann_window(16))
 
     def forward(self, x):
-        h = torch.tanh(self.lin(x))
+        h = self.lin(x)
+        if self.frames == "stft":
+            spectrum = torch.stft(h, 16, hop_length=4, window=self.window, center=False, return_complex=True)
+            return self.out(spectrum.abs().mean(-1))
+        h = torch.tanh(h) if self.frames == "tanh" else h
         frames = h.as_strided((h.shape[0], 5, 16), (h.stride(0), 4, 1))
         return self.out(frames.pow(2).mean(1))
 
 
+@pytest.mark.parametrize("frames", ["tanh", "linear", "stft"])
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["4", "2x2"])
-def test_a_storage_reader_after_a_fused_collective_reads_its_own_tensor(mesh_shape):
+def test_a_storage_reader_after_a_fused_collective_reads_its_own_tensor(mesh_shape, frames):
     """Data parallel, collectives fused: the all-reduce that the replay reads shared a
     bucket with the gradients', and the replay read the bucket's storage from its start
     (the loss and other gradients): ``lin``'s gradient 65 off (largest true entry 0.08).
-    The replay's input is now a tensor of its own (``comm.with_layout``)."""
+    The replay's input is now a tensor of its own (``comm.with_layout``). Frames of the
+    linear layer's own output were refused: the two traces of ``ddlc.strided_views``
+    repeat the replays a linear layer's backward reads in other numbers."""
     torch.manual_seed(0)
-    model = _OverlappingFrames()
+    model = _OverlappingFrames(frames)
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 32, generator=g), torch.randn(8, 2, generator=g)) for _ in range(3)]
@@ -307,7 +317,8 @@ def test_a_storage_reader_after_a_fused_collective_reads_its_own_tensor(mesh_sha
     sig, mesh = STEP(gm), ddlc.Mesh(mesh_shape)
     split = parse_sbp("(S0)" if len(mesh_shape) == 1 else "(S0, S0)")
     shard(gm, mesh, fixed={sig.input_name("input", k): split for k in sig.keys("input")})
-    losses, params, _, _ = simulate_steps(gm, mesh, dict(model.named_parameters()), {}, data, fuse=2**20)
+    losses, params, _, _ = simulate_steps(gm, mesh, {k: v.detach() for k, v in model.named_parameters()},
+                                          dict(model.named_buffers()), data, fuse=2**20)
     assert any(n.target is fuse.unpack for n in lower_ranks(gm, mesh, fuse=2**20)[0].graph.nodes)
     want, _ = eager(reference, F.mse_loss, sgd, data)
     assert_matches_reference({"losses": losses, "params": params},
