@@ -993,7 +993,9 @@ _CAUSES = (
      "`torch.where(mask, loss, 0).sum() / mask.sum()` for `loss[mask].mean()`"),
     (_DATA_DEPENDENT, TraceError,
      "the model has data-dependent Python control flow or reads a tensor's value (e.g. "
-     "`if x.sum() > 0`, `.item()`, `.tolist()`), which one static graph cannot express"),
+     "`if x.sum() > 0`, `.item()`, `.tolist()`; or an operator it calls checks its input's "
+     "values, as torch.istft checks its window's overlap-add and scatter_reduce's 'prod' its "
+     "counts), which one static graph cannot express"),
     (_CUSTOM_FUNCTION, UnsupportedInputError,
      "the model calls a custom torch.autograd.Function, which ddlc cannot trace in either "
      "style (an old-style forward(ctx, ...) cannot run under torch.func; with setup_context, "
