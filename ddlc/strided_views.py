@@ -85,8 +85,8 @@ def _distinct_replays(gm: fx.GraphModule, targets) -> tuple[list[fx.Node], dict[
 def repair(without_views: fx.GraphModule, with_views: fx.GraphModule, where) -> None:
     """Give every replay of ``without_views`` the size, strides and offset of its
     counterpart in ``with_views`` (the same step traced keeping views; the distinct replays
-    that something reads pair up in order, :func:`_distinct_replays`), and the storage it reads, in place; ``where(node)``: the source line an error
-    cites. A replay of a view reads the view's root: ``without_views`` has the same chain of
+    that something reads pair up in order, :func:`_distinct_replays`), and the storage it
+    reads, in place; ``where(node)``: the source line an error cites. A replay of a view reads the view's root: ``without_views`` has the same chain of
     views there, as copies, down to a root of the same layout (else the step is refused)."""
     ours, alike_ours = _distinct_replays(without_views, REPLAYS)
     theirs, _ = _distinct_replays(with_views, REPLAYS.values())
