@@ -16,11 +16,11 @@ from torch.utils._pytree import tree_flatten
 
 from . import rng
 from .errors import TraceError, UnsupportedInputError
-from .ir import ORIGIN, RECOMPUTE, InputSpec, where
+from .ir import ORIGIN, RECOMPUTE, STRIDED_READERS, InputSpec, where
 from .sources import source_from_stack
 
 __all__ = ["checkpointed_draws", "describe_tensors", "hidden_mutations", "no_captured_parameters",
-           "no_input_mutation", "operand_dtypes", "random_ops", "static_shapes"]
+           "no_input_mutation", "operand_dtypes", "random_ops", "static_shapes", "strided_inputs"]
 
 
 def describe_tensors(flat) -> str:
@@ -241,3 +241,35 @@ def hidden_mutations(gm: fx.GraphModule) -> None:
                 "other than through F.batch_norm or F.instance_norm (torch.batch_norm, "
                 "torch.native_batch_norm, ...): its in-place update of the running statistics "
                 "cannot be traced; call F.batch_norm", where=where(node))
+
+
+_ROLE_WORDS = {"param": "parameter", "input": "batch input"}
+
+
+def strided_inputs(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> tuple[str, ...]:
+    """The keys of the batch inputs that ``step()`` lays out as their examples were: every
+    one where an operator reads storage through strides and an offset it is given
+    (:data:`ddlc.ir.STRIDED_READERS`: ``torch.stft``, ``as_strided``, autograd's replays of
+    views), none elsewhere. Such an operator reads its input as laid out at compile, and a
+    batch's layout carries into what is computed from it (``x + 1`` of a transposed batch
+    is transposed). A parameter or buffer it reads directly must be row-major from offset
+    0 (the compiled step holds its own row-major copies of the weights), and so must an
+    example input (a batch given later is copied into a tensor of its own: a view into a
+    larger tensor, ``big[1:]``, has an offset no such tensor has); else refused."""
+    readers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in STRIDED_READERS]
+    role = {spec.name: spec for spec in inputs}
+    for reader in readers:
+        node = reader.args[0]
+        if node.op != "placeholder":
+            continue
+        val, spec = node.meta["val"], role[node.name]
+        if spec.role in ("param", "buffer", "input") and not (val.is_contiguous() and val.storage_offset() == 0):
+            what = f"{_ROLE_WORDS.get(spec.role, spec.role)} {spec.key!r}"
+            fix = "pass the example as a tensor of its own (.contiguous() of a transpose, .clone() of " \
+                  "a slice)" if spec.role == "input" else "make it a row-major tensor of its own (.clone())"
+            raise UnsupportedInputError(
+                f"{reader.target} (torch.stft, as_strided) reads {what} through strides and an offset "
+                f"taken from its layout (strides {tuple(val.stride())}, offset {val.storage_offset()}), "
+                f"which is not row-major from its start: the compiled step holds such a tensor as one "
+                f"of its own, and would read other elements; {fix}", where=where(reader))
+    return tuple(spec.key for spec in inputs if spec.role == "input") if readers else ()

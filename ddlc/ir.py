@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run 
 __all__ = ["MetaKey", "Origin", "InputSpec", "OutputSpec", "StepSignature", "Signature",
            "NdSignature", "CollectiveInfo", "Piece", "ROLES", "ORIGIN", "ROLE", "SHARDING",
            "COLLECTIVE", "PIECE", "FUSED", "GLOBAL_VAL", "STEP", "BUCKET_CAP", "PIECE_BYTES",
-           "RECOMPUTE", "RECOMPUTED", "UPDATES", "RankArg", "RANK_ARG", "DRAW_ORDER", "SHARED_READ", "COLLECTIVE_KINDS", "BUCKETABLE", "is_collective", "is_wait", "is_mutating", "phase_of", "in_update",
+           "RECOMPUTE", "RECOMPUTED", "UPDATES", "RankArg", "RANK_ARG", "DRAW_ORDER", "SHARED_READ", "COLLECTIVE_KINDS", "BUCKETABLE", "STRIDED_READERS", "is_collective", "is_wait", "is_mutating", "phase_of", "in_update",
            "collective_kind", "collective_sequence", "name_alike", "is_scalar_valued", "output_scalars"]
 
 T = TypeVar("T")
@@ -204,6 +204,9 @@ class StepSignature:
     untrained: tuple[str, ...] = ()
     #: the shape of the loss the model or ``loss_fn`` returns (one element; the graph's is 0-d)
     loss_shape: tuple[int, ...] = ()
+    #: the batch inputs that ``step()`` lays out as their examples were: all of them where the
+    #: program reads storage through given strides (:data:`STRIDED_READERS`), else none
+    strided_inputs: tuple[str, ...] = ()
 
     def keys(self, role: str) -> list[str]:
         return [i.key for i in self.inputs if i.role == role]
@@ -502,6 +505,12 @@ COLLECTIVE_KINDS = {_c10d.all_reduce.default: "all_reduce",
 
 #: The kinds that fusion buckets and partition splits (dim-0 layouts).
 BUCKETABLE = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
+
+#: Operators that read their input's storage through strides and an offset they are given
+#: (``as_strided``: ``torch.stft``, overlapping frames, autograd's replays of views), not
+#: through the input's own layout: their input must be laid out as it was traced.
+STRIDED_READERS = frozenset({torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_copy.default,
+                             torch.ops.aten.as_strided_scatter.default})
 
 
 def is_collective(node: fx.Node) -> bool:

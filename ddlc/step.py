@@ -340,8 +340,20 @@ class CompiledStep:
                 raise UnsupportedInputError(
                     f"{key} has shape {tuple(t.shape)} but the program was compiled for "
                     f"{self.batch_mode} shape {want} (placement {self._sbp(key)} on mesh {self.mesh})")
+            if key in self.signature.strided_inputs:
+                t = self._as_traced(key, t)
             out[key] = self._shard(key, t) if self.batch_mode == "global" else t.to(self.device)
         return out
+
+    def _as_traced(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in a tensor of its own laid out as the example of ``key`` was (where it is
+        not already): a program that reads storage through strides and an offset it was
+        given reads the batch, and what it computes from it, as traced
+        (:func:`ddlc.graph_checks.strided_inputs`)."""
+        example = GLOBAL_VAL(self._placeholders[self._spec[key].name])
+        if t.stride() == example.stride() and t.storage_offset() == 0:
+            return t
+        return torch.empty_strided(t.shape, example.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
     def _check_memory_order(self, key: str, t: torch.Tensor) -> None:
         """A program that draws random numbers takes its batch laid out in memory as the

@@ -242,11 +242,12 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     graph_checks.hidden_mutations(gm)
     graph_checks.static_shapes(gm)
     graph_checks.operand_dtypes(gm, batch.tensors)
+    strided_inputs = graph_checks.strided_inputs(gm, inputs)
     gm.recompile()
     STEP.set(gm, StepSignature(tuple(inputs), tuple(outputs), tuple((k, specs[k]) for k in specs),
                                n_targets, tuple(groups.items()), tuple(hyper.items()),
                                keyword_batch=batch.keyword, output_tree=outputs_tree, untrained=untrained,
-                               loss_shape=loss_shape))
+                               loss_shape=loss_shape, strided_inputs=strided_inputs))
     return gm
 
 

@@ -40,8 +40,8 @@ from cost_models.boxing import BoxingStep, boxing_cost
 from cost_models.collectives import axis_time
 from ddlc import comm
 from ddlc.errors import LoweringError
-from ddlc.ir import (COLLECTIVE, ORIGIN, RANK_ARG, SHARDING, STEP, CollectiveInfo, NdSignature, RankArg,
-                     is_getitem, where)
+from ddlc.ir import (COLLECTIVE, ORIGIN, RANK_ARG, SHARDING, STEP, STRIDED_READERS, CollectiveInfo,
+                     NdSignature, RankArg, is_getitem, where)
 from ddlc.mesh import Mesh
 from ddlc.sbp import B, NdSBP, S, local_shape, padded_shape
 from passes.rules import selected_leaf
@@ -69,11 +69,6 @@ def _moved(sbp: NdSBP, src: int, dst: int) -> NdSBP:
 def _is_tensor_input(a) -> bool:
     return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
 
-
-#: operators that read their input's storage through recorded strides (autograd's replays
-#: of views, ddlc.strided_views): their inputs keep eager's layout (:meth:`_Emitter.laid_out_as`)
-STRIDED_READERS = frozenset({aten.as_strided.default, aten.as_strided_copy.default,
-                             aten.as_strided_scatter.default})
 
 #: the argument of a local boxing step that is the rank's coordinate on its axis
 _BY_COORDINATE = {"slice": lambda axis: RankArg(3, "index", axis),

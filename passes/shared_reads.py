@@ -17,7 +17,7 @@ in placement ``a``).
 
 Which tensors: those of the forward and backward passes (computed, or a batch input)
 with two or more readers, all of them operators of those passes and none a replay of a
-view through eager's strides (:data:`passes.collectives.STRIDED_READERS`: lowering gives
+view through eager's strides (:data:`ddlc.ir.STRIDED_READERS`: lowering gives
 such a reader eager's layout back after a redistribution on its own edge, which an
 alias's edge would skip). Parameters and optimizer state (priced as bucketed parameter
 traffic) and gradients entering the update are left alone.
@@ -27,8 +27,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ddlc.ir import ORIGIN, ROLE, SHARED_READ, phase_of
-from passes.collectives import STRIDED_READERS
+from ddlc.ir import ORIGIN, ROLE, SHARED_READ, STRIDED_READERS, phase_of
 from passes.rules import is_tensor_node
 
 __all__ = ["insert_shared_reads", "remove_shared_reads"]

@@ -2027,3 +2027,81 @@ def test_parameters_sharing_elements_are_refused(rows, refused):
             trace()
     else:
         trace()
+
+
+class _SpectrumOf(torch.nn.Module):
+    """``torch.stft`` of the batch itself and of a tensor computed from it, and overlapping
+    windows of a parameter by ``as_strided`` from the parameter's own offset (``view_param``:
+    a parameter that is a view into a larger tensor, at offset 3)."""
+
+    def __init__(self, view_param: bool = False):
+        super().__init__()
+        flat = torch.randn(50) * 0.2
+        self.v = torch.nn.Parameter(flat[3:43] if view_param else flat[3:43].clone())
+        self.out = torch.nn.Linear(9, 4)
+        self.register_buffer("window", torch.hann_window(16))
+
+    def forward(self, x):
+        windows = self.v.as_strided((5, 32), (1, 1))
+        spectrum = torch.stft(x, 16, hop_length=4, window=self.window, center=False, return_complex=True)
+        around = torch.stft(x + x @ windows.T.sum(1, keepdim=True), 16, hop_length=4, window=self.window,
+                            center=False, return_complex=True)  # of a tensor laid out as the batch
+        return self.out(spectrum.abs().mean(-1) + around.abs().mean(-1))
+
+
+def _laid_out(x: torch.Tensor, how: str) -> torch.Tensor:
+    """``x``'s values as a transpose's layout, a view one element into a larger buffer, or
+    rows of a larger batch."""
+    if how == "transposed":
+        return x.t().contiguous().t()
+    if how == "rows":
+        big = torch.zeros(x.shape[0] + 1, x.shape[1])
+        big[1:] = x
+        return big[1:]
+    big = torch.zeros(x.numel() + 1)
+    big[1:] = x.flatten()
+    return big[1:].view(x.shape)
+
+
+@pytest.mark.parametrize("what, cause", [("param", "parameter 'v'"), ("example", "batch input 'input0'")])
+def test_a_strided_read_of_a_tensor_laid_out_elsewhere_is_refused(what, cause):
+    """``as_strided`` reads storage from the offset and strides of the traced tensor; the
+    step holds weights and batches as tensors of their own (losses 0.03 off eager for the
+    parameter, before the refusal)."""
+    torch.manual_seed(0)
+    model = _SpectrumOf(view_param=what == "param")
+    x = torch.randn(8, 32)
+    example = _laid_out(x, "rows") if what == "example" else x
+    with pytest.raises(UnsupportedInputError, match=f"reads {cause} through strides"):
+        pipeline.trace_step(model, (example, torch.randn(8, 4)), F.mse_loss,
+                            torch.optim.SGD(model.parameters(), lr=0.1), CompileOptions())
+
+
+def _spectrum_steps(rank, layouts):
+    torch.manual_seed(0)
+    model = _SpectrumOf()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)) for _ in layouts]
+    step = ddlc.compile(model, (1,), data[0], loss_fn=F.mse_loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    return [step.step(_laid_out(x, how), y) for (x, y), how in zip(data, layouts)]
+
+
+@pytest.mark.multiprocess
+def test_a_batch_read_through_strides_is_given_the_examples_layout():
+    """``torch.stft`` of the batch and of ``x + ...`` (laid out as the batch): the program
+    reads them with the row-major example's strides from offset 0, so a batch laid out
+    otherwise (a transpose's layout, a view into a larger buffer, rows of a larger batch) is
+    copied into the example's layout first (it read other elements: losses 2.0 off eager)."""
+    layouts = ["transposed", "offset", "rows"]
+    got = spawn(_spectrum_steps, 1, layouts, timeout=60, deadline=100)[0]
+    torch.manual_seed(0)
+    model = _SpectrumOf()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)) for _ in layouts]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for (x, y), how, loss in zip(data, layouts, got):
+        opt.zero_grad()
+        want = F.mse_loss(model(_laid_out(x, how)), y)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(loss, want.detach())

@@ -116,7 +116,7 @@ def test_no_alias_for_a_tensor_that_autograds_view_replays_read():
     lowering restores after a redistribution on the replay's own edge: a tensor that
     replays read keeps its edges (an alias's redistribution would hand them row-major
     data)."""
-    from passes.collectives import STRIDED_READERS
+    from ddlc.ir import STRIDED_READERS
     from test_simulated_ranks import _SolvedInPlaces
     torch.manual_seed(0)
     model = _SolvedInPlaces().double()
