@@ -346,11 +346,12 @@ class CompiledStep:
         return out
 
     def _as_traced(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """``t`` in a tensor of its own laid out as the example of ``key`` was (where it is
-        not already): a program that reads storage through strides and an offset it was
-        given reads the batch, and what it computes from it, as traced
-        (:func:`ddlc.graph_checks.strided_inputs`)."""
-        example = GLOBAL_VAL(self._placeholders[self._spec[key].name])
+        """``t`` in a tensor of its own laid out as the example of ``key`` was (its piece of
+        it, with ``batch="local"``), where it is not already: a program that reads storage
+        through strides and an offset it was given reads the batch, and what it computes from
+        it, as traced (:func:`ddlc.graph_checks.strided_inputs`)."""
+        placeholder = self._placeholders[self._spec[key].name]
+        example = GLOBAL_VAL(placeholder) if self.batch_mode == "global" else placeholder.meta["val"]
         if t.stride() == example.stride() and t.storage_offset() == 0:
             return t
         return torch.empty_strided(t.shape, example.stride(), dtype=t.dtype, device=t.device).copy_(t)

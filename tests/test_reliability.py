@@ -2077,23 +2077,25 @@ def test_a_strided_read_of_a_tensor_laid_out_elsewhere_is_refused(what, cause):
                             torch.optim.SGD(model.parameters(), lr=0.1), CompileOptions())
 
 
-def _spectrum_steps(rank, layouts):
+def _spectrum_steps(rank, layouts, batch):
     torch.manual_seed(0)
     model = _SpectrumOf()
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)) for _ in layouts]
-    step = ddlc.compile(model, (1,), data[0], loss_fn=F.mse_loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = ddlc.compile(model, (1,), data[0], loss_fn=F.mse_loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        batch=batch)
     return [step.step(_laid_out(x, how), y) for (x, y), how in zip(data, layouts)]
 
 
 @pytest.mark.multiprocess
-def test_a_batch_read_through_strides_is_given_the_examples_layout():
+@pytest.mark.parametrize("batch", ["global", "local"])
+def test_a_batch_read_through_strides_is_given_the_examples_layout(batch):
     """``torch.stft`` of the batch and of ``x + ...`` (laid out as the batch): the program
     reads them with the row-major example's strides from offset 0, so a batch laid out
     otherwise (a transpose's layout, a view into a larger buffer, rows of a larger batch) is
     copied into the example's layout first (it read other elements: losses 2.0 off eager)."""
     layouts = ["transposed", "offset", "rows"]
-    got = spawn(_spectrum_steps, 1, layouts, timeout=60, deadline=100)[0]
+    got = spawn(_spectrum_steps, 1, layouts, batch, timeout=60, deadline=100)[0]
     torch.manual_seed(0)
     model = _SpectrumOf()
     g = torch.Generator().manual_seed(1)
