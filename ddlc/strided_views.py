@@ -29,6 +29,9 @@ from .errors import TraceError
 
 __all__ = ["needs_repair", "repair", "view_form"]
 
+#: what reads a tensor so, as an error names it
+_READERS = "torch.stft, frames cut by as_strided, autograd's replay of an in-place update of a view"
+
 aten = torch.ops.aten
 #: the replays, as the trace without views has them -> the op in the trace with views
 REPLAYS = {aten.as_strided_copy.default: aten.as_strided.default,
@@ -91,18 +94,25 @@ def repair(without_views: fx.GraphModule, with_views: fx.GraphModule, where) -> 
     ours, alike_ours = _distinct_replays(without_views, REPLAYS)
     theirs, _ = _distinct_replays(with_views, REPLAYS.values())
     if [REPLAYS[n.target] for n in ours] != [n.target for n in theirs]:
-        raise TraceError("the step replays views differently with and without views, so ddlc cannot "
-                         "check its in-place updates of views; write them out of place",
+        raise TraceError(f"the step reads tensors through strides it gives (as_strided: {_READERS}) "
+                         "differently when traced with views and without, so ddlc cannot check "
+                         "which elements they read; give the tensor read a row-major copy of its "
+                         "own first (.clone(memory_format=torch.contiguous_format)), or write an "
+                         "in-place update of a view out of place",
                          where=where(ours[0]) if ours else None)
     for node, counterpart in zip(ours, theirs):
         our_chain, their_chain = _chain(node.args[0], view_form), _chain(counterpart.args[0], _is_view)
         alike = len(our_chain) == len(their_chain) and _layout(our_chain[-1]) == _layout(their_chain[-1]) \
             and all(view_form(a) is b.target for a, b in zip(our_chain[:-1], their_chain[:-1]))
         if not alike or (node.target is aten.as_strided_scatter.default and len(our_chain) > 1):
-            raise TraceError("the step updates a view of a tensor in place where ddlc cannot replay "
-                             "that view exactly (its base is laid out otherwise once views are "
-                             "copies); write the update out of place, e.g. `y = y / c` instead of "
-                             "`y /= c`", where=where(node))
+            raise TraceError(f"the step reads a tensor through strides it gives (as_strided: {_READERS}) "
+                             "where that tensor, or the tensor it is a view of, is laid out otherwise "
+                             "once views are copies (a transposed or permuted activation); give it a "
+                             "row-major copy of its own before it is read so "
+                             "(.clone(memory_format=torch.contiguous_format): .contiguous() is not "
+                             "enough, the trace without views has it row-major already), or, for an "
+                             "in-place update of a view, write the update out of place (`y = y / c` "
+                             "instead of `y /= c`)", where=where(node))
         args = list(counterpart.args)
         position = 3 if node.target is aten.as_strided_copy.default else 4  # the storage offset
         if len(args) <= position or args[position] is None:  # as_strided's default: the input's

@@ -2107,3 +2107,44 @@ def test_a_batch_read_through_strides_is_given_the_examples_layout(batch):
         want.backward()
         opt.step()
         torch.testing.assert_close(loss, want.detach())
+
+
+class _SpectrumOfATranspose(torch.nn.Module):
+    """``torch.stft`` of an activation eager lays out transposed; ``copied``: of a row-major
+    copy of it (``clone(memory_format=torch.contiguous_format)``)."""
+
+    def __init__(self, copied: bool):
+        super().__init__()
+        self.copied = copied
+        self.lin, self.out = torch.nn.Linear(32, 32), torch.nn.Linear(9, 4)
+        self.register_buffer("window", torch.hann_window(16))
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x).t()).t()  # (8, 32) with strides (1, 8) in eager
+        if self.copied:
+            y = y.clone(memory_format=torch.contiguous_format)
+        spectrum = torch.stft(y, 16, hop_length=4, window=self.window, center=False, return_complex=True)
+        return self.out(spectrum.abs().mean(-1))
+
+
+def test_a_strided_read_of_a_transposed_activation_names_the_copy_that_fixes_it():
+    """The refusal blamed an in-place update the model does not make; the copy it names
+    now trains as eager."""
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 32), torch.randn(8, 4)) for _ in range(3)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    refused = _SpectrumOfATranspose(False)
+    with pytest.raises(TraceError, match=r"clone\(memory_format=torch.contiguous_format\)"):
+        pipeline.trace_step(refused, data[0], _transposed_loss, sgd(refused), CompileOptions())
+    from conftest import eager, simulated
+    model = _SpectrumOfATranspose(True)
+    reference = copy.deepcopy(model)
+    losses, params, _, _ = simulated(model, _transposed_loss, sgd, data, (4,))
+    want, _ = eager(reference, _transposed_loss, sgd, data)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want))
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(params[name], value.detach(), msg=name)
+
+
+def _transposed_loss(out, target):
+    return F.mse_loss(out, target)
