@@ -551,8 +551,10 @@ def _refuse_reassigned_buffers(model: nn.Module, args, output, state: Mapping[st
             raise UnsupportedInputError(
                 f"the forward assigns buffer {name!r} a new tensor (self.{attr} = ...); the "
                 "compiled step carries buffers the forward updates in place, and would start every "
-                f"step from its value at compile: write it in place instead (self.{attr}.copy_(...))",
-                where=_assignment_line(module, attr))
+                f"step from its value at compile: write it in place instead (self.{attr}.copy_(...)); "
+                "where the forward sizes it on its first call only (timm's ConViT, a cache of "
+                "positions), call the model once on the example batch before compile (under "
+                "torch.no_grad())", where=_assignment_line(module, attr))
 
 
 def _assignment_line(module: nn.Module, attr: str) -> str | None:
