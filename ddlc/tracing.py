@@ -231,6 +231,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         outputs = [OutputSpec("output", f"output{i}") for i in range(outputs_tree.num_tensors)]
     outputs += [OutputSpec("buffer", k) for k in buffers]
     outputs = _drop_unchanged_buffers(gm, inputs, outputs)
+    _functional_metadata_updates(gm)
     _bind_reads_in_backward(gm, model, inputs, outputs)
     graph_checks.no_input_mutation(gm, inputs)
     graph_checks.no_traced_constants(gm)
@@ -825,6 +826,34 @@ def _refuse_complex_value_clipping(trainable: Mapping[str, torch.Tensor]) -> Non
         raise UnsupportedInputError(
             f"clip_grad_value clamps gradients, which torch does not do for complex parameters "
             f"({', '.join(complex_)}): clip them by norm (clip_grad_norm=) or freeze them")
+
+
+#: in-place operators that change only a tensor's metadata, which functionalization leaves in
+#: an inference trace (``torch.stft``'s ``transpose_`` of its result) -> their functional forms
+_METADATA_UPDATES = {torch.ops.aten.transpose_.default: torch.ops.aten.transpose_copy.int,
+                     torch.ops.aten.t_.default: torch.ops.aten.t_copy.default,
+                     torch.ops.aten.unsqueeze_.default: torch.ops.aten.unsqueeze_copy.default,
+                     torch.ops.aten.squeeze_.dim: torch.ops.aten.squeeze_copy.dim}
+
+
+def _functional_metadata_updates(gm: fx.GraphModule) -> None:
+    """Replace each in-place metadata update ``y = transpose_(x, ...)`` by its functional
+    form, read instead of ``x`` from there on (the update's result is ``x`` itself, with the
+    new metadata): the passes run every node on fake or meta tensors, where the in-place
+    form would change the value recorded for ``x``."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        functional = _METADATA_UPDATES.get(node.target) if node.op == "call_function" else None
+        if functional is None:
+            continue
+        source = node.args[0]
+        with gm.graph.inserting_before(node):
+            made = gm.graph.call_function(functional, node.args, node.kwargs)
+        made.meta = dict(node.meta)
+        node.replace_all_uses_with(made)
+        source.replace_all_uses_with(made, delete_user_cb=lambda user: order.get(user, -1) > order[node])
+        gm.graph.erase_node(node)
+    gm.graph.lint()
 
 
 def _drop_unchanged_buffers(gm: fx.GraphModule, inputs: Sequence[InputSpec],

@@ -2148,3 +2148,38 @@ def test_a_strided_read_of_a_transposed_activation_names_the_copy_that_fixes_it(
 
 def _transposed_loss(out, target):
     return F.mse_loss(out, target)
+
+
+class _Spectrum(torch.nn.Module):
+    """A linear layer of ``torch.stft``'s magnitudes of the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = torch.nn.Linear(9, 4)
+        self.register_buffer("window", torch.hann_window(16))
+
+    def forward(self, x):
+        return self.out(torch.stft(x, 16, hop_length=4, window=self.window, center=False,
+                                   return_complex=True).abs().mean(-1))
+
+
+def _spectrum_inference(rank):
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    program = ddlc.compile(_Spectrum(), (2,), (x,))
+    with torch.no_grad():
+        return program(x)
+
+
+@pytest.mark.multiprocess
+def test_the_inference_program_of_a_spectrum_matches_eager():
+    """An inference trace keeps ``torch.stft``'s in-place ``transpose_`` of its result; run
+    on meta tensors it changed the shape recorded for the transform's output, and compile
+    failed retargeting the program ("_fft_r2c's piece ... has another shape"). It is traced
+    as ``transpose_copy`` now."""
+    got = spawn(_spectrum_inference, 2, timeout=60, deadline=100)[0]
+    torch.manual_seed(0)
+    model = _Spectrum()
+    with torch.no_grad():
+        want = model(torch.randn(8, 32, generator=torch.Generator().manual_seed(1)))
+    torch.testing.assert_close(got, want)
