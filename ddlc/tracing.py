@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import graph_checks, host_random, rng, sources, strided_views
 from .errors import TraceError, UnsupportedInputError
+from .fake import element_span
 from .forward_rewrites import ForwardRewrites
 from .ir import (DRAW_ORDER, ORIGIN, RECOMPUTE, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
                  dataclasses_as_nodes, hyperparameter_tensors)
@@ -436,7 +437,7 @@ def _refuse_overlapping_parameters(model: nn.Module) -> None:
         if p.numel() == 0:
             continue
         start = p.storage_offset() * p.element_size()
-        end = start + (1 + sum((n - 1) * s for n, s in zip(p.shape, p.stride()))) * p.element_size()
+        end = start + element_span(p.shape, p.stride()) * p.element_size()
         spans.setdefault((p.device, p.untyped_storage().data_ptr()), []).append((start, end, name, p.requires_grad))
     for shared in spans.values():
         for (start, end, first, trains), (start_too, end_too, second, trains_too) in itertools.combinations(shared, 2):
