@@ -243,6 +243,30 @@ def hidden_mutations(gm: fx.GraphModule) -> None:
                 "cannot be traced; call F.batch_norm", where=where(node))
 
 
+#: the operator namespaces of torch's collectives (functional ones and c10d's own)
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "c10d_functional", "_c10d_functional", "_c10d_functional_autograd"})
+
+
+def process_group_call(what: str, where: str | None) -> UnsupportedInputError:
+    """The refusal of a step that calls torch.distributed (``what``) while traced."""
+    return UnsupportedInputError(
+        f"the step calls {what} while ddlc traces it: ddlc compiles the single-device step and "
+        "places its communication itself, so the step is traced as it runs in one process "
+        "without a process group (torch.distributed.is_initialized() is False meanwhile): make "
+        "the model and loss compute the single-device result without torch.distributed (a "
+        "loss's world_size=1, no gather of features across ranks: ddlc's step sees the whole "
+        "global batch)", where=where)
+
+
+def no_collectives(gm: fx.GraphModule) -> None:
+    """Refuse a collective traced into the step (a functional collective of the forward,
+    which traces as an operator where nothing needs its gradient): see
+    :func:`process_group_call`."""
+    for node in gm.graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in COLLECTIVE_NAMESPACES:
+            raise process_group_call(f"the collective {node.target.name()}", where(node))
+
+
 _ROLE_WORDS = {"param": "parameter", "input": "batch input"}
 
 

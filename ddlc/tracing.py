@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx.proxy as fx_proxy
 import torch.fx.traceback as fx_traceback
 from torch import fx, nn
@@ -195,7 +196,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         mode = FakeTensorMode()
         state = {k: mode.from_tensor(v) for k, v in {**params, **buffers}.items()}
         xs = [mode.from_tensor(t) for t in batch.tensors[:n_model_inputs]]
-        with mode, torch.no_grad(), _as_compiling(), _without_generation_cache(model):
+        with mode, torch.no_grad(), _as_compiling(), _without_generation_cache(model), _single_device_world():
             batch.call(model, state, xs)
 
     with _no_state_kept_across_calls(model, forward_again):
@@ -242,6 +243,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     graph_checks.random_ops(gm)
     graph_checks.checkpointed_draws(gm, annotator.fresh_draws)
     graph_checks.hidden_mutations(gm)
+    graph_checks.no_collectives(gm)
     graph_checks.static_shapes(gm)
     graph_checks.operand_dtypes(gm, batch.tensors)
     strided_inputs = graph_checks.strided_inputs(gm, inputs)
@@ -710,6 +712,43 @@ def _inference_mode_as_no_grad():
         cls.__enter__ = enter
 
 
+#: torch.distributed's functions that need a process group: a forward calling one is
+#: refused while traced (:func:`_single_device_world`)
+_PROCESS_GROUP_CALLS = (
+    "get_rank", "get_world_size", "get_backend", "get_process_group_ranks", "new_group", "barrier",
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+    "all_to_all_single", "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "recv",
+    "isend", "irecv", "batch_isend_irecv")
+
+
+@contextlib.contextmanager
+def _single_device_world():
+    """The step is traced as the single-device model runs: in a process without a process
+    group. ``torch.distributed.is_initialized()`` answers False meanwhile, so code written
+    for both worlds takes its one-device path (Hugging Face's FLAVA contrastive head and
+    DETR-style losses gather or reduce across ranks where a group exists, which would count
+    the batch again on a global batch, and ddlc places the step's communication itself),
+    and a call that needs a group (:data:`_PROCESS_GROUP_CALLS`: the rank, the world
+    size, a collective) is refused at the user's line: its answer would be the compiled
+    world's, not the single device's."""
+    def refused(name):
+        def call(*args, **kwargs):
+            raise graph_checks.process_group_call(f"torch.distributed.{name}()", sources.caller())
+        return call
+
+    saved = {name: getattr(dist, name) for name in ("is_initialized", *_PROCESS_GROUP_CALLS)
+             if hasattr(dist, name)}
+    for name in saved:
+        setattr(dist, name, refused(name))
+    dist.is_initialized = lambda: False
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(dist, name, function)
+
+
 @contextlib.contextmanager
 def _sync_batch_norm_as_batch_norm():
     """``nn.SyncBatchNorm`` runs as the batch norm it is while tracing. Under DDP it
@@ -1094,7 +1133,7 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
         with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model), \
                 _forward_frames_only(), _loss_frames_kept(loss_fn), _use_lazy_graph_module(True), \
                 _checkpoints_as_regions(annotator), _sync_batch_norm_as_batch_norm(), _inference_mode_as_no_grad(), \
-                _failed_kernels_unlogged(), rng.reseeds_refused():
+                _single_device_world(), _failed_kernels_unlogged(), rng.reseeds_refused():
             # a tensor the forward or loss captures from outside the model (class weights
             # in a global) becomes a constant of the graph
             return make_fx(functionalize(fn, remove=remove), tracing_mode="fake",
@@ -1123,6 +1162,8 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
                 f"compile(..., backend='inductor') runs each rank's program through Inductor ({text})",
                 where=line) from e
         function = sources.autograd_function(e)
+        if function is not None and "c10d" in function.__qualname__:  # a functional collective's
+            raise graph_checks.process_group_call(f"a functional collective ({function.__qualname__})", line) from e
         if function is torch.nn.modules._functions.BackwardHookFunction:
             raise UnsupportedInputError(
                 "the forward registers a backward hook on a module (register_full_backward_hook "

@@ -744,23 +744,23 @@ def test_a_planning_error_on_rank_0_reaches_every_rank_at_once():
 
 class _RankDependent(torch.nn.Module):
     """A linear layer whose forward raises on the ranks ``failing`` (while tracing, too)
-    and adds an operation (same values, another graph) on the ranks ``extra``."""
+    and adds an operation (same values, another graph) on the ranks ``extra``; ``rank`` is
+    the rank building it (a forward asking torch.distributed is refused while traced)."""
 
-    def __init__(self, failing, extra):
+    def __init__(self, failing, extra, rank):
         super().__init__()
-        self.fc, self.failing, self.extra = torch.nn.Linear(8, 4), failing, extra
+        self.fc, self.failing, self.extra, self.rank = torch.nn.Linear(8, 4), failing, extra, rank
 
     def forward(self, x):
-        import torch.distributed as dist
-        if dist.get_rank() in self.failing:
-            raise ValueError(f"forward refused on rank {dist.get_rank()}")
+        if self.rank in self.failing:
+            raise ValueError(f"forward refused on rank {self.rank}")
         h = self.fc(x)
-        return h * 1.0 if dist.get_rank() in self.extra else h
+        return h * 1.0 if self.rank in self.extra else h
 
 
 def _compile_rank_dependent(rank, failing, extra):
     try:
-        ddlc.compile(_RankDependent(failing, extra), (3,), (torch.randn(6, 8), torch.randn(6, 4)), F.mse_loss)
+        ddlc.compile(_RankDependent(failing, extra, rank), (3,), (torch.randn(6, 8), torch.randn(6, 4)), F.mse_loss)
     except ddlc.errors.DDLCError as e:
         return str(e).splitlines()[0]
     return None
@@ -2183,3 +2183,106 @@ def test_the_inference_program_of_a_spectrum_matches_eager():
     with torch.no_grad():
         want = model(torch.randn(8, 32, generator=torch.Generator().manual_seed(1)))
     torch.testing.assert_close(got, want)
+
+
+class _GatheringContrastive(torch.nn.Module):
+    """A CLIP-style contrastive model written for both worlds, as Hugging Face's FLAVA head
+    and open_clip's loss are: with a process group it gathers every rank's features (each
+    rank holding its own part of the batch, as under DDP)."""
+
+    def __init__(self):
+        super().__init__()
+        self.image, self.text = torch.nn.Linear(6, 4), torch.nn.Linear(5, 4)
+
+    def forward(self, images, texts):
+        a, b = F.normalize(self.image(images), dim=-1), F.normalize(self.text(texts), dim=-1)
+        labels = torch.arange(a.shape[0])
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            a = torch.cat(torch.distributed.nn.functional.all_gather(a))
+            b = torch.cat(torch.distributed.nn.functional.all_gather(b))
+            labels = labels + a.shape[0] // torch.distributed.get_world_size() * torch.distributed.get_rank()
+        logits = a @ b.T * 10
+        return F.cross_entropy(logits, labels)
+
+
+def _contrastive_batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 5, generator=g)
+
+
+def _contrastive_losses(rank):
+    torch.manual_seed(0)
+    model = _GatheringContrastive()
+    step = ddlc.compile(model, (2,), _contrastive_batch(), optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+    return [step.step(*_contrastive_batch()) for _ in range(3)]
+
+
+def _functional_collective_refusals(rank):
+    import torch.distributed._functional_collectives as funcol
+
+    class Summed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return funcol.all_reduce(self.lin(x), "sum", [0, 1]).sum()
+
+    x, messages = torch.randn(8, 4), []
+    for training in (True, False):
+        model = Summed()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if training else None
+        try:
+            ddlc.compile(model, (2,), (x,), optimizer=optimizer)
+        except UnsupportedInputError as e:
+            messages.append(str(e))
+    return messages
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_model_written_for_a_process_group_is_traced_as_on_one_device():
+    """Inside ``ddlc.compile`` a process group exists, but the step is the single-device
+    model's: ``torch.distributed.is_initialized()`` answers False while it is traced, so a
+    model that gathers its features across ranks where a group exists trains as on one
+    device (it gathered the global batch from every rank before: other losses, or a crash);
+    a functional collective called anyway is refused naming the call and its line."""
+    got = spawn(_contrastive_losses, 2, timeout=90, deadline=180)[0]
+    torch.manual_seed(0)
+    model = _GatheringContrastive()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    want = []
+    for _ in range(3):
+        loss = model(*_contrastive_batch())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        want.append(loss.detach())
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-6)
+    messages = spawn(_functional_collective_refusals, 2, timeout=90, deadline=180)[0]
+    assert len(messages) == 2  # the training step and the inference program
+    for message in messages:
+        assert "collective" in message and "without a process group" in message, message
+        assert "test_reliability.py" in message and "funcol.all_reduce" in message, message
+
+
+@pytest.mark.parametrize("call", ["get_rank", "get_world_size", "all_reduce"])
+def test_a_forward_asking_torch_distributed_for_the_world_is_refused_at_its_line(call):
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            if call == "all_reduce":
+                torch.distributed.all_reduce(y)
+                return y
+            return y * getattr(torch.distributed, call)()
+
+    model, before = Scaled(), (torch.distributed.is_initialized, getattr(torch.distributed, call))
+    with pytest.raises(UnsupportedInputError, match=rf"torch\.distributed\.{call}\(\).*single-device") as info:
+        pipeline.trace_step(model, (torch.randn(8, 4), torch.randn(8, 4)), F.mse_loss,
+                            torch.optim.SGD(model.parameters(), lr=0.1), CompileOptions())
+    assert "test_reliability.py" in str(info.value)
+    assert (torch.distributed.is_initialized, getattr(torch.distributed, call)) == before  # restored
