@@ -13,8 +13,8 @@ single-device model run with the same seed (a ``torch.manual_seed(s)`` before
 price of each rank generating the whole tensor. Ops whose result depends on an
 input's values (``bernoulli(probabilities)``, ``multinomial``) are refused.
 
-:data:`DRAWS` is the table: operator -> (its scalar arguments, the draw for a
-global shape, dtype and device). :func:`draw` is what lowered graphs call.
+:data:`DRAWS` is the table: operator -> (its scalar arguments, the draw, which fills a
+tensor of the global shape, dtype and device, laid out as eager's). :func:`draw` is what lowered graphs call.
 """
 from __future__ import annotations
 
@@ -36,28 +36,35 @@ __all__ = ["DRAWS", "draw", "draws_random_numbers", "eager_orders", "may_draw_pe
 aten = torch.ops.aten
 
 
-def _bernoulli(g, shape, dtype, device, p=0.5):
-    return torch.empty(shape, dtype=dtype, device=device).bernoulli_(p, generator=g)
+# Each draw fills ``out`` in place with the kernel eager's operator runs: torch.rand is
+# ``empty(...).uniform_(0, 1)``, torch.randn ``normal_(0, 1)``, torch.randint ``random_``,
+# the ``*_like`` forms the same on ``empty_like(x)``. On a tensor laid out otherwise than
+# row-major the kernels fill in memory order, and ``normal_`` then takes another algorithm
+# than on a contiguous one (other numbers, not only another order), so filling a tensor of
+# eager's layout is what gives eager's numbers.
+
+def _bernoulli(g, out, p=0.5):
+    return out.bernoulli_(p, generator=g)
 
 
-def _uniform(g, shape, dtype, device, low=0.0, high=1.0):
-    return torch.empty(shape, dtype=dtype, device=device).uniform_(low, high, generator=g)
+def _uniform(g, out, low=0.0, high=1.0):
+    return out.uniform_(low, high, generator=g)
 
 
-def _rand(g, shape, dtype, device):
-    return torch.rand(shape, dtype=dtype, device=device, generator=g)
+def _rand(g, out):
+    return out.uniform_(0, 1, generator=g)
 
 
-def _randn(g, shape, dtype, device):
-    return torch.randn(shape, dtype=dtype, device=device, generator=g)
+def _randn(g, out):
+    return out.normal_(0, 1, generator=g)
 
 
-def _randint(g, shape, dtype, device, low, high):
-    return torch.randint(low, high, shape, dtype=dtype, device=device, generator=g)
+def _randint(g, out, low, high):
+    return out.random_(low, high, generator=g)
 
 
-def _normal(g, shape, dtype, device, mean=0.0, std=1.0):
-    return torch.normal(mean, std, shape, dtype=dtype, device=device, generator=g)
+def _normal(g, out, mean=0.0, std=1.0):
+    return out.normal_(mean, std, generator=g)
 
 
 #: Random operator -> (names of its scalar arguments, the draw). Each draw's output
@@ -115,11 +122,26 @@ def scalars(node: fx.Node) -> tuple:
     return tuple(values[name] for name in names)
 
 
-def _masks(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node | None]]:
-    """The dropout masks of ``graph`` in order: each ``bernoulli`` and the activation of its
-    shape that a ``mul`` applies it to (through its scaling), None where there is none."""
+#: random operators whose numbers fill a tensor laid out as their first argument: eager
+#: fills ``torch.rand_like(x)`` in ``empty_like(x)``'s memory order, and ``t.uniform_()``,
+#: ``t.normal_()`` (traced as their functional forms) in ``t``'s own
+_FILLS_LIKE_INPUT = (aten.rand_like.default, aten.randn_like.default, aten.uniform.default,
+                     aten.normal_functional.default)
+
+
+def _fills(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node | None]]:
+    """The random fills of ``graph`` in order, each with the tensor whose memory order eager
+    fills it in (None where there is none): a dropout mask (``bernoulli``) and the
+    activation of its shape that a ``mul`` applies it to (through its scaling); a
+    :data:`_FILLS_LIKE_INPUT` operator and its first argument."""
     found = []
-    for node in graph.find_nodes(op="call_function", target=aten.bernoulli.p):
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _FILLS_LIKE_INPUT:
+            found.append((node, node.args[0]))
+        if node.target is not aten.bernoulli.p:
+            continue
         activation = None
         for user in [u for d in node.users for u in (d, *d.users)]:
             if user.target is aten.mul.Tensor and len(user.args) == 2:
@@ -133,19 +155,20 @@ def _masks(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node | None]]:
 
 
 def may_draw_permuted(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callable | None]) -> bool:
-    """Whether a dropout mask's activation may be laid out otherwise than row-major in
-    eager, which fills the mask in that memory order (``empty_like``): a cheap look that
+    """Whether a random fill's tensor (:func:`_fills`: a dropout mask's activation, the
+    input of ``torch.rand_like``) may be laid out otherwise than row-major in eager, which
+    fills it in that memory order (``empty_like``): a cheap look that
     decides whether :func:`eager_orders` needs the trace with views. The traced graph runs
     every view as a contiguous copy (``view_form(node)``: the view a ``*_copy`` node stands
     for), so the layouts are worked out on meta tensors: a tensor traced otherwise than
     row-major as traced (an input, a convolution of channels-last weights), each view as a
     view, and each operator that reads a tensor laid out otherwise (the others' outputs are
     row-major as traced; one that fails there counts as row-major)."""
-    masks = [activation for _, activation in _masks(gm.graph) if activation is not None]
-    if not masks:
+    filled = [activation for _, activation in _fills(gm.graph) if activation is not None]
+    if not filled:
         return False
     position = {node: index for index, node in enumerate(gm.graph.nodes)}
-    last = max(position[n] for n in masks)
+    last = max(position[n] for n in filled)
     metas: dict[fx.Node, object] = {}  # the nodes laid out otherwise than row-major
 
     def meta(x):
@@ -188,7 +211,7 @@ def may_draw_permuted(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callabl
             metas[node] = out
         elif isinstance(out, (tuple, list)) and any(not t.is_contiguous() for t in _tensors(out)):
             metas[node] = out  # its getitems follow
-    return any(activation in metas for activation in masks)
+    return any(activation in metas for activation in filled)
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -203,12 +226,12 @@ def _as_meta(value):
 
 
 def eager_orders(gm: fx.GraphModule, with_views: fx.GraphModule) -> dict[fx.Node, tuple]:
-    """Per dropout mask of ``gm`` that eager fills in another order than row-major, the
-    dims from outermost to innermost in eager's memory: the layout ``empty_like`` gives
-    the mask's activation in ``with_views`` (the same step traced with its views as views,
+    """Per random fill of ``gm`` (:func:`_fills`) that eager fills in another order than
+    row-major, the dims from outermost to innermost in eager's memory: the layout
+    ``empty_like`` gives its tensor in ``with_views`` (the same step traced with its views as views,
     so with eager's layouts: a permuted view, an expanded one, ``.contiguous()``), whose
-    masks pair with ``gm``'s in order."""
-    ours, theirs = _masks(gm.graph), _masks(with_views.graph)
+    fills pair with ``gm``'s in order."""
+    ours, theirs = _fills(gm.graph), _fills(with_views.graph)
     if len(ours) != len(theirs):
         return {}
     orders = {}
@@ -233,13 +256,13 @@ def draw(generator: torch.Generator, after, op: str, shape: Sequence[int], dtype
     nothing reads still runs, as eager's does: the draws after it, and the next step's,
     take the numbers that follow it. ``order``: the dims from outermost to innermost in
     the memory order eager fills (:func:`eager_orders`), where it is not row-major."""
-    _, fn = _BY_NAME[op]
+    _, fill = _BY_NAME[op]
     if order is None:
-        whole = fn(generator, list(shape), dtype, generator.device, *params)
+        whole = torch.empty(shape, dtype=dtype, device=generator.device)
     else:
-        laid_out = fn(generator, [shape[d] for d in order], dtype, generator.device, *params)
-        whole = laid_out.permute([order.index(d) for d in range(len(shape))])
-    return whole[piece].contiguous()
+        whole = torch.empty([shape[d] for d in order], dtype=dtype, device=generator.device).permute(
+            [order.index(d) for d in range(len(shape))])
+    return fill(generator, whole, *params)[piece].contiguous()
 
 
 _BY_NAME = {str(op): entry for op, entry in DRAWS.items()}

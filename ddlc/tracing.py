@@ -209,7 +209,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
             with_views = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn, remove="mutations")
             strided_views.repair(gm, with_views,
                                  lambda n: sources.source_from_stack(n.meta.get("stack_trace")) or None)
-        if rng.may_draw_permuted(gm, strided_views.view_form):  # dropout masks: eager's memory order
+        if rng.may_draw_permuted(gm, strided_views.view_form):  # random fills: eager's memory order
             if with_views is None:
                 with_views = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn, remove="mutations")
             for mask, order in rng.eager_orders(gm, with_views).items():
