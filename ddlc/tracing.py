@@ -34,7 +34,9 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules import module as module_mod
+from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils._pytree import tree_flatten
 
 from . import graph_checks, host_random, rng, sources, strided_views
@@ -576,6 +578,14 @@ def _assignment_line(module: nn.Module, attr: str) -> str | None:
     return None
 
 
+def _reparametrized(module: nn.Module, attr: str) -> bool:
+    """Whether ``module.<attr>`` is what a forward pre-hook of torch's hook-based
+    ``nn.utils.weight_norm`` or ``nn.utils.spectral_norm`` computes from the module's
+    parameters (and, for spectral norm, buffers) before every call."""
+    return any(isinstance(hook, (WeightNorm, SpectralNorm)) and hook.name == attr
+               for hook in module._forward_pre_hooks.values())
+
+
 def _may_be_state(value) -> bool:
     return isinstance(value, (*PLAIN, torch.Tensor))
 
@@ -597,6 +607,9 @@ def _no_state_kept_across_calls(model: nn.Module, forward_again: Callable[[], No
       one that requires grad is the forward's own scratch, recomputed from parameters
       before it is read (``torch.nn.utils.spectral_norm``'s ``weight``): a step cannot
       carry autograd history to the next;
+      In an inference program nothing requires grad: an attribute that torch's own
+      hook-based ``nn.utils.weight_norm`` or ``spectral_norm`` computes from parameters
+      before every call (:func:`_reparametrized`) is scratch too;
     - a number, string or flag that ``forward_again`` (the forward once more, on fake
       tensors) moves again (a counter, ``self.n += 1``). One that a second call leaves
       as the first did is a setting the forward makes before it reads it (BigBird
@@ -633,7 +646,8 @@ def _no_state_kept_across_calls(model: nn.Module, forward_again: Callable[[], No
     watch.restore_members()
     changed = [(name, attr, old, new) for name, attr, old, new in watch.attributes_changed()
                if _may_be_state(old) and _may_be_state(new)
-               and not (isinstance(new, torch.Tensor) and new.requires_grad)]
+               and not (isinstance(new, torch.Tensor) and new.requires_grad)
+               and not _reparametrized(model.get_submodule(name), attr)]
     kept = [c for c in changed if isinstance(c[3], torch.Tensor)]
     settings = [c for c in changed if not isinstance(c[3], torch.Tensor)]
     if settings and not kept:

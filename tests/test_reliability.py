@@ -2286,3 +2286,40 @@ def test_a_forward_asking_torch_distributed_for_the_world_is_refused_at_its_line
                             torch.optim.SGD(model.parameters(), lr=0.1), CompileOptions())
     assert "test_reliability.py" in str(info.value)
     assert (torch.distributed.is_initialized, getattr(torch.distributed, call)) == before  # restored
+
+
+def _hook_normalized():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.utils.weight_norm(torch.nn.Linear(8, 16)), torch.nn.Tanh(),
+                               torch.nn.utils.spectral_norm(torch.nn.Linear(16, 4)))
+
+
+def _hook_normalized_inference(rank):
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for train in (False, True):  # in train mode spectral norm's power iteration moves u and v
+        model = _hook_normalized().train(train)
+        program = ddlc.compile(model, (2,), (x,))
+        outputs += [program(x), program(x)]
+    return outputs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_an_inference_program_of_hook_based_weight_and_spectral_norm_matches_eager():
+    """torch's hook-based ``nn.utils.weight_norm`` and ``spectral_norm`` set the module's
+    ``weight`` from parameters before every call. In an inference program nothing requires
+    grad, so that attribute was taken for state the forward moves at every call and the
+    program was refused (a training step compiled); it is recognised as their scratch."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # weight_norm is deprecated for the parametrization
+        got = spawn(_hook_normalized_inference, 2, timeout=120, deadline=140)[0]
+        x, want = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)), []
+        for train in (False, True):
+            model = _hook_normalized().train(train)
+            with torch.no_grad():
+                want += [model(x), model(x)]
+    assert not torch.equal(want[2], want[3])  # the second train-mode call reads the moved u, v
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
