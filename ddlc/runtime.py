@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import logging
 import pickle
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,16 +53,44 @@ log = logging.getLogger("ddlc.runtime")
 __all__ = ["compile", "CompiledStep"]
 
 
-def _check_fingerprint(gm: fx.GraphModule) -> str:
-    """A digest of ``gm``'s collective sequence, checked equal on every rank (a
-    ``RuntimeMismatchError`` on every rank if not: the programs would deadlock)."""
-    digest = hashlib.sha256(repr(collective_sequence(gm)).encode()).hexdigest()[:16]
+def _check_fingerprint(gm: fx.GraphModule, coord: tuple[int, ...]) -> str:
+    """A digest of ``gm``'s collective sequence (kind and mesh axis of each), checked to
+    agree on every rank, and each collective's bytes checked equal across the ranks of its
+    group (:func:`mismatched_sequences`; a ``RuntimeMismatchError`` on every rank if not:
+    the programs would deadlock or exchange pieces of other sizes). Ranks of different
+    groups may move other bytes: a dim split unevenly over one axis gives the groups of
+    another axis pieces of other sizes."""
+    sequence = collective_sequence(gm)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, digest)
-    if len(set(everyone)) != 1:
-        raise RuntimeMismatchError("ranks built different collective sequences (this would "
-                                   f"deadlock): fingerprints by rank {everyone}")
-    return digest
+    dist.all_gather_object(everyone, (coord, sequence))
+    mismatch = mismatched_sequences(everyone)
+    if mismatch is not None:
+        raise RuntimeMismatchError(f"ranks built different collective sequences (this would deadlock): {mismatch}")
+    return hashlib.sha256(repr([(kind, axis) for kind, axis, _ in sequence]).encode()).hexdigest()[:16]
+
+
+def mismatched_sequences(by_rank: Sequence[tuple[tuple[int, ...], list[tuple[str, int, int]]]]) -> str | None:
+    """Where the ranks' collective sequences (each rank's mesh coordinate and its
+    ``(kind, axis, bytes)`` in order) disagree, or None: every rank must issue the same
+    kinds on the same axes in the same order, and the ranks of one group (coordinates
+    equal but on the collective's axis) the same bytes."""
+    shapes = [[(kind, axis) for kind, axis, _ in sequence] for _, sequence in by_rank]
+    for rank, shape in enumerate(shapes):
+        if shape != shapes[0]:
+            at = next((i for i, (a, b) in enumerate(zip(shape, shapes[0])) if a != b), min(len(shape), len(shapes[0])))
+            return (f"rank {rank} issues {len(shape)} collectives, rank 0 {len(shapes[0])}; the first difference "
+                    f"is collective {at}: {shape[at] if at < len(shape) else 'none'} against "
+                    f"{shapes[0][at] if at < len(shapes[0]) else 'none'}")
+    for rank, (coord, sequence) in enumerate(by_rank):
+        for other, (other_coord, other_sequence) in enumerate(by_rank):
+            differ = [a for a, (x, y) in enumerate(zip(coord, other_coord)) if x != y]
+            if other <= rank or len(differ) != 1:
+                continue
+            for index, ((kind, axis, nbytes), (_, _, other_bytes)) in enumerate(zip(sequence, other_sequence)):
+                if axis == differ[0] and nbytes != other_bytes:
+                    return (f"collective {index} ({kind} on axis {axis}) moves {nbytes} bytes on rank {rank} "
+                            f"and {other_bytes} on rank {other}, of one group")
+    return None
 
 
 def _given(model: nn.Module, example_inputs, loss_fn, optimizer, mesh: Mesh,
@@ -512,7 +540,7 @@ def _compile(model: nn.Module, mesh, example_inputs, loss_fn, optimizer,
     plan = chosen.plan
     if dist.get_backend() == "gloo":  # one collective in flight at a time: see passes/waits.py
         pipeline.run_pass("waits", pipeline.wait_at_once, gm)
-    digest = _check_fingerprint(gm)
+    digest = _check_fingerprint(gm, coord)
     share_generator(gm, device, rng_state, stream)
     step = CompiledStep(model, gm, plan, mesh, coord, options.batch, digest, device, optimizer,
                         device_mesh, host_scalars=options.backend == "eager", loss_fn=loss_fn)

@@ -188,3 +188,64 @@ def test_padded_updates_on_gloo_processes():
                 assert shape == local_shape(tuple(want["opt_state"][key].shape), sbp, (2,), (rank,)), key
         assert [c for c in got["collectives"] if c[0] == "all_reduce"] == [("all_reduce", 0, 4)]
         assert got["collectives"] == per_rank[0]["collectives"]
+
+
+class _TwoLayers(torch.nn.Sequential):
+    def __init__(self):
+        super().__init__()
+        self.add_module("fc1", torch.nn.Linear(13, 33))
+        self.add_module("act", torch.nn.GELU())
+        self.add_module("fc2", torch.nn.Linear(33, 7))
+
+
+def _two_layer_data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 13, generator=g), torch.randint(0, 7, (8,), generator=g)
+
+
+def _partitioned_uneven_steps(rank):
+    torch.manual_seed(0)
+    model, (x, y) = _TwoLayers(), _two_layer_data()
+    step = ddlc.compile(model, (2, 2), (x, y), F.cross_entropy, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                        placements={"fc1.weight": "(S0, S1)"}, partition=64)
+    return [step.step(x, y) for _ in range(3)], step.state_dict(), collective_sequence(step.gm)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_collectives_cut_into_pieces_of_an_uneven_split_match_single_device():
+    """``fc1.weight`` (13, 33) split over both axes of (2,2): the rows are cut 7/6 on axis
+    0, so the two groups of axis 1 gather 7 and 6 rows, and ``partition=64`` cuts their
+    all-gathers into pieces of other sizes (56/64 and 59/67 bytes). Those groups never
+    exchange a piece, but the check of the programs compared every collective's bytes
+    across all ranks and refused them as a deadlock; it compares bytes within a group now."""
+    per_rank = spawn(_partitioned_uneven_steps, 4, timeout=120, deadline=140)
+    torch.manual_seed(0)
+    model, (x, y) = _TwoLayers(), _two_layer_data()
+    opt, losses = torch.optim.AdamW(model.parameters(), lr=1e-2), []
+    for _ in range(3):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    assert_matches_reference({"losses": per_rank[0][0], "params": per_rank[0][1]},
+                             {"losses": losses, "params": dict(model.named_parameters())})
+    assert per_rank[0][2] != per_rank[2][2]  # the groups of axis 1 move other bytes
+
+
+def test_collective_sequences_agree_in_kind_and_axis_and_in_bytes_within_each_group():
+    from ddlc.runtime import mismatched_sequences
+    coords = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    pieces = {0: [("all_gather", 1, 56), ("all_gather", 0, 152)], 2: [("all_gather", 1, 59), ("all_gather", 0, 152)]}
+    agreeing = [(c, pieces[2 * c[0]]) for c in coords]
+    assert mismatched_sequences(agreeing) is None
+    within = list(agreeing)
+    within[1] = ((0, 1), [("all_gather", 1, 64), ("all_gather", 0, 152)])
+    assert "moves 56 bytes on rank 0 and 64 on rank 1, of one group" in mismatched_sequences(within)
+    across = list(agreeing)
+    across[3] = ((1, 1), [("all_gather", 1, 59), ("all_gather", 0, 160)])
+    assert "of one group" in mismatched_sequences(across)  # ranks 1 and 3 gather on axis 0 together
+    other_order = list(agreeing)
+    other_order[2] = ((1, 0), [("all_gather", 0, 152), ("all_gather", 1, 59)])
+    assert "first difference is collective 0" in mismatched_sequences(other_order)
