@@ -168,7 +168,13 @@ def resolve_placements(gm: fx.GraphModule, placements: Mapping[str, object],
             raise SBPError(f"placement {sbp} of {key!r} is a partial sum (P), which cannot hold "
                            "user data: every rank holds the full value and the program would "
                            "add them up; pin it B (replicated) or S(d) (split along dim d)")
-        fixed[by_key.get(key, key)] = sbp
+        name = by_key.get(key, key)
+        shape = tuple(gm.graph.find_nodes(op="placeholder", target=name)[0].meta["val"].shape)
+        missing = [x.dim for x in sbp if x.is_split and x.dim >= len(shape)]
+        if missing:
+            raise SBPError(f"placement {sbp} of {key!r} splits dim {missing[0]} of a tensor of shape {shape}, "
+                           f"which has {len(shape)} dim(s)")
+        fixed[name] = sbp
     return fixed
 
 

@@ -36,6 +36,14 @@ def test_a_partial_placement_of_user_data_is_refused(key):
         pipeline.resolve_placements(gm, {key: "(P)"}, 1)
 
 
+@pytest.mark.parametrize("key", ["input0", "layers.0.bias"])
+def test_a_placement_splitting_a_dim_the_tensor_lacks_names_it(key):
+    x = torch.randn(8, 32)
+    gm = pipeline.trace_step(MLP(), (x, torch.randn(8, 16)), F.mse_loss, None, CompileOptions())
+    with pytest.raises(SBPError, match=rf"\(B, S2\) of '{re.escape(key)}' splits dim 2 of a tensor of shape \([\d, ]+\), which has [12] dim"):
+        pipeline.resolve_placements(gm, {key: "(B, S2)"}, 2)
+
+
 class _GumbelSoftmax(torch.nn.Module):
     """Samples with F.gumbel_softmax: an exponential draw ddlc.rng has no draw for."""
 
