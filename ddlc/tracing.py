@@ -32,7 +32,7 @@ from torch.func import functionalize, grad_and_value
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.nn.modules import module as module_mod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.stateless import _reparametrize_module
@@ -1068,10 +1068,6 @@ _DATA_DEPENDENT = re.compile(r"data.dependent|GuardOnDataDependent|DataDependent
 #: What torch's errors while tracing mean, first match wins: (pattern, error type, cause).
 #: "The example inputs may not match the model" is said only for shape errors.
 _CAUSES = (
-    (re.compile(r"DynamicOutputShapeException", re.I), UnsupportedInputError,
-     "the step calls an operator whose output size torch cannot tell without running it "
-     "(it has no shape rule for tracing, e.g. aten._ctc_loss of F.ctc_loss), so ddlc cannot "
-     "trace it into one static graph"),
     (re.compile(r"SymIntArrayRef expected to contain only concrete integers", re.I), TraceError,
      "the step computes a tensor whose size depends on tensor values (a boolean-mask index "
      "`x[mask]`), and an operator, or its gradient, needs that size as a number (a mean over "
@@ -1199,6 +1195,11 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
                 "cannot express: pass validate_args=False to it, or call "
                 "torch.distributions.Distribution.set_default_validate_args(False) before "
                 f"ddlc.compile ({text})", where=line) from e
+        if isinstance(e, DynamicOutputShapeException):
+            raise UnsupportedInputError(
+                f"the step calls {e.func}, an operator whose output size torch cannot tell without "
+                "running it (it has no shape rule for tracing, as aten._ctc_loss of F.ctc_loss has "
+                "none), so ddlc cannot trace it into one static graph", where=line) from e
         for pattern, error, cause in _CAUSES:
             if pattern.search(f"{type(e).__name__} {e}"):
                 inputs = graph_checks.describe_tensors(batch)

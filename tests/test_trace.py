@@ -827,7 +827,23 @@ def test_an_operator_without_a_static_shape_rule_is_named():
     with pytest.raises(UnsupportedInputError, match="output size torch cannot tell") as info:
         ddlc.trace(model, (torch.randn(10, 8, 6), torch.randint(1, 6, (8, 3))), loss,
                    torch.optim.SGD(model.parameters(), lr=0.1))
-    assert "_ctc_loss" in str(info.value) and "test_trace.py" in str(info.value)
+    assert "the step calls aten._ctc_loss.Tensor, an operator" in str(info.value)
+    assert "test_trace.py" in str(info.value)
+
+
+def test_the_operator_without_a_static_shape_rule_is_the_one_named():
+    """``torch.linalg.lstsq`` on the CPU has no static output shape either: its refusal named
+    ``aten._ctc_loss`` (the message's example) before the operator itself."""
+    class Solved(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.linalg.lstsq(self.lin(x), x).solution
+
+    with pytest.raises(UnsupportedInputError, match=r"^the step calls aten\.linalg_lstsq\.default, an operator"):
+        ddlc.trace(Solved(), (torch.randn(6, 4),))
 
 
 def test_a_gradient_penalty_on_the_input_is_refused_with_the_cause():
