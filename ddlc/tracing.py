@@ -18,13 +18,15 @@ import itertools
 import logging
 import re
 import sys
+import threading
 import traceback
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
 import torch.fx.proxy as fx_proxy
 import torch.fx.traceback as fx_traceback
 from torch import fx, nn
@@ -726,41 +728,90 @@ def _inference_mode_as_no_grad():
         cls.__enter__ = enter
 
 
-#: torch.distributed's functions that need a process group: a forward calling one is
-#: refused while traced (:func:`_single_device_world`)
-_PROCESS_GROUP_CALLS = (
-    "get_rank", "get_world_size", "get_backend", "get_process_group_ranks", "new_group", "barrier",
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
-    "all_to_all_single", "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "recv",
-    "isend", "irecv", "batch_isend_irecv")
+class _WorldHiddenFromOneThread(c10d._World):
+    """c10d's registry of process groups (``c10d._world``, its class swapped for this one
+    while a step is traced) without its default group in the thread that traces:
+    everything torch.distributed answers there is what a process without a process group
+    gets, however the call is reached (``dist.is_initialized()``, a name imported from
+    ``torch.distributed``, ``distributed_c10d``, ``dist.group.WORLD``). Other threads of
+    the process (a user's logging thread) see the group as it is."""
+
+    @property
+    def default_pg(self):
+        return None if threading.get_ident() == self._ddlc_tracing_thread else self._default_pg
+
+    @default_pg.setter
+    def default_pg(self, value):
+        self._default_pg = value
+
+
+#: what a process group or device mesh the model or loss holds answers about the world
+#: (``(class, methods)``), refused while traced (:func:`_single_device_world`), as is every
+#: torch.distributed call given such a group (each asks ``_rank_not_in_group`` first)
+_HELD_GROUP_QUERIES = ((c10d, ("_rank_not_in_group",)), (c10d.ProcessGroup, ("size", "rank")),
+                       (DeviceMesh, ("size", "get_group", "get_rank", "get_local_rank", "get_coordinate")))
 
 
 @contextlib.contextmanager
 def _single_device_world():
     """The step is traced as the single-device model runs: in a process without a process
-    group. ``torch.distributed.is_initialized()`` answers False meanwhile, so code written
-    for both worlds takes its one-device path (Hugging Face's FLAVA contrastive head and
-    DETR-style losses gather or reduce across ranks where a group exists, which would count
-    the batch again on a global batch, and ddlc places the step's communication itself),
-    and a call that needs a group (:data:`_PROCESS_GROUP_CALLS`: the rank, the world
-    size, a collective) is refused at the user's line: its answer would be the compiled
-    world's, not the single device's."""
-    def refused(name):
+    group (:class:`_WorldHiddenFromOneThread`). ``torch.distributed.is_initialized()``
+    answers False meanwhile, so code written for both worlds takes its one-device path
+    (Hugging Face's FLAVA contrastive head and DETR-style losses gather or reduce across
+    ranks where a group exists, which would count the batch again on a global batch, and
+    ddlc places the step's communication itself), and a call that needs the group (the
+    rank, the world size, a collective) fails as it would there, refused at the user's
+    line (:func:`_process_group_call`). A group or device mesh made before (held by the
+    model or loss, or global) still exists: its queries and collectives
+    (:data:`_HELD_GROUP_QUERIES`) are refused at the user's line in the tracing thread
+    (a size read from it scaled the loss by the world size; a collective on it waited for
+    ranks that do not trace). Environment variables (torchrun's ``WORLD_SIZE``) are the
+    process's: a forward reading them reads the compiled world's."""
+    world = c10d._world
+    if type(world) is not c10d._World:  # another trace in this process holds it (or torch changed)
+        yield
+        return
+    tracing = threading.get_ident()
+
+    def refused_here(owner, name, original):
+        @functools.wraps(original)
         def call(*args, **kwargs):
-            raise graph_checks.process_group_call(f"torch.distributed.{name}()", sources.caller())
+            if threading.get_ident() != tracing:
+                return original(*args, **kwargs)
+            # a module's guard names the torch.distributed function that asks it
+            what = f"{owner.__name__}.{name}()" if isinstance(owner, type) else \
+                f"torch.distributed.{sys._getframe(1).f_code.co_name}()"
+            raise graph_checks.process_group_call(what, sources.caller())
         return call
 
-    saved = {name: getattr(dist, name) for name in ("is_initialized", *_PROCESS_GROUP_CALLS)
-             if hasattr(dist, name)}
-    for name in saved:
-        setattr(dist, name, refused(name))
-    dist.is_initialized = lambda: False
+    # as the owner holds them (a class's descriptors unbound, which setattr puts back as they were)
+    saved = [(owner, name, vars(owner)[name]) for owner, names in _HELD_GROUP_QUERIES for name in names]
+    world._ddlc_tracing_thread = tracing
+    world.__class__ = _WorldHiddenFromOneThread
+    for owner, name, original in saved:
+        setattr(owner, name, refused_here(owner, name, original))
     try:
         yield
     finally:
-        for name, function in saved.items():
-            setattr(dist, name, function)
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+        world.__class__ = c10d._World
+        del world._ddlc_tracing_thread
+
+
+def _process_group_call(e: BaseException) -> str | None:
+    """The torch.distributed function a failed trace called without the process group
+    that :func:`_single_device_world` hides (``"torch.distributed.get_world_size()"``),
+    or None where ``e`` is no such failure."""
+    if not (isinstance(e, (ValueError, RuntimeError)) and "process group has not been initialized" in str(e)):
+        return None
+    for frame in traceback.extract_tb(e.__traceback__):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/distributed/" in path and not path.endswith("/c10d_logger.py"):  # its decorator
+            module = path.rsplit("/torch/distributed/", 1)[1].removesuffix(".py").replace("/", ".")
+            module = "" if module in ("distributed_c10d", "__init__") else f".{module}"
+            return f"torch.distributed{module}.{frame.name}()"
+    return "torch.distributed"
 
 
 @contextlib.contextmanager
@@ -1171,6 +1222,9 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
                 "keeps it as ._torchdynamo_orig_callable); ddlc compiles the whole step, and "
                 f"compile(..., backend='inductor') runs each rank's program through Inductor ({text})",
                 where=line) from e
+        called = _process_group_call(e)
+        if called is not None:
+            raise graph_checks.process_group_call(called, line) from e
         function = sources.autograd_function(e)
         if function is not None and "c10d" in function.__qualname__:  # a functional collective's
             raise graph_checks.process_group_call(f"a functional collective ({function.__qualname__})", line) from e

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed import get_world_size as _world_size
 
 import ddlc
 from ddlc import pipeline
@@ -2210,7 +2211,9 @@ class _GatheringContrastive(torch.nn.Module):
             b = torch.cat(torch.distributed.nn.functional.all_gather(b))
             labels = labels + a.shape[0] // torch.distributed.get_world_size() * torch.distributed.get_rank()
         logits = a @ b.T * 10
-        return F.cross_entropy(logits, labels)
+        # a loss scaled by the world size (undoing DDP's averaging), asked another way
+        scale = _world_size() if torch.distributed.group.WORLD is not None else 1
+        return F.cross_entropy(logits, labels) * scale
 
 
 def _contrastive_batch():
@@ -2219,10 +2222,26 @@ def _contrastive_batch():
 
 
 def _contrastive_losses(rank):
+    import threading
     torch.manual_seed(0)
-    model = _GatheringContrastive()
-    step = ddlc.compile(model, (2,), _contrastive_batch(), optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
-    return [step.step(*_contrastive_batch()) for _ in range(3)]
+    model, answers, done = _GatheringContrastive(), [], threading.Event()
+
+    def ask():  # a thread of the user's (logging, say) asking for the rank while compile traces
+        while not done.is_set():
+            try:
+                answers.append(torch.distributed.get_rank())
+            except Exception as e:
+                answers.append(repr(e))
+            done.wait(0.001)
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    try:
+        step = ddlc.compile(model, (2,), _contrastive_batch(), optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+    finally:
+        done.set()
+        thread.join()
+    return [step.step(*_contrastive_batch()) for _ in range(3)], set(answers)
 
 
 def _functional_collective_refusals(rank):
@@ -2244,7 +2263,17 @@ def _functional_collective_refusals(rank):
             ddlc.compile(model, (2,), (x,), optimizer=optimizer)
         except UnsupportedInputError as e:
             messages.append(str(e))
-    return messages
+    # a group made before compile, held by the loss: its size (a loss scaled by it) and a
+    # collective on it (which waited for ranks that do not trace, until the timeout)
+    group, held = torch.distributed.new_group([0, 1]), []
+    for loss_fn in (lambda out, y: F.mse_loss(out, y) * group.size(),
+                    lambda out, y: F.mse_loss(out, y) + torch.distributed.all_reduce(out.sum(), group=group)):
+        model = torch.nn.Linear(4, 4)
+        try:
+            ddlc.compile(model, (2,), (x, x), loss_fn, torch.optim.SGD(model.parameters(), lr=0.1))
+        except UnsupportedInputError as e:
+            held.append(str(e).split(" while ")[0])
+    return messages, held
 
 
 @pytest.mark.multiprocess
@@ -2252,10 +2281,14 @@ def _functional_collective_refusals(rank):
 def test_a_model_written_for_a_process_group_is_traced_as_on_one_device():
     """Inside ``ddlc.compile`` a process group exists, but the step is the single-device
     model's: ``torch.distributed.is_initialized()`` answers False while it is traced, so a
-    model that gathers its features across ranks where a group exists trains as on one
-    device (it gathered the global batch from every rank before: other losses, or a crash);
-    a functional collective called anyway is refused naming the call and its line."""
-    got = spawn(_contrastive_losses, 2, timeout=90, deadline=180)[0]
+    model that gathers its features across ranks where a group exists, or scales its loss
+    by the world size asked through a name imported from torch.distributed, trains as on
+    one device (other losses before, or a crash), while another thread of the process sees
+    the group as it is;
+    a functional collective called anyway is refused naming the call and its line, as are
+    a group's size and a collective on a group made before compile."""
+    got, answers = spawn(_contrastive_losses, 2, timeout=90, deadline=180)[0]
+    assert answers == {0}, answers  # another thread sees the process group as it is
     torch.manual_seed(0)
     model = _GatheringContrastive()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -2267,10 +2300,11 @@ def test_a_model_written_for_a_process_group_is_traced_as_on_one_device():
         opt.step()
         want.append(loss.detach())
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-6)
-    messages = spawn(_functional_collective_refusals, 2, timeout=90, deadline=180)[0]
+    messages, held = spawn(_functional_collective_refusals, 2, timeout=90, deadline=180)[0]
+    assert held == ["the step calls ProcessGroup.size()", "the step calls torch.distributed.all_reduce()"]
     assert len(messages) == 2  # the training step and the inference program
     for message in messages:
-        assert "collective" in message and "without a process group" in message, message
+        assert message.startswith("the step calls ") and "without a process group" in message, message
         assert "test_reliability.py" in message and "funcol.all_reduce" in message, message
 
 
