@@ -19,6 +19,7 @@ and keeps only its own shards of the parameters and optimizer state
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -112,7 +113,8 @@ def _given(model: nn.Module, example_inputs, loss_fn, optimizer, mesh: Mesh,
     lines += [f"example input {i}: " + (f"{tuple(x.shape)} {x.dtype} {x.device.type}"
                                         if isinstance(x, torch.Tensor) else plain(x))
               for i, x in enumerate(leaves)]
-    lines.append(f"loss_fn {getattr(loss_fn, '__qualname__', plain(loss_fn))}")
+    lines += [f"module {name or '(the model)'}: {type(m).__qualname__} {_settings(m)}" for name, m in model.named_modules()]
+    lines.append(f"loss_fn {getattr(loss_fn, '__qualname__', plain(loss_fn))} {_settings(loss_fn)}")
     if optimizer is not None:
         try:
             lines.append(f"optimizer {type(optimizer).__name__} {optimizer_structure(optimizer)}")
@@ -123,6 +125,27 @@ def _given(model: nn.Module, example_inputs, loss_fn, optimizer, mesh: Mesh,
     lines.append(f"mesh {mesh.shape} {mesh.axis_names} profile {mesh.profile.name}")
     lines.append(f"options {options}")
     return lines
+
+
+def _is_plain(value) -> bool:
+    return isinstance(value, (int, float, bool, str, type(None))) or (
+        isinstance(value, tuple) and all(_is_plain(v) for v in value))
+
+
+def _settings(obj) -> str:
+    """The plain values (numbers, strings, flags, tuples of them) an object computes with,
+    as text the same in every process: a module's or a loss object's attributes (its
+    ``training`` flag, dropout's ``p``), a function's defaults, constants and the values
+    its closure holds (a loss weight)."""
+    if callable(obj) and hasattr(obj, "__code__"):
+        cells = []
+        for cell in obj.__closure__ or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                cells.append(cell.cell_contents)
+        values = [*(obj.__defaults__ or ()), *obj.__code__.co_consts, *cells]
+        return repr([v for v in values if _is_plain(v)])
+    fields = vars(obj) if hasattr(obj, "__dict__") else {}
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(fields.items()) if not k.startswith("_") and _is_plain(v))
 
 
 def _check_devices(model: nn.Module, example_inputs, device_type: str) -> None:
@@ -155,14 +178,25 @@ def _check_devices(model: nn.Module, example_inputs, device_type: str) -> None:
             f"to {there} before ddlc.compile")
 
 
-def _check_one_example(example_inputs) -> None:
+def _check_one_example(example_inputs, batch: str) -> None:
     """With ``batch="local"`` the example inputs are still the whole global batch, the same
     on every rank (their shapes set the plan; ``step`` then takes each rank's part). Refuse,
     on every rank at once, examples that differ between ranks: each rank's own part given as
-    the example would be planned as a global batch of that size."""
-    mine = [tensor_fingerprint(x.cpu()) for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor)]
+    the example would be planned as a global batch of that size. A collective of every rank
+    whatever its ``batch`` (a rank given another ``batch`` than rank 0 is refused here,
+    where it would otherwise pair this collective with the next one of the others)."""
+    mine = [tensor_fingerprint(x.cpu()) for x in pytree.tree_leaves(example_inputs)
+            if isinstance(x, torch.Tensor)] if batch == "local" else None
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, (batch, mine))
+    for rank, (theirs, _) in enumerate(everyone):
+        if theirs != everyone[0][0]:
+            raise RuntimeMismatchError(
+                f"rank {rank} was given batch={theirs!r} where rank 0 was given batch={everyone[0][0]!r}: "
+                "every rank must call ddlc.compile with the same options")
+    if batch != "local":
+        return
+    everyone = [prints for _, prints in everyone]
     for rank, theirs in enumerate(everyone):
         for i, (a, b) in enumerate(zip(everyone[0], theirs)):
             if not torch.equal(a, b):
@@ -503,8 +537,7 @@ def _compile(model: nn.Module, mesh, example_inputs, loss_fn, optimizer,
     mesh, device_mesh, device_type = _mesh_for_world(mesh, options)
     trainers = holding.trainers(model)
     held = [step.steps_done for step in trainers]
-    if options.batch == "local":  # before the shapes are compared: each rank's own part?
-        _check_one_example(example_inputs)
+    _check_one_example(example_inputs, options.batch)  # before the shapes are compared: each rank's own part?
     _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options)
                  + [f"steps trained by earlier compiled steps of this model or of models sharing "
                     f"its parameters: {held}"])

@@ -754,17 +754,20 @@ def test_a_planning_error_on_rank_0_reaches_every_rank_at_once():
 class _RankDependent(torch.nn.Module):
     """A linear layer whose forward raises on the ranks ``failing`` (while tracing, too)
     and adds an operation (same values, another graph) on the ranks ``extra``; ``rank`` is
-    the rank building it (a forward asking torch.distributed is refused while traced)."""
+    the rank building it, kept where compile's comparison of the ranks' models does not
+    look (in a list: as an environment variable would be; a forward asking
+    torch.distributed is refused while traced)."""
 
     def __init__(self, failing, extra, rank):
         super().__init__()
-        self.fc, self.failing, self.extra, self.rank = torch.nn.Linear(8, 4), failing, extra, rank
+        self.fc, self.failing, self.extra, self.hidden_rank = torch.nn.Linear(8, 4), failing, extra, [rank]
 
     def forward(self, x):
-        if self.rank in self.failing:
-            raise ValueError(f"forward refused on rank {self.rank}")
+        rank = self.hidden_rank[0]
+        if rank in self.failing:
+            raise ValueError(f"forward refused on rank {rank}")
         h = self.fc(x)
-        return h * 1.0 if self.rank in self.extra else h
+        return h * 1.0 if rank in self.extra else h
 
 
 def _compile_rank_dependent(rank, failing, extra):
@@ -784,6 +787,39 @@ def test_a_tracing_error_on_rank_0_or_1_reaches_every_rank(failing):
     messages = spawn(_compile_rank_dependent, 3, failing, (), timeout=300, deadline=100)
     first = min(failing)
     assert len(set(messages)) == 1 and f"forward refused on rank {first}" in messages[0], messages
+
+
+def _compile_differing_on_rank_2(rank):
+    messages = []
+    for case in ("activation", "dropout", "eval", "loss weight", "batch"):
+        odd = rank == 2
+        model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh() if odd and case == "activation"
+                                    else torch.nn.ReLU(), torch.nn.Dropout(0.2 if odd and case == "dropout" else 0.1))
+        if odd and case == "eval":
+            model.eval()
+        weight = 2.0 if odd and case == "loss weight" else 1.0
+        try:
+            ddlc.compile(model, (3,), (torch.randn(6, 8), torch.randn(6, 4)), lambda out, y: F.mse_loss(out, y) * weight,
+                         batch="local" if odd and case == "batch" else "global")
+        except ddlc.errors.RuntimeMismatchError as e:
+            messages.append(str(e).split(": every rank")[0])
+    return messages
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_model_loss_or_batch_option_differing_on_a_rank_that_does_not_trace_is_refused():
+    """Only ranks 0 and 1 trace: a rank 2 given another activation, dropout probability,
+    mode or loss weight ran rank 0's step silently, and one given another ``batch=`` paired
+    its check of the examples with the others' next collective (a garbled refusal)."""
+    messages = spawn(_compile_differing_on_rank_2, 3, timeout=120, deadline=140)
+    assert messages[0] == messages[1] == messages[2], messages
+    given = [m.split(" where ")[0] for m in messages[0]]
+    assert given[:3] == ["rank 2 was given module 1: Tanh training=True",
+                         "rank 2 was given module 2: Dropout inplace=False, p=0.2, training=True",
+                         "rank 2 was given module (the model): Sequential training=False"], given
+    assert given[3].startswith("rank 2 was given loss_fn ") and "2.0" in given[3], given
+    assert given[4] == "rank 2 was given batch='local'", given
 
 
 def _compile_with_placements(rank, placements):
