@@ -337,9 +337,15 @@ class CompiledStep:
                 self._check_memory_order(key, t)
             want = self._global_shape(key) if self.batch_mode == "global" else shapes[key]
             if tuple(t.shape) != want:
+                hint = ""
+                if self.batch_mode == "local" and any(not x.is_split for x in self._sbp(key)):
+                    hint = (f": the plan does not split {key} over every mesh axis, so ranks take "
+                            "copies or larger parts of it; for each rank's own part (a "
+                            f"DistributedSampler's), pin it split, placements={{{key!r}: "
+                            f"\"({', '.join(['S0'] * len(self.mesh.shape))})\"}} for every batch input")
                 raise UnsupportedInputError(
                     f"{key} has shape {tuple(t.shape)} but the program was compiled for "
-                    f"{self.batch_mode} shape {want} (placement {self._sbp(key)} on mesh {self.mesh})")
+                    f"{self.batch_mode} shape {want} (placement {self._sbp(key)} on mesh {self.mesh}){hint}")
             if key in self.signature.strided_inputs:
                 t = self._as_traced(key, t)
             out[key] = self._shard(key, t) if self.batch_mode == "global" else t.to(self.device)

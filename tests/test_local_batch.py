@@ -100,6 +100,26 @@ def test_different_data_on_ranks_that_hold_the_same_piece_is_refused():
     assert len(set(messages)) == 1 and "must pass the same input0" in messages[0], messages
 
 
+def _own_part_of_a_whole_input(rank):
+    model, opt, data = _setup()
+    step = ddlc.compile(model, (4,), data[0], F.cross_entropy, opt, batch="local",
+                        placements={"input0": "(B)", "input1": "(B)"})  # as a replicated plan has it
+    x, y = data[0]
+    try:
+        step.step(x.chunk(4)[rank], y.chunk(4)[rank])  # a DistributedSampler's part
+    except ddlc.errors.DDLCError as e:
+        return str(e)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_ranks_own_part_of_an_input_the_plan_keeps_whole_is_refused_naming_the_pin():
+    messages = spawn(_own_part_of_a_whole_input, 4, timeout=300, deadline=100)
+    assert len(set(messages)) == 1, messages
+    assert "input0 has shape (2, 12) but the program was compiled for local shape (8, 12)" in messages[0]
+    assert """pin it split, placements={'input0': "(S0)"} for every batch input""" in messages[0], messages[0]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rows", [8, 10], ids=["even", "uneven"])
