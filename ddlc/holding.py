@@ -168,7 +168,9 @@ def _refuse_stale(model: nn.Module | None, what: str) -> None:
             "and holds the result as its own shards: the model and its optimizer keep the values "
             "compile took until step.write_back() puts the step's into them (a collective: call it "
             "on every rank). Call it first, or read step.state_dict() / step.optimizer_state(), or "
-            "evaluate with an inference program compiled from the model (it reads the step's)")
+            "evaluate with an inference program compiled from the model (it reads the step's): "
+            "each of these gathers the shards, so call it on every rank, also where only rank 0 "
+            "saves or prints the result")
 
 
 def _refuse_stale_call(module: nn.Module, args) -> None:

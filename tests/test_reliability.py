@@ -1418,6 +1418,8 @@ def test_eager_reads_of_a_model_trained_past_are_refused_until_written_back():
     for refused, logits, exp_avg in spawn(_eager_reads_between_steps, 2, timeout=300, deadline=100):
         assert len(refused) == 3, refused
         assert all("step.write_back()" in text for text in refused), refused
+        # each way out is a collective: a rank-0-only save waited for the others until the timeout
+        assert all("so call it on every rank, also where only rank 0 saves" in text for text in refused), refused
         assert torch.allclose(logits, model(batches[2][0]).detach(), rtol=1e-5, atol=1e-6)
         assert torch.allclose(exp_avg, opt.state[model.weight]["exp_avg"], rtol=1e-5, atol=1e-7)
 
