@@ -803,15 +803,16 @@ def _process_group_call(e: BaseException) -> str | None:
     """The torch.distributed function a failed trace called without the process group
     that :func:`_single_device_world` hides (``"torch.distributed.get_world_size()"``),
     or None where ``e`` is no such failure."""
-    if not (isinstance(e, (ValueError, RuntimeError)) and "process group has not been initialized" in str(e)):
-        return None
+    if not (isinstance(e, (ValueError, RuntimeError)) and re.search(
+            r"process group has not been initialized|is not supported under torch\.compile", str(e))):
+        return None  # (torch.distributed.nn's autograd collectives refuse what compiles, as ddlc's trace does)
     for frame in traceback.extract_tb(e.__traceback__):
         path = frame.filename.replace("\\", "/")
         if "/torch/distributed/" in path and not path.endswith("/c10d_logger.py"):  # its decorator
             module = path.rsplit("/torch/distributed/", 1)[1].removesuffix(".py").replace("/", ".")
             module = "" if module in ("distributed_c10d", "__init__") else f".{module}"
             return f"torch.distributed{module}.{frame.name}()"
-    return "torch.distributed"
+    return "torch.distributed" if "initialized" in str(e) else None
 
 
 @contextlib.contextmanager

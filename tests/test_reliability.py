@@ -2305,7 +2305,9 @@ def _functional_collective_refusals(rank):
     # collective on it (which waited for ranks that do not trace, until the timeout)
     group, held = torch.distributed.new_group([0, 1]), []
     for loss_fn in (lambda out, y: F.mse_loss(out, y) * group.size(),
-                    lambda out, y: F.mse_loss(out, y) + torch.distributed.all_reduce(out.sum(), group=group)):
+                    lambda out, y: F.mse_loss(out, y) + torch.distributed.all_reduce(out.sum(), group=group),
+                    # open_clip's gather_with_grad (torch's refusal under compile told to use funcol)
+                    lambda out, y: F.mse_loss(torch.cat(torch.distributed.nn.functional.all_gather(out)), y.repeat(2, 1))):
         model = torch.nn.Linear(4, 4)
         try:
             ddlc.compile(model, (2,), (x, x), loss_fn, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -2339,7 +2341,8 @@ def test_a_model_written_for_a_process_group_is_traced_as_on_one_device():
         want.append(loss.detach())
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-6)
     messages, held = spawn(_functional_collective_refusals, 2, timeout=90, deadline=180)[0]
-    assert held == ["the step calls ProcessGroup.size()", "the step calls torch.distributed.all_reduce()"]
+    assert held == ["the step calls ProcessGroup.size()", "the step calls torch.distributed.all_reduce()",
+                    "the step calls torch.distributed.nn.functional.all_gather()"], held
     assert len(messages) == 2  # the training step and the inference program
     for message in messages:
         assert message.startswith("the step calls ") and "without a process group" in message, message
