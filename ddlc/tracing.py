@@ -1120,10 +1120,12 @@ _DATA_DEPENDENT = re.compile(r"data.dependent|GuardOnDataDependent|DataDependent
 #: What torch's errors while tracing mean, first match wins: (pattern, error type, cause).
 #: "The example inputs may not match the model" is said only for shape errors.
 _CAUSES = (
-    (re.compile(r"SymIntArrayRef expected to contain only concrete integers", re.I), TraceError,
+    (re.compile(r"SymIntArrayRef expected to contain only concrete integers|"
+                r"data-dependent expression u\d+ .*\(Size-like symbols: u\d", re.I | re.S), TraceError,
      "the step computes a tensor whose size depends on tensor values (a boolean-mask index "
-     "`x[mask]`), and an operator, or its gradient, needs that size as a number (a mean over "
-     "it), which one static graph cannot plan; write it with a fixed size, e.g. "
+     "`x[mask]`, `nonzero`, `masked_select`: made at or before this line), and an operator, or its "
+     "gradient, needs that size as a number (a mean over it, a layer's shape check), which one "
+     "static graph cannot plan; write it with a fixed size, e.g. "
      "`torch.where(mask, loss, 0).sum() / mask.sum()` for `loss[mask].mean()`"),
     (_DATA_DEPENDENT, TraceError,
      "the model has data-dependent Python control flow or reads a tensor's value (e.g. "

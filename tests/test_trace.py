@@ -434,6 +434,25 @@ def test_tensors_sized_by_tensor_values_are_refused():
     assert "test_trace.py" in str(info.value)
 
 
+def test_rows_picked_by_a_per_row_mask_are_refused_as_sized_by_values():
+    """X-MOD's language adapters: ``h[lang == 0]`` of a (batch, seq, hidden) activation by a
+    (batch,) mask, then a linear layer. torch fails at the layer's shape check on the
+    unbacked size, which the refusal called data-dependent control flow."""
+    class Adapters(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x, lang):
+            h = self.a(x)
+            out = torch.zeros_like(h)
+            out[lang == 0] = self.b(h[lang == 0])
+            return out.sum(-1)
+
+    with pytest.raises(TraceError, match=r"size depends on tensor values \(a boolean-mask index"):
+        ddlc.trace(Adapters(), (torch.randn(8, 4, 8), torch.randint(0, 2, (8,)), torch.randn(8, 4)), F.mse_loss)
+
+
 def test_a_mean_over_a_boolean_mask_is_refused_naming_the_mask():
     """``loss[mask].mean()``: the mean's gradient needs the masked size as a number, and
     torch fails inside autograd ("SymIntArrayRef expected to contain only concrete
