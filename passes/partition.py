@@ -72,13 +72,15 @@ class _Builder:
 
 def _split(call: _Builder, kind: str, x: fx.Node, p: int, k: int) -> list[fx.Node]:
     """The inputs of the ``k`` pieces (see the module docstring)."""
+    # reshape, not view: the input is contiguous on mesh coordinate 0, whose program decided
+    # the pieces, but may not be on another (a piece of a dim split unevenly)
     if kind == "reduce_scatter":
-        grid = call(aten.view.default, x, [p, -1])
+        grid = call(aten.reshape.default, x, [p, -1])
         return [call(aten.view.default,
                      call(aten.clone.default, call(aten.slice.Tensor, grid, 1, a, b),
                           memory_format=torch.contiguous_format), [-1])
                 for a, b in _chunks(grid.meta["val"].shape[1], k)]
-    flat = call(aten.view.default, x, [-1])
+    flat = call(aten.reshape.default, x, [-1])
     return [call(aten.slice.Tensor, flat, 0, a, b) for a, b in _chunks(flat.meta["val"].numel(), k)]
 
 

@@ -249,3 +249,49 @@ def test_collective_sequences_agree_in_kind_and_axis_and_in_bytes_within_each_gr
     other_order = list(agreeing)
     other_order[2] = ((1, 0), [("all_gather", 0, 152), ("all_gather", 1, 59)])
     assert "first difference is collective 0" in mismatched_sequences(other_order)
+
+
+class _TwoBranches(torch.nn.Module):
+    """A linear branch and a channels-last convolution of a second input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(13, 27), torch.nn.Linear(27, 7)
+        self.conv = torch.nn.Conv2d(3, 5, 3, padding=1).to(memory_format=torch.channels_last)
+
+    def forward(self, x, img):
+        return self.fc2(torch.relu(self.fc1(x))) + self.conv(img).mean((1, 2, 3))[:, None]
+
+
+def _two_branch_data():
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(6, 13, generator=g),
+            torch.randn(6, 3, 5, 5, generator=g).contiguous(memory_format=torch.channels_last),
+            torch.randn(6, 7, generator=g))
+
+
+def _two_branch_steps(rank):
+    torch.manual_seed(0)
+    model, batch = _TwoBranches(), _two_branch_data()
+    step = ddlc.compile(model, (2, 2), batch, F.mse_loss, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                        placements={"input0": "(S0, B)"}, partition=64, fuse=200)
+    return [step.step(*batch) for _ in range(3)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_piece_contiguous_on_coordinate_0_only_is_cut_on_every_rank():
+    """The pieces of a collective are decided on mesh coordinate 0's program, where its
+    input is contiguous; on another coordinate it need not be, and the cut flattened it with
+    ``view``: ``step()`` failed there ("view size is not compatible"). A ``reshape`` now."""
+    got = spawn(_two_branch_steps, 4, timeout=120, deadline=140)[0]
+    torch.manual_seed(0)
+    model, (x, img, y) = _TwoBranches(), _two_branch_data()
+    opt, losses = torch.optim.AdamW(model.parameters(), lr=1e-2), []
+    for _ in range(3):
+        loss = F.mse_loss(model(x, img), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    torch.testing.assert_close(torch.stack(got), torch.stack(losses), rtol=1e-5, atol=1e-6)
