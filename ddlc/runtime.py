@@ -39,6 +39,7 @@ from . import holding, inductor, pipeline
 from .errors import DDLCError, LoweringError, MeshError, RuntimeMismatchError, UnsupportedInputError, as_shared
 from .ir import SHARDING, collective_sequence
 from .mesh import Mesh
+from .model_state import PLAIN
 from .optim import group_hyperparameters, structure as optimizer_structure
 from .options import CompileOptions
 from .portable import attributes_read, from_portable, set_attribute, to_portable
@@ -82,15 +83,13 @@ def mismatched_sequences(by_rank: Sequence[tuple[tuple[int, ...], list[tuple[str
             return (f"rank {rank} issues {len(shape)} collectives, rank 0 {len(shapes[0])}; the first difference "
                     f"is collective {at}: {shape[at] if at < len(shape) else 'none'} against "
                     f"{shapes[0][at] if at < len(shapes[0]) else 'none'}")
+    first: dict[tuple, tuple[int, int]] = {}  # (axis, its group, collective index) -> (rank, bytes)
     for rank, (coord, sequence) in enumerate(by_rank):
-        for other, (other_coord, other_sequence) in enumerate(by_rank):
-            differ = [a for a, (x, y) in enumerate(zip(coord, other_coord)) if x != y]
-            if other <= rank or len(differ) != 1:
-                continue
-            for index, ((kind, axis, nbytes), (_, _, other_bytes)) in enumerate(zip(sequence, other_sequence)):
-                if axis == differ[0] and nbytes != other_bytes:
-                    return (f"collective {index} ({kind} on axis {axis}) moves {nbytes} bytes on rank {rank} "
-                            f"and {other_bytes} on rank {other}, of one group")
+        for index, (kind, axis, nbytes) in enumerate(sequence):
+            seen, seen_bytes = first.setdefault((axis, coord[:axis] + coord[axis + 1:], index), (rank, nbytes))
+            if seen_bytes != nbytes:
+                return (f"collective {index} ({kind} on axis {axis}) moves {seen_bytes} bytes on rank {seen} "
+                        f"and {nbytes} on rank {rank}, of one group")
     return None
 
 
@@ -128,8 +127,7 @@ def _given(model: nn.Module, example_inputs, loss_fn, optimizer, mesh: Mesh,
 
 
 def _is_plain(value) -> bool:
-    return isinstance(value, (int, float, bool, str, type(None))) or (
-        isinstance(value, tuple) and all(_is_plain(v) for v in value))
+    return isinstance(value, PLAIN) or (isinstance(value, tuple) and all(map(_is_plain, value)))
 
 
 def _settings(obj) -> str:
