@@ -27,7 +27,7 @@ key               holds                  written by               read by
 ``PIECE_BYTES``   ``float`` (bytes)      partition (on the graph) pipeline (leader choices)
 ``UPDATES``       ``str`` (schedule's)   schedule (on the graph) tests, bench
 ``RANK_ARG``      :class:`RankArg`       collectives, random      retarget
-``DRAW_ORDER``    ``tuple`` (dims)       trace                    random
+``DRAW_STRIDES``  ``tuple`` (strides)    trace                    random
 ================  =====================  =======================  =============================
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # annotations only: ir imports nothing of the project at run 
 __all__ = ["MetaKey", "Origin", "InputSpec", "OutputSpec", "StepSignature", "Signature",
            "NdSignature", "CollectiveInfo", "Piece", "ROLES", "ORIGIN", "ROLE", "SHARDING",
            "COLLECTIVE", "PIECE", "FUSED", "GLOBAL_VAL", "STEP", "BUCKET_CAP", "PIECE_BYTES",
-           "RECOMPUTE", "RECOMPUTED", "UPDATES", "RankArg", "RANK_ARG", "DRAW_ORDER", "SHARED_READ", "COLLECTIVE_KINDS", "BUCKETABLE", "STRIDED_READERS", "is_collective", "is_wait", "is_mutating", "phase_of", "in_update",
+           "RECOMPUTE", "RECOMPUTED", "UPDATES", "RankArg", "RANK_ARG", "DRAW_STRIDES", "SHARED_READ", "COLLECTIVE_KINDS", "BUCKETABLE", "STRIDED_READERS", "is_collective", "is_wait", "is_mutating", "phase_of", "in_update",
            "collective_kind", "collective_sequence", "name_alike", "is_scalar_valued", "output_scalars"]
 
 T = TypeVar("T")
@@ -467,9 +467,9 @@ RECOMPUTED: MetaKey[int] = MetaKey("ddlc_recomputed", int)
 #: where the schedule put the optimizer updates: "end", "early" (inside backward) or "mixed" (per group)
 UPDATES: MetaKey[str] = MetaKey("ddlc_updates", str)
 RANK_ARG: MetaKey[RankArg] = MetaKey("ddlc_rank_arg", RankArg)
-#: a random draw that eager makes in another memory order than row-major (dropout's mask of
-#: a permuted activation): its dims from outermost to innermost in eager's memory
-DRAW_ORDER: MetaKey[tuple] = MetaKey("ddlc_draw_order", tuple)
+#: a random draw that eager makes into a tensor laid out otherwise than row-major and
+#: contiguous (dropout's mask of a permuted activation, ``normal_`` of a slice): its strides
+DRAW_STRIDES: MetaKey[tuple] = MetaKey("ddlc_draw_strides", tuple)
 #: an alias that ``passes.shared_reads`` put between a tensor and its readers, so that the
 #: search prices one redistribution shared by them; lowering drops it after the collectives
 SHARED_READ: MetaKey[bool] = MetaKey("ddlc_shared_read", bool)

@@ -30,7 +30,7 @@ from torch import fx
 
 from .ir import leaves, map_leaves
 
-__all__ = ["DRAWS", "draw", "draws_random_numbers", "eager_orders", "may_draw_permuted", "reseeds_refused",
+__all__ = ["DRAWS", "draw", "draws_random_numbers", "eager_layouts", "may_draw_permuted", "reseeds_refused",
            "supported"]
 
 aten = torch.ops.aten
@@ -122,49 +122,85 @@ def scalars(node: fx.Node) -> tuple:
     return tuple(values[name] for name in names)
 
 
-#: random operators whose numbers fill a tensor laid out as their first argument: eager
-#: fills ``torch.rand_like(x)`` in ``empty_like(x)``'s memory order, and ``t.uniform_()``,
-#: ``t.normal_()`` (traced as their functional forms) in ``t``'s own
-_FILLS_LIKE_INPUT = (aten.rand_like.default, aten.randn_like.default, aten.uniform.default,
-                     aten.normal_functional.default)
+#: random operators traced from an in-place fill of their first argument: ``t.uniform_()``,
+#: ``t.normal_()``, ``t.bernoulli_(p)`` (the functional trace's ``bernoulli.p`` is also
+#: ``torch.bernoulli(t, p)``, which eager fills row-major: :func:`_fills` tells them apart)
+_FILLS_IN_PLACE = (aten.uniform.default, aten.normal_functional.default, aten.bernoulli.p)
+#: random operators that fill ``empty_like`` of their first argument: ``torch.rand_like(x)``
+_FILLS_LIKE = (aten.rand_like.default, aten.randn_like.default)
+#: operators whose output is a new tensor whose values a fill of it never reads: a
+#: ``bernoulli.p`` of one is ``x.new_empty(...).bernoulli_(p)`` (dropout's
+#: ``empty_like(x).bernoulli_(q)``), not ``torch.bernoulli`` of a template
+_FRESH = (aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
+          aten.new_empty.default, aten.new_empty_strided.default, aten.zeros.default, aten.zeros_like.default,
+          aten.ones.default, aten.ones_like.default, aten.full.default, aten.full_like.default,
+          aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.clone.default)
+#: the expanded template a traced dropout fills (no eager fill is of an expanded tensor)
+_EXPANDS = (aten.expand.default, aten.expand_copy.default)
 
 
-def _fills(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node | None]]:
-    """The random fills of ``graph`` in order, each with the tensor whose memory order eager
-    fills it in (None where there is none): a dropout mask (``bernoulli``) and the
-    activation of its shape that a ``mul`` applies it to (through its scaling); a
-    :data:`_FILLS_LIKE_INPUT` operator and its first argument."""
+def _fills(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node | None, bool]]:
+    """The random fills of ``graph`` in order, each with the tensor eager lays it out as
+    (None: row-major) and whether eager fills that tensor itself (an in-place fill: its
+    own strides, gaps included) or ``empty_like`` of it (``torch.rand_like``: dense, in
+    its memory order). A ``bernoulli.p`` is
+    - dropout's mask where it fills an expanded tensor (the trace's form of eager's
+      ``empty_like(activation).bernoulli_(q)``): ``empty_like`` of the activation of its
+      shape that a ``mul`` applies it to (through its scaling);
+    - ``t.bernoulli_(p)`` of a new tensor ``t`` (``x.new_empty(...).bernoulli_(p)``), or
+      of one nothing reads after it (an in-place fill replaced it);
+    - ``torch.bernoulli(t, p)`` of a tensor read afterwards (itself or what it views),
+      which eager fills in a new row-major tensor."""
+    position = {node: index for index, node in enumerate(graph.nodes)}
     found = []
     for node in graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or node.target not in _FILLS_IN_PLACE + _FILLS_LIKE:
             continue
-        if node.target in _FILLS_LIKE_INPUT:
-            found.append((node, node.args[0]))
-        if node.target is not aten.bernoulli.p:
-            continue
-        activation = None
-        for user in [u for d in node.users for u in (d, *d.users)]:
-            if user.target is aten.mul.Tensor and len(user.args) == 2:
-                other = next((a for a in user.args if isinstance(a, fx.Node) and a is not node
-                              and a not in node.users), None)
-                if other is not None and tuple(other.meta["val"].shape) == tuple(node.meta["val"].shape):
-                    activation = other
-                    break
-        found.append((node, activation))
+        template, in_place = node.args[0], node.target in _FILLS_IN_PLACE
+        if node.target is aten.bernoulli.p and template.target in _EXPANDS:
+            template, in_place = _multiplied(node), False
+        elif node.target is aten.bernoulli.p and template.target not in _FRESH and any(
+                position[user] > position[node] and not (user.target is aten.copy_.default and user.args[0] is alias)
+                for alias in _aliases(template) for user in alias.users):  # (copy_ into an input: an in-place fill's)
+            template = None
+        found.append((node, template, in_place))
     return found
 
 
+def _aliases(node: fx.Node) -> list[fx.Node]:
+    """``node`` and the tensors it is a view of (``*_copy`` nodes stand for views)."""
+    chain = [node]
+    while (chain[-1].op == "call_function" and isinstance(chain[-1].target, torch._ops.OpOverload)
+           and (chain[-1].target.is_view or torch.Tag.view_copy in chain[-1].target.tags)):
+        chain.append(chain[-1].args[0])
+    return chain
+
+
+def _multiplied(mask: fx.Node) -> fx.Node | None:
+    """The activation of ``mask``'s shape that a ``mul`` applies it to, directly or
+    through its scaling (dropout's ``mul(x, div(mask, q))``); None where there is none."""
+    shape = tuple(mask.meta["val"].shape)
+    for user in [u for d in mask.users for u in (d, *d.users)]:
+        if user.target is aten.mul.Tensor and len(user.args) == 2:
+            other = next((a for a in user.args if isinstance(a, fx.Node) and a is not mask
+                          and a not in mask.users), None)
+            if other is not None and tuple(other.meta["val"].shape) == shape:
+                return other
+    return None
+
+
 def may_draw_permuted(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callable | None]) -> bool:
-    """Whether a random fill's tensor (:func:`_fills`: a dropout mask's activation, the
-    input of ``torch.rand_like``) may be laid out otherwise than row-major in eager, which
-    fills it in that memory order (``empty_like``): a cheap look that
-    decides whether :func:`eager_orders` needs the trace with views. The traced graph runs
+    """Whether a random fill's tensor (:func:`_fills`: a dropout mask's ``empty_like`` of
+    its activation, the input of ``torch.rand_like``, a slice filled by ``normal_``) may
+    be laid out otherwise than row-major and contiguous in eager, which fills it in its
+    memory order (and ``normal_`` by another algorithm): a cheap look that decides whether
+    :func:`eager_layouts` needs the trace with views. The traced graph runs
     every view as a contiguous copy (``view_form(node)``: the view a ``*_copy`` node stands
     for), so the layouts are worked out on meta tensors: a tensor traced otherwise than
     row-major as traced (an input, a convolution of channels-last weights), each view as a
     view, and each operator that reads a tensor laid out otherwise (the others' outputs are
     row-major as traced; one that fails there counts as row-major)."""
-    filled = [activation for _, activation in _fills(gm.graph) if activation is not None]
+    filled = [template for _, template, _ in _fills(gm.graph) if template is not None]
     if not filled:
         return False
     position = {node: index for index, node in enumerate(gm.graph.nodes)}
@@ -211,7 +247,7 @@ def may_draw_permuted(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callabl
             metas[node] = out
         elif isinstance(out, (tuple, list)) and any(not t.is_contiguous() for t in _tensors(out)):
             metas[node] = out  # its getitems follow
-    return any(activation in metas for activation in filled)
+    return any(template in metas for template in filled)
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -225,43 +261,42 @@ def _as_meta(value):
                       if isinstance(v, torch.Tensor) else v, value)
 
 
-def eager_orders(gm: fx.GraphModule, with_views: fx.GraphModule) -> dict[fx.Node, tuple]:
-    """Per random fill of ``gm`` (:func:`_fills`) that eager fills in another order than
-    row-major, the dims from outermost to innermost in eager's memory: the layout
-    ``empty_like`` gives its tensor in ``with_views`` (the same step traced with its views as views,
-    so with eager's layouts: a permuted view, an expanded one, ``.contiguous()``), whose
-    fills pair with ``gm``'s in order."""
+def eager_layouts(gm: fx.GraphModule, with_views: fx.GraphModule) -> dict[fx.Node, tuple[int, ...]]:
+    """Per random fill of ``gm`` (:func:`_fills`) whose tensor eager lays out otherwise
+    than row-major and contiguous, that tensor's strides: its template's in
+    ``with_views`` (the same step traced with its views as views, so with eager's
+    layouts: a permuted view, a slice, ``.contiguous()``), or those ``empty_like`` gives it;
+    the fills of the two traces pair in order."""
     ours, theirs = _fills(gm.graph), _fills(with_views.graph)
     if len(ours) != len(theirs):
         return {}
-    orders = {}
-    for (mask, _), (_, activation) in zip(ours, theirs):
-        if activation is None:
+    layouts = {}
+    for (fill, _, _), (_, template, in_place) in zip(ours, theirs):
+        if template is None:
             continue
-        val = activation.meta["val"]
-        laid_out = torch.empty_like(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta"))
-        order = tuple(sorted(range(val.dim()), key=lambda d: (-laid_out.stride(d), d)))
-        sized = [d for d in order if val.shape[d] > 1]
-        if tuple(mask.meta["val"].shape) == tuple(val.shape) and sized != sorted(sized):
-            orders[mask] = order
-    return orders
+        val = template.meta["val"]
+        laid_out = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+        if not in_place:
+            laid_out = torch.empty_like(laid_out)
+        if tuple(fill.meta["val"].shape) == tuple(val.shape) and not laid_out.is_contiguous():
+            layouts[fill] = tuple(laid_out.stride())
+    return layouts
 
 
 @fx.node.has_side_effect  # it advances the generator: dead code elimination keeps it
 def draw(generator: torch.Generator, after, op: str, shape: Sequence[int], dtype: torch.dtype,
-         params: tuple, piece: tuple[slice, ...], order: tuple[int, ...] | None = None) -> torch.Tensor:
+         params: tuple, piece: tuple[slice, ...], strides: tuple[int, ...] | None = None) -> torch.Tensor:
     """The numbers random operator ``op`` (``str`` of an entry of :data:`DRAWS`) draws for
     its global ``shape``, from ``generator``; this rank's ``piece`` of them. ``after`` is
     the previous draw of the step (unused: it orders the draws for any scheduler). A draw
     nothing reads still runs, as eager's does: the draws after it, and the next step's,
-    take the numbers that follow it. ``order``: the dims from outermost to innermost in
-    the memory order eager fills (:func:`eager_orders`), where it is not row-major."""
+    take the numbers that follow it. ``strides``: those of the tensor eager fills
+    (:func:`eager_layouts`), where it is not row-major and contiguous: eager's kernels fill
+    in memory order, and ``normal_`` of a tensor that is not contiguous draws by another
+    algorithm."""
     _, fill = _BY_NAME[op]
-    if order is None:
-        whole = torch.empty(shape, dtype=dtype, device=generator.device)
-    else:
-        whole = torch.empty([shape[d] for d in order], dtype=dtype, device=generator.device).permute(
-            [order.index(d) for d in range(len(shape))])
+    whole = torch.empty_strided(shape, strides if strides is not None else torch.empty(shape, device="meta").stride(),
+                                dtype=dtype, device=generator.device)
     return fill(generator, whole, *params)[piece].contiguous()
 
 

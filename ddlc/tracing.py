@@ -45,7 +45,7 @@ from . import graph_checks, host_random, rng, sources, strided_views
 from .errors import TraceError, UnsupportedInputError
 from .fake import element_span
 from .forward_rewrites import ForwardRewrites
-from .ir import (DRAW_ORDER, ORIGIN, RECOMPUTE, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
+from .ir import (DRAW_STRIDES, ORIGIN, RECOMPUTE, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
                  dataclasses_as_nodes, hyperparameter_tensors)
 from .model_state import PLAIN, ModelWatch, describe, same_plain as _same_plain
 from .optim import hyperparameter_key, optimizer_spec
@@ -216,8 +216,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         if rng.may_draw_permuted(gm, strided_views.view_form):  # random fills: eager's memory order
             if with_views is None:
                 with_views = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn, remove="mutations")
-            for mask, order in rng.eager_orders(gm, with_views).items():
-                DRAW_ORDER.set(mask, order)
+            for fill, strides in rng.eager_layouts(gm, with_views).items():
+                DRAW_STRIDES.set(fill, strides)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     untrained = ()
     if training and optimizer is None:  # the gradients are the step's outputs

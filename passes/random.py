@@ -18,7 +18,7 @@ from torch import fx
 
 from ddlc import rng
 from ddlc.errors import LoweringError
-from ddlc.ir import DRAW_ORDER, GLOBAL_VAL, ORIGIN, RANK_ARG, SHARDING, RankArg, is_wait, where
+from ddlc.ir import DRAW_STRIDES, GLOBAL_VAL, ORIGIN, RANK_ARG, SHARDING, RankArg, is_wait, where
 from ddlc.mesh import Mesh
 from ddlc.sbp import local_slices
 
@@ -58,7 +58,7 @@ def draw_globally(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.Gr
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(rng.draw, (generator, previous, str(node.target),
                                                     tuple(whole.shape), whole.dtype,
-                                                    rng.scalars(node), tuple(piece), DRAW_ORDER.get(node)))
+                                                    rng.scalars(node), tuple(piece), DRAW_STRIDES.get(node)))
         new.meta.update(node.meta)
         RANK_ARG.set(new, RankArg(6, "piece", shape=tuple(whole.shape), sbp=sbp))
         node.replace_all_uses_with(new)

@@ -12,7 +12,7 @@ must not read them). ``fill.Tensor`` broadcasts its 0-d value over
 values, a split ``eye`` the offset of its diagonal).
 
 Random factories (``rand``, ``randn``, ``randint``, ``normal``, ``rand_like``,
-``randn_like``, ``uniform``) split the same way, never ``P``: a rule says only how shapes
+``randn_like``, ``uniform``, ``normal_functional``: ``t.normal_()``) split the same way, never ``P``: a rule says only how shapes
 split; that each rank's piece holds its part of the numbers drawn for the global shape
 (and equal copies where ``B``) is :mod:`ddlc.rng`'s business.
 """
@@ -28,7 +28,7 @@ aten = torch.ops.aten
 LIKE = {aten.zeros_like.default: True, aten.ones_like.default: False,
         aten.full_like.default: False, aten.empty_like.default: False,
         aten.fill.Scalar: False, aten.rand_like.default: False, aten.randn_like.default: False,
-        aten.uniform.default: False}
+        aten.uniform.default: False, aten.normal_functional.default: False}
 SIZED = {aten.zeros.default: True, aten.ones.default: False, aten.full.default: False,
          aten.new_zeros.default: True, aten.new_ones.default: False,
          aten.new_full.default: False, aten.empty.memory_format: False,
