@@ -193,7 +193,7 @@ def random_ops(gm: fx.GraphModule) -> None:
     """Refuse a random op that :mod:`ddlc.rng` does not draw: one whose numbers depend on
     an input's values (``bernoulli`` of a probability tensor, ``multinomial``; ddlc.rng draws
     every random tensor for its global shape on every rank, which such an op does not
-    allow), or a distribution it has no draw for (``exponential``, ...)."""
+    allow), or a distribution it has no draw for."""
     for node in gm.graph.nodes:
         if rng.draws_random_numbers(node) and not rng.supported(node):
             if rng.bound_arguments(node).get("generator") is not None:
@@ -206,10 +206,11 @@ def random_ops(gm: fx.GraphModule) -> None:
             raise UnsupportedInputError(
                 f"the step draws random numbers with {node.target}, which ddlc does not reproduce "
                 "across ranks: it keeps ranks' random numbers consistent for dropout, rand, randn, "
-                f"randint, normal and uniform only ({', '.join(sorted(map(str, rng.DRAWS)))}); one "
-                "whose numbers depend on an input's values (bernoulli of a probability tensor, "
-                "multinomial) cannot be, others (exponential: F.gumbel_softmax; cauchy, geometric) "
-                "are not yet",
+                "randint, randperm, normal, uniform, exponential (F.gumbel_softmax), cauchy, "
+                f"geometric, log-normal and random_ fills only ({', '.join(sorted(map(str, rng.DRAWS)))}); "
+                "one whose numbers depend on an input's values (bernoulli of a probability tensor, "
+                "multinomial, poisson) cannot be; torch.normal of a mean or std tensor is not "
+                "drawn yet (mean + std * torch.randn_like(mean) is)",
                 where=where(node))
 
 

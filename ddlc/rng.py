@@ -67,6 +67,34 @@ def _normal(g, out, mean=0.0, std=1.0):
     return out.normal_(mean, std, generator=g)
 
 
+def _exponential(g, out, lambd=1.0):
+    return out.exponential_(lambd, generator=g)
+
+
+def _cauchy(g, out, median=0.0, sigma=1.0):
+    return out.cauchy_(median, sigma, generator=g)
+
+
+def _geometric(g, out, p):
+    return out.geometric_(p, generator=g)
+
+
+def _log_normal(g, out, mean=1.0, std=2.0):
+    return out.log_normal_(mean, std, generator=g)
+
+
+def _random(g, out):
+    return out.random_(generator=g)
+
+
+def _random_to(g, out, to):
+    return out.random_(to, generator=g)
+
+
+def _randperm(g, out, n):
+    return torch.randperm(n, generator=g, out=out)
+
+
 #: Random operator -> (names of its scalar arguments, the draw). Each draw's output
 #: depends on the shape and dtype of the operator's output only, never on an input's
 #: values, and consumes the generator exactly as the eager operator does.
@@ -83,6 +111,15 @@ DRAWS: dict[torch._ops.OpOverload, tuple[tuple[str, ...], Callable]] = {
     aten.randint.default: (("low", "high"), _randint),  # low defaults to 0 below
     aten.normal.float_float: (("mean", "std"), _normal),
     aten.normal_functional.default: (("mean", "std"), _normal),  # t.normal_(mean, std)
+    aten.exponential.default: (("lambd",), _exponential),  # t.exponential_(): F.gumbel_softmax
+    aten.cauchy.default: (("median", "sigma"), _cauchy),
+    aten.geometric.default: (("p",), _geometric),
+    aten.log_normal.default: (("mean", "std"), _log_normal),
+    aten.random.default: ((), _random),  # t.random_()
+    aten.random.to: (("to",), _random_to),  # t.random_(to)
+    aten.randint_like.default: (("low", "high"), _randint),  # low defaults to 0 below
+    aten.randint_like.low_dtype: (("low", "high"), _randint),
+    aten.randperm.default: (("n",), _randperm),
 }
 
 
@@ -117,7 +154,7 @@ def scalars(node: fx.Node) -> tuple:
     """The scalar arguments of a random ``node`` that its draw takes, in table order."""
     names, _ = DRAWS[node.target]
     values = bound_arguments(node)
-    if node.target is aten.randint.default:
+    if node.target in (aten.randint.default, aten.randint_like.default):
         values["low"] = 0
     return tuple(values[name] for name in names)
 
@@ -125,9 +162,13 @@ def scalars(node: fx.Node) -> tuple:
 #: random operators traced from an in-place fill of their first argument: ``t.uniform_()``,
 #: ``t.normal_()``, ``t.bernoulli_(p)`` (the functional trace's ``bernoulli.p`` is also
 #: ``torch.bernoulli(t, p)``, which eager fills row-major: :func:`_fills` tells them apart)
-_FILLS_IN_PLACE = (aten.uniform.default, aten.normal_functional.default, aten.bernoulli.p)
-#: random operators that fill ``empty_like`` of their first argument: ``torch.rand_like(x)``
-_FILLS_LIKE = (aten.rand_like.default, aten.randn_like.default)
+_FILLS_IN_PLACE = (aten.uniform.default, aten.normal_functional.default, aten.bernoulli.p, aten.exponential.default,
+                   aten.cauchy.default, aten.geometric.default, aten.log_normal.default, aten.random.default,
+                   aten.random.to)
+#: random operators that fill ``empty_like`` of their first argument (its ``memory_format=``
+#: where given): ``torch.rand_like(x)``
+_FILLS_LIKE = (aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+               aten.randint_like.low_dtype)
 #: operators whose output is a new tensor whose values a fill of it never reads: a
 #: ``bernoulli.p`` of one is ``x.new_empty(...).bernoulli_(p)`` (dropout's
 #: ``empty_like(x).bernoulli_(q)``), not ``torch.bernoulli`` of a template
@@ -144,9 +185,10 @@ def _fills(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node | None, bool]]:
     (None: row-major) and whether eager fills that tensor itself (an in-place fill: its
     own strides, gaps included) or ``empty_like`` of it (``torch.rand_like``: dense, in
     its memory order). A ``bernoulli.p`` is
-    - dropout's mask where it fills an expanded tensor (the trace's form of eager's
-      ``empty_like(activation).bernoulli_(q)``): ``empty_like`` of the activation of its
-      shape that a ``mul`` applies it to (through its scaling);
+    - dropout's mask where it fills a 0-d ``empty`` expanded (:func:`_dropout_template`,
+      the trace's form of eager's ``empty_like(activation).bernoulli_(q)``): ``empty_like``
+      of the activation of its shape that a ``mul`` applies it to (through its scaling);
+      of another expanded tensor, ``torch.bernoulli``'s new row-major tensor;
     - ``t.bernoulli_(p)`` of a new tensor ``t`` (``x.new_empty(...).bernoulli_(p)``), or
       of one nothing reads after it (an in-place fill replaced it);
     - ``torch.bernoulli(t, p)`` of a tensor read afterwards (itself or what it views),
@@ -157,14 +199,25 @@ def _fills(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node | None, bool]]:
         if node.op != "call_function" or node.target not in _FILLS_IN_PLACE + _FILLS_LIKE:
             continue
         template, in_place = node.args[0], node.target in _FILLS_IN_PLACE
-        if node.target is aten.bernoulli.p and template.target in _EXPANDS:
+        if node.target is aten.bernoulli.p and _dropout_template(template):
             template, in_place = _multiplied(node), False
+        elif node.target is aten.bernoulli.p and template.target in _EXPANDS:
+            template = None  # torch.bernoulli of an expanded tensor (vmap's dropout): a new one
         elif node.target is aten.bernoulli.p and template.target not in _FRESH and any(
                 position[user] > position[node] and not (user.target is aten.copy_.default and user.args[0] is alias)
                 for alias in _aliases(template) for user in alias.users):  # (copy_ into an input: an in-place fill's)
             template = None
         found.append((node, template, in_place))
     return found
+
+
+def _dropout_template(node: fx.Node) -> bool:
+    """Whether ``node`` is the template the trace of ``F.dropout`` fills: a 0-d ``empty``
+    expanded to the activation's shape (eager fills ``empty_like(activation)``; under
+    ``vmap`` the 0-d tensor is expanded twice, and eager fills a new row-major tensor)."""
+    source = node.args[0] if node.target in _EXPANDS else None
+    return (isinstance(source, fx.Node) and source.target is aten.empty.memory_format
+            and len(source.args[0]) == 0)
 
 
 def _aliases(node: fx.Node) -> list[fx.Node]:
@@ -200,7 +253,11 @@ def may_draw_permuted(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callabl
     row-major as traced (an input, a convolution of channels-last weights), each view as a
     view, and each operator that reads a tensor laid out otherwise (the others' outputs are
     row-major as traced; one that fails there counts as row-major)."""
-    filled = [template for _, template, _ in _fills(gm.graph) if template is not None]
+    fills = _fills(gm.graph)
+    if any(fill.target in _FILLS_LIKE and fill.kwargs.get("memory_format") not in (None, torch.preserve_format)
+           for fill, _, _ in fills):  # torch.randn_like(x, memory_format=torch.channels_last)
+        return True
+    filled = [template for _, template, _ in fills if template is not None]
     if not filled:
         return False
     position = {node: index for index, node in enumerate(gm.graph.nodes)}
@@ -265,19 +322,20 @@ def eager_layouts(gm: fx.GraphModule, with_views: fx.GraphModule) -> dict[fx.Nod
     """Per random fill of ``gm`` (:func:`_fills`) whose tensor eager lays out otherwise
     than row-major and contiguous, that tensor's strides: its template's in
     ``with_views`` (the same step traced with its views as views, so with eager's
-    layouts: a permuted view, a slice, ``.contiguous()``), or those ``empty_like`` gives it;
-    the fills of the two traces pair in order."""
+    layouts: a permuted view, a slice, ``.contiguous()``), or those ``empty_like`` gives it
+    (with the fill's ``memory_format=``); the fills of the two traces pair in order."""
     ours, theirs = _fills(gm.graph), _fills(with_views.graph)
     if len(ours) != len(theirs):
         return {}
     layouts = {}
-    for (fill, _, _), (_, template, in_place) in zip(ours, theirs):
+    for (fill, _, _), (theirs_fill, template, in_place) in zip(ours, theirs):
         if template is None:
             continue
         val = template.meta["val"]
         laid_out = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
         if not in_place:
-            laid_out = torch.empty_like(laid_out)
+            laid_out = torch.empty_like(laid_out, memory_format=theirs_fill.kwargs.get("memory_format")
+                                        or torch.preserve_format)
         if tuple(fill.meta["val"].shape) == tuple(val.shape) and not laid_out.is_contiguous():
             layouts[fill] = tuple(laid_out.stride())
     return layouts

@@ -45,15 +45,16 @@ def test_a_placement_splitting_a_dim_the_tensor_lacks_names_it(key):
         pipeline.resolve_placements(gm, {key: "(B, S2)"}, 2)
 
 
-class _GumbelSoftmax(torch.nn.Module):
-    """Samples with F.gumbel_softmax: an exponential draw ddlc.rng has no draw for."""
+class _NoisyMean(torch.nn.Module):
+    """Samples ``torch.normal`` around an activation: a draw ddlc.rng has none for."""
 
     def __init__(self):
         super().__init__()
         self.fc = torch.nn.Linear(4, 4)
 
     def forward(self, x):
-        return F.gumbel_softmax(self.fc(x), tau=0.5)
+        h = self.fc(x)
+        return h + torch.normal(h.detach(), 0.1)
 
 
 class _StochasticMask(torch.nn.Module):
@@ -569,8 +570,8 @@ CATALOGUE = [
      UnsupportedInputError, "BatchNorm1d '1' has momentum=None"),
     ("sampling from probabilities", lambda: ddlc.trace(_StochasticMask(), (_X, _X), F.mse_loss),
      UnsupportedInputError, "does not reproduce across ranks"),
-    ("gumbel-softmax sampling", lambda: ddlc.trace(_GumbelSoftmax(), (_X, _X), F.mse_loss),
-     UnsupportedInputError, "exponential"),
+    ("normal samples around an activation", lambda: ddlc.trace(_NoisyMean(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, r"torch.normal of a mean or std tensor is not drawn yet \(mean \+ std \* torch.randn_like"),
     ("an EMA teacher in frozen parameters", lambda: ddlc.trace(_FrozenTeacher(), (_X, _X), F.mse_loss),
      UnsupportedInputError, r"a frozen parameter .* keep such state in buffers \(register_buffer\)"),
     ("Module.to() inside forward", lambda: ddlc.trace(_ConvertsInForward(), (_X, _X), F.mse_loss),

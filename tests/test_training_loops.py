@@ -946,6 +946,51 @@ def test_fills_of_slices_and_row_major_masks_draw_eagers_numbers():
                              {"losses": want, "params": dict(reference.named_parameters())})
 
 
+class _MoreDraws(nn.Module):
+    """Draws that were refused (Gumbel-softmax's ``exponential_``, ``cauchy_``,
+    ``geometric_``, ``log_normal_``, ``random_``, ``randint_like``, mixup's
+    ``randperm``), each of a tensor laid out otherwise than row-major where it can be;
+    ``randn_like`` given a ``memory_format=`` other than its input's layout; dropout under
+    ``vmap`` and ``torch.bernoulli`` of an expanded tensor, which eager fills row-major."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        y = self.fc(x)
+        yt = y.t()
+        gumbel = F.gumbel_softmax(yt, tau=0.5, hard=True, dim=0).t()
+        heavy = torch.empty_like(yt).cauchy_().clamp(-3, 3).t() + torch.empty_like(y).geometric_(0.4)
+        skewed = torch.empty(16, x.shape[0]).log_normal_(0.0, 0.5).t()
+        counts = (torch.empty_like(yt).random_(5).t() + torch.randint_like(yt, 2, 7).t()
+                  + torch.randint_like(y, 3) + torch.empty(y.shape, dtype=torch.int64).random_() % 3)
+        mixed = 0.7 * y + 0.3 * y[torch.randperm(x.shape[0])]
+        square = y.view(-1, 4, 2, 2)
+        noise = (torch.randn_like(yt, memory_format=torch.contiguous_format).t()
+                 + torch.rand_like(square, memory_format=torch.channels_last).reshape(y.shape))
+        masks = (torch.vmap(lambda r: F.dropout(r, 0.4), in_dims=1, out_dims=1, randomness="different")(y)
+                 * torch.bernoulli(torch.zeros(16, 1).expand(16, x.shape[0]), 0.5).t())
+        return mixed * gumbel + 0.1 * (heavy + skewed + counts) + noise + masks
+
+
+def test_more_distributions_and_layouts_draw_eagers_numbers():
+    """Exponential, Cauchy, geometric, log-normal and integer fills, ``randint_like`` and
+    ``randperm`` draw eager's numbers (they were refused); a ``randn_like`` given another
+    ``memory_format=`` fills that layout (it took its input's: losses 0.1-0.3 off), and a
+    ``bernoulli`` of an expanded tensor is not taken for dropout's mask (5e-3 to 0.17 off)."""
+    torch.manual_seed(0)
+    model = _MoreDraws()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 16, generator=g)) for _ in range(3)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    losses, params, _, _ = simulated(model, F.mse_loss, sgd, data, (2, 2))
+    want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+
+
 class _MatrixTerms(torch.nn.Module):
     """Self-supervised and metric-learning terms over a split batch: a covariance's
     diagonal and off-diagonal parts (VICReg, W-MSE: ``diagonal``, ``diag_embed``, ``eye``),

@@ -12,7 +12,9 @@ must not read them). ``fill.Tensor`` broadcasts its 0-d value over
 values, a split ``eye`` the offset of its diagonal).
 
 Random factories (``rand``, ``randn``, ``randint``, ``normal``, ``rand_like``,
-``randn_like``, ``uniform``, ``normal_functional``: ``t.normal_()``) split the same way, never ``P``: a rule says only how shapes
+``randn_like``, ``randint_like``, and the in-place fills ``t.uniform_()``, ``t.normal_()``,
+``t.exponential_()``, ``cauchy_``, ``geometric_``, ``log_normal_``, ``random_``) split the
+same way, never ``P`` (``randperm`` stays ``B``, as ``arange``): a rule says only how shapes
 split; that each rank's piece holds its part of the numbers drawn for the global shape
 (and equal copies where ``B``) is :mod:`ddlc.rng`'s business.
 """
@@ -28,7 +30,10 @@ aten = torch.ops.aten
 LIKE = {aten.zeros_like.default: True, aten.ones_like.default: False,
         aten.full_like.default: False, aten.empty_like.default: False,
         aten.fill.Scalar: False, aten.rand_like.default: False, aten.randn_like.default: False,
-        aten.uniform.default: False, aten.normal_functional.default: False}
+        aten.uniform.default: False, aten.normal_functional.default: False, aten.exponential.default: False,
+        aten.cauchy.default: False, aten.geometric.default: False, aten.log_normal.default: False,
+        aten.random.default: False, aten.random.to: False, aten.randint_like.default: False,
+        aten.randint_like.low_dtype: False}
 SIZED = {aten.zeros.default: True, aten.ones.default: False, aten.full.default: False,
          aten.new_zeros.default: True, aten.new_ones.default: False,
          aten.new_full.default: False, aten.empty.memory_format: False,
@@ -38,7 +43,7 @@ SIZED = {aten.zeros.default: True, aten.ones.default: False, aten.full.default: 
 FILL_ARG = {aten.full_like.default: "fill_value", aten.fill.Scalar: "value",
             aten.full.default: "fill_value", aten.new_full.default: "fill_value"}
 UNSPLIT_FACTORIES = [aten.arange.default, aten.arange.start, aten.arange.start_step,
-                     aten.scalar_tensor.default, aten.eye.default, aten.eye.m]
+                     aten.scalar_tensor.default, aten.eye.default, aten.eye.m, aten.randperm.default]
 
 
 def _zero(call: Call, table: dict) -> bool:
