@@ -905,6 +905,21 @@ def test_noise_drawn_like_a_permuted_activation_is_eagers():
                              {"losses": want, "params": dict(reference.named_parameters())})
 
 
+def _draws_match_eager(model_class, batch: int) -> None:
+    """Three SGD steps of ``model_class()`` (8 features in, 16 out) on simulated (2, 2)
+    ranks match eager's, both seeded 0 (the simulated program's generator)."""
+    torch.manual_seed(0)
+    model = model_class()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(batch, 8, generator=g), torch.randn(batch, 16, generator=g)) for _ in range(3)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    losses, params, _, _ = simulated(model, F.mse_loss, sgd, data, (2, 2))
+    want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+
+
 class _FillLayouts(nn.Module):
     """Random fills of tensors eager lays out otherwise than as their activation: slices of
     a larger tensor filled in place (``big[..., :8].normal_()``: not contiguous, so
@@ -934,16 +949,7 @@ def test_fills_of_slices_and_row_major_masks_draw_eagers_numbers():
     ``bernoulli`` took the layout of the activation it multiplies, where eager fills the
     mask's own (losses 1e-2 to 0.14 off in a helper's reproducers). Each fill now takes the
     strides of the tensor eager fills."""
-    torch.manual_seed(0)
-    model = _FillLayouts()
-    reference = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(4, 8, generator=g), torch.randn(4, 16, generator=g)) for _ in range(3)]
-    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
-    losses, params, _, _ = simulated(model, F.mse_loss, sgd, data, (2, 2))
-    want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)
-    assert_matches_reference({"losses": losses, "params": params},
-                             {"losses": want, "params": dict(reference.named_parameters())})
+    _draws_match_eager(_FillLayouts, batch=4)
 
 
 class _MoreDraws(nn.Module):
@@ -979,16 +985,7 @@ def test_more_distributions_and_layouts_draw_eagers_numbers():
     ``randperm`` draw eager's numbers (they were refused); a ``randn_like`` given another
     ``memory_format=`` fills that layout (it took its input's: losses 0.1-0.3 off), and a
     ``bernoulli`` of an expanded tensor is not taken for dropout's mask (5e-3 to 0.17 off)."""
-    torch.manual_seed(0)
-    model = _MoreDraws()
-    reference = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 16, generator=g)) for _ in range(3)]
-    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
-    losses, params, _, _ = simulated(model, F.mse_loss, sgd, data, (2, 2))
-    want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)
-    assert_matches_reference({"losses": losses, "params": params},
-                             {"losses": want, "params": dict(reference.named_parameters())})
+    _draws_match_eager(_MoreDraws, batch=8)
 
 
 class _MatrixTerms(torch.nn.Module):
