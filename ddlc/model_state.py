@@ -19,6 +19,8 @@ model did) is accepted there.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 import weakref
 
@@ -29,7 +31,8 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["PLAIN", "ModelWatch", "OptimizerStateWatch", "autocast_state", "autocast_words", "describe", "same_plain"]
+__all__ = ["PLAIN", "ModelWatch", "OptimizerStateWatch", "autocast_state", "autocast_words", "describe", "same_plain",
+           "settings"]
 
 #: torch's hooks on every module (``register_module_forward_hook`` and friends)
 _GLOBAL_HOOKS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_pre_hooks",
@@ -59,6 +62,52 @@ def _hook_dicts(modules, params) -> list[tuple[str, dict | None, str]]:
     found += [(f"parameter {name}", getattr(p, attr, None), attr.strip("_").replace("_", " "))
               for name, p in params for attr in _TENSOR_HOOKS]
     return found
+
+
+def _is_plain(value) -> bool:
+    return isinstance(value, PLAIN) or (isinstance(value, tuple) and all(map(_is_plain, value)))
+
+
+def _plain_items(prefix: str, items) -> tuple[tuple[str, str], ...]:
+    return tuple((f"{prefix}{k}", repr(v)) for k, v in items if _is_plain(v))
+
+
+def settings(obj, depth: int = 2) -> tuple[tuple[str, str], ...]:
+    """The plain values (numbers, strings, flags, tuples of them) a callable computes with
+    that a trace fixes, as (name, repr) pairs: a function's defaults and closure cells (and
+    the plain attributes of an object a cell holds), a ``functools.partial``'s arguments,
+    a bound method's object's attributes, an object's own attributes and its class's.
+    ``depth`` bounds how far held objects are followed."""
+    if depth == 0 or obj is None or isinstance(obj, (torch.Tensor, type)):
+        return ()
+    if isinstance(obj, functools.partial):
+        return (*settings(obj.func, depth), *_plain_items("argument ", enumerate(obj.args)),
+                *_plain_items("", sorted(obj.keywords.items())))
+    if inspect.ismethod(obj):
+        return (*settings(obj.__func__, depth), *settings(obj.__self__, depth - 1))
+    if inspect.isfunction(obj):
+        found = [*_plain_items("default ", enumerate(obj.__defaults__ or ())),
+                 *_plain_items("", sorted((obj.__kwdefaults__ or {}).items()))]
+        for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            found += _plain_items("", [(name, value)]) or [(f"{name}.{k}", v) for k, v in settings(value, depth - 1)]
+        return tuple(found)
+    fields = getattr(obj, "__dict__", None)
+    if inspect.isroutine(obj) or not isinstance(fields, dict):
+        return ()
+    own = type(obj)
+    return (*_plain_items("", sorted(fields.items())), *(() if own.__module__.startswith("torch.") else _class_settings(own)))
+
+
+def _class_settings(cls: type) -> tuple[tuple[str, str], ...]:
+    """A class's own plain attributes (``Net.temperature = 0.25``), and which functions its
+    methods are (a ``forward`` replaced on the class), as (name, text) pairs."""
+    fields = vars(cls)
+    return tuple((f"{cls.__qualname__}.{k}", repr(v) if _is_plain(v) else f"function at {id(v)}")
+                 for k, v in fields.items() if _is_plain(v) or inspect.isfunction(v))
 
 
 def _written(t: torch.Tensor) -> tuple[int, int]:
@@ -91,8 +140,13 @@ class ModelWatch:
         self._tensor_attributes = [(f"{name}.{attr}" if name else attr, t) for name, m in self._modules
                                    for attr, t in vars(m).items()
                                    if isinstance(t, torch.Tensor) and id(t) not in held]
+        #: the hook dictionaries (a module's own, the global ones, each parameter's) and the
+        #: model's classes other than torch's, whose values :meth:`_settings` reads
+        self._hook_sources = _hook_dicts(self._modules, self._params)
+        self._classes = [cls for cls in dict.fromkeys(type(m) for _, m in self._modules)
+                         if not cls.__module__.startswith("torch.")]
         self._snapshot = self._take()
-        self._hook_keys = [tuple(h or ()) for _, h, _ in _hook_dicts(self._modules, self._params)]
+        self._hook_keys = [tuple(h or ()) for _, h, _ in self._hook_sources]
         self._next_id = RemovableHandle.next_id
 
     def _take(self) -> tuple[list, tuple]:
@@ -105,8 +159,18 @@ class ModelWatch:
                    tuple((p.requires_grad, _written(p), len(p._backward_hooks or ()),
                           len(getattr(p, "_post_accumulate_grad_hooks", None) or ())) for _, p in self._params),
                    tuple(_written(b) for _, b in self._buffers),
-                   tuple(_written(t) for _, t in self._tensor_attributes))
+                   tuple(_written(t) for _, t in self._tensor_attributes),
+                   self._settings())
         return objects, numbers
+
+    def _settings(self) -> tuple:
+        """What the hooks compute with (a hook object's or closure's plain values) and the
+        model's classes' own attributes (:func:`settings`), as (where, name, value) triples."""
+        found = [(f"a {kind.removesuffix('s')} of {where}", *item)
+                 for where, hooks, kind in self._hook_sources if hooks
+                 for hook in hooks.values() for item in settings(hook)]
+        found += [(f"class {cls.__qualname__}", *item) for cls in self._classes for item in _class_settings(cls)]
+        return tuple(found)
 
     def _unchanged(self) -> bool:
         objects, numbers = self._take()
@@ -142,6 +206,12 @@ class ModelWatch:
         for (where, hooks, kind), keys in zip(_hook_dicts(self._modules, self._params), self._hook_keys):
             if tuple(hooks or ()) != keys:
                 return f"a {kind.removesuffix('s')} was added to or removed from {where}"
+        now, then = self._settings(), self._snapshot[1][5]
+        if now != then:
+            changed = sorted(set(now) ^ set(then))[0][:2]
+            before = dict(((w, k), v) for w, k, v in then).get(changed, "<unset>")
+            after = dict(((w, k), v) for w, k, v in now).get(changed, "<unset>")
+            return f"{changed[1]} of {changed[0]} changed ({before} -> {after})"
         for (name, m), before in zip(self._modules, self._attributes):
             now = vars(m)
             for attr in (now.keys() | before.keys()) - _recomputed(m):
@@ -200,7 +270,8 @@ class ModelWatch:
                        in zip(self._params, numbers[2], now[2]))
         buffers = tuple(after if taken(name) else before
                         for (name, _), before, after in zip(self._buffers, numbers[3], now[3]))
-        self._snapshot = objects, (*numbers[:2], params, buffers, now[4] if names is None else numbers[4])
+        self._snapshot = objects, (*numbers[:2], params, buffers, now[4] if names is None else numbers[4],
+                                   *numbers[5:])
 
     def restore_attributes(self) -> None:
         """Give every module back the plain attributes it had at the snapshot (those that

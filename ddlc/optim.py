@@ -16,7 +16,7 @@ import torch
 from .errors import UnsupportedInputError
 
 __all__ = ["OptimizerSpec", "SGDSpec", "AdamWSpec", "AdamSpec", "RMSpropSpec", "AdagradSpec", "optimizer_spec",
-           "hyperparameter_key", "hyperparameter_values", "structure"]
+           "hyperparameter_key", "hyperparameter_values", "refuse_step_hooks", "structure"]
 
 
 class OptimizerSpec:
@@ -329,11 +329,9 @@ def _spec_for_group(optimizer: torch.optim.Optimizer, group: dict) -> OptimizerS
             raise UnsupportedInputError("SGD with momentum and dampening != 0 is not supported "
                                         "(its first step differs from the traced update)")
         return SGDSpec.from_group(group)
-    if isinstance(optimizer, torch.optim.AdamW) or (
-            isinstance(optimizer, torch.optim.Adam) and group.get("decoupled_weight_decay")):
-        return AdamWSpec.from_group(group)
-    if isinstance(optimizer, torch.optim.Adam):
-        return AdamSpec.from_group(group)
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW too: its groups' flag decides, as in torch.optim
+        decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+        return (AdamWSpec if decoupled else AdamSpec).from_group(group)
     if isinstance(optimizer, torch.optim.RMSprop):
         return RMSpropSpec.from_group(group)
     if isinstance(optimizer, torch.optim.Adagrad):
@@ -342,12 +340,33 @@ def _spec_for_group(optimizer: torch.optim.Optimizer, group: dict) -> OptimizerS
                                 "RMSprop or Adagrad")
 
 
+def refuse_step_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer with step hooks (its own ``register_step_pre_hook`` /
+    ``register_step_post_hook``, or torch.optim's global ones): torch.optim runs them
+    around every ``optimizer.step()``, which a compiled step never calls (the update is
+    part of its program), so they would silently not run."""
+    from torch.optim import optimizer as optimizer_module
+    kinds = [kind for kind, hooks in (
+        ("a step pre-hook (register_step_pre_hook)", getattr(optimizer, "_optimizer_step_pre_hooks", None)),
+        ("a step post-hook (register_step_post_hook)", getattr(optimizer, "_optimizer_step_post_hooks", None)),
+        ("a global step pre-hook (register_optimizer_step_pre_hook)", optimizer_module._global_optimizer_pre_hooks),
+        ("a global step post-hook (register_optimizer_step_post_hook)", optimizer_module._global_optimizer_post_hooks),
+    ) if hooks]
+    if kinds:
+        raise UnsupportedInputError(
+            f"the optimizer has {' and '.join(kinds)}, which torch.optim runs around every "
+            "optimizer.step(); a compiled step runs the update inside its program and never calls "
+            "optimizer.step(), so the hook would not run: remove it (a constraint on the weights "
+            "can be a parametrization of the model, traced with it)")
+
+
 def optimizer_spec(optimizer: torch.optim.Optimizer,
                    named_params: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, OptimizerSpec]]:
     """Map each parameter name to (the index of its param group, that group's spec)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UnsupportedInputError(f"optimizer must be a torch.optim.Optimizer, got "
                                     f"{type(optimizer).__name__}")
+    refuse_step_hooks(optimizer)
     by_id = {id(p): n for n, p in named_params.items()}
     specs: dict[str, tuple[int, OptimizerSpec]] = {}
     for index, group in enumerate(optimizer.param_groups):

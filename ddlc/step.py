@@ -24,8 +24,8 @@ from . import holding
 from .errors import RuntimeMismatchError, UnsupportedInputError
 from .ir import GLOBAL_VAL, HYPERPARAMETER_DTYPE, SHARDING, STEP
 from .mesh import Mesh
-from .model_state import ModelWatch, OptimizerStateWatch, autocast_state, autocast_words
-from .optim import hyperparameter_values, structure as optimizer_structure
+from .model_state import ModelWatch, OptimizerStateWatch, autocast_state, autocast_words, settings
+from .optim import hyperparameter_values, refuse_step_hooks, structure as optimizer_structure
 from .plan import Plan
 from .printing import format_graph
 from .random_stream import ProgramDraws
@@ -197,6 +197,10 @@ class CompiledStep:
         #: a loss module's attributes and weights (a class-weight tensor, label smoothing) are
         #: fixed by the trace as the model's are
         self._loss_watch = ModelWatch(loss_fn) if isinstance(loss_fn, nn.Module) else None
+        #: and a loss function's plain values (an attribute of a loss object, a partial's
+        #: keywords, a bound method's object's attributes)
+        self._loss_fn = loss_fn
+        self._loss_settings = settings(loss_fn)
         #: the program's generator and where the default generator stood when they last agreed
         self._draws = ProgramDraws(gm.rng) if hasattr(gm, "rng") else None
         if self._draws is not None:  # seeded with the stream's latest state: it holds it now
@@ -670,20 +674,33 @@ class CompiledStep:
                 return False
         return True
 
+    def _loss_change(self) -> str | None:
+        """Which plain value of a loss function that is not a module changed since compile
+        (:func:`ddlc.model_state.settings`), in words; None if none did."""
+        if self._loss_watch is not None:
+            return None
+        now = settings(self._loss_fn)
+        if now == self._loss_settings:
+            return None
+        then, now = dict(self._loss_settings), dict(now)
+        name = next(k for k in [*then, *now] if then.get(k) != now.get(k))
+        return f"{name} changed ({then.get(name, '<unset>')} -> {now.get(name, '<unset>')})"
+
     def _check_model(self) -> None:
         """Refuse to run when the model changed since compile in a way the program cannot
         see (:class:`ddlc.model_state.ModelWatch`: it holds its own shards of the weights
         and buffers and runs the modules as they were traced), or the optimizer's state did
         (:class:`ddlc.model_state.OptimizerStateWatch`: it holds its own), or a loss module
-        did, or when ``torch.autocast`` is not as it was at compile (the traced step has its
-        dtypes). A loss function's plain Python state (a global it reads) goes unseen."""
+        did, or a loss function's plain values (:meth:`_loss_change`), or when ``torch.autocast``
+        is not as it was at compile (the traced step has its dtypes). A global the model or
+        the loss reads goes unseen."""
         if self._optimizer_watch is not None and self._optimizer_watch.changed():
             raise UnsupportedInputError(
                 "the optimizer's state changed after compile (optimizer.load_state_dict, an eager "
                 "optimizer step, an edit of optimizer.state): the compiled step holds its own and "
                 "would ignore it; compile again (that takes the optimizer's state as it is then), "
                 "or load a checkpoint of this step with step.load_checkpoint")
-        change = self._loss_watch.change() if self._loss_watch is not None else None
+        change = self._loss_watch.change() if self._loss_watch is not None else self._loss_change()
         if change is not None:
             raise UnsupportedInputError(
                 f"the loss function changed after compile: {change}. The compiled step computes "
@@ -710,6 +727,7 @@ class CompiledStep:
         parameters moved between groups) is refused: the graph would ignore it."""
         if self._optimizer is None:
             return {}
+        refuse_step_hooks(self._optimizer)
         now = optimizer_structure(self._optimizer)
         if now == self._structure and _group_members(self._optimizer) != self._members:
             raise UnsupportedInputError("parameters moved between the optimizer's param groups after "

@@ -1546,10 +1546,21 @@ _CHANGES = {
     "optimizer_loaded": lambda model, opt: opt.load_state_dict(  # another optimizer's state
         torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[3].parameters()}],
                         lr=0.1).state_dict()),
+    "optimizer_step_hook": lambda model, opt: opt.register_step_post_hook(lambda o, args, kwargs: None),
     # not changes of this model: accepted
     "hook_elsewhere": lambda model, opt: torch.nn.Linear(2, 2).register_forward_hook(lambda m, i, o: o),
     "same_value": lambda model, opt: setattr(model[2], "p", float("0.1")),
 }
+
+
+class _SmoothedLoss:
+    """A loss object that is not a module: its weight is a plain attribute."""
+
+    def __init__(self):
+        self.weight = 1.0
+
+    def __call__(self, out, target):
+        return F.mse_loss(out, target) * self.weight
 
 
 class _ScaledLoss(torch.nn.Module):
@@ -1595,6 +1606,19 @@ def _changes_after_compile(rank):
         step.step(*batch)
     except UnsupportedInputError as error:
         refused["loss_module"] = str(error)
+    # a loss object that is not a module, and a partial's keyword
+    for name, loss_fn, change in (
+            ("loss_object", _SmoothedLoss(), lambda loss_fn: setattr(loss_fn, "weight", 2.0)),
+            ("loss_partial", functools.partial(F.huber_loss, delta=1.0),
+             lambda loss_fn: loss_fn.keywords.update(delta=0.5))):
+        model = _net(0.0)
+        step = ddlc.compile(model, (1,), batch, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1))
+        step.step(*batch)
+        change(loss_fn)
+        try:
+            step.step(*batch)
+        except UnsupportedInputError as error:
+            refused[name] = str(error)
     # a loss module holding a submodule of the model: write_back writes into it, no change
     model = _net(0.0)
     loss_fn = _ScaledLoss(model[3])
@@ -1656,6 +1680,9 @@ def test_changes_after_compile_are_refused_and_an_optimizers_state_is_taken():
     assert "the loss function changed after compile: reduction changed ('mean' -> 'sum')" in \
         refused["loss_module"], refused["loss_module"]
     assert refused["hook_elsewhere"] is None and refused["same_value"] is None
+    assert "has a step post-hook (register_step_post_hook)" in refused["optimizer_step_hook"]
+    assert "the loss function changed after compile: weight changed (1.0 -> 2.0)" in refused["loss_object"]
+    assert "the loss function changed after compile: delta changed (1.0 -> 0.5)" in refused["loss_partial"]
     assert "torch.autocast is on for cpu (bfloat16) here but was off" in refused["autocast"]
     x, y = _fixed_batch()
     model = _net(0.0)  # compiled and stepped under autocast: eager's bfloat16 numbers
@@ -1682,6 +1709,56 @@ def test_changes_after_compile_are_refused_and_an_optimizers_state_is_taken():
     assert losses == pytest.approx(want[2:], rel=1e-5)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+
+
+class _Gain:
+    """A forward hook object scaling its module's output by ``factor``."""
+
+    def __init__(self, factor):
+        self.factor = factor
+
+    def __call__(self, module, inputs, output):
+        return output * self.factor
+
+
+class _Tempered(torch.nn.Module):
+    """A layer whose class holds the temperature its forward divides by."""
+
+    temperature = 1.0
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) / self.temperature
+
+
+def test_what_hooks_and_the_models_classes_hold_is_watched():
+    """A hook object's attribute, a value a hook's closure holds and a model class's own
+    attribute are fixed by the trace as a module's attributes are: each changed after
+    compile went unseen (losses 0.1 and 0.5 off in a helper's runs) and is now named."""
+    from ddlc.model_state import ModelWatch
+    gain = _Gain(2.0)
+    model = torch.nn.Sequential(_Tempered(), torch.nn.Linear(4, 4))
+    model[0].register_forward_hook(gain)
+    bias = 0.25
+    model[1].register_forward_hook(lambda m, i, o: o + bias)
+    watch = ModelWatch(model)
+    assert watch.change() is None
+    gain.factor = 3.0
+    assert watch.change() == "factor of a forward hook of module 0 changed (2.0 -> 3.0)"
+    gain.factor = 2.0
+    bias = 0.5  # noqa: F841 (read by the hook's closure)
+    assert watch.change() == "bias of a forward hook of module 1 changed (0.25 -> 0.5)"
+    bias = 0.25  # noqa: F841
+    assert watch.change() is None
+    try:
+        _Tempered.temperature = 0.5
+        assert watch.change() == "_Tempered.temperature of class _Tempered changed (1.0 -> 0.5)"
+    finally:
+        _Tempered.temperature = 1.0
+    assert watch.change() is None
 
 
 def test_a_loaded_checkpoint_supersedes_weights_written_into_the_model_only():

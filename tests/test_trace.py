@@ -238,6 +238,10 @@ def test_an_optimizers_structure_names_its_update():
     before = structure(opt)
     opt.param_groups[0]["decoupled_weight_decay"] = True
     assert structure(opt) != before
+    adamw = torch.optim.AdamW(MLP().parameters(), lr=0.1, weight_decay=0.1)
+    before = structure(adamw)
+    adamw.param_groups[0]["decoupled_weight_decay"] = False  # torch.optim's AdamW then runs Adam's
+    assert structure(adamw) != before
 
 
 def test_an_initial_value_edited_after_the_state_exists_is_no_change():
