@@ -264,4 +264,14 @@ def _batch_norm_by_reductions(input, running_mean, running_var, weight, bias, tr
         out = out + per_channel(bias)
     if running_mean is not None:
         _move_running_stats(running_mean, running_var, mean, var, momentum, count)
-    return out
+    # laid out as torch's kernels lay out theirs: channels-last for a channels-last input,
+    # else contiguous (a transposed (N, C, L) too), which a random fill of it follows
+    return out.contiguous(memory_format=_suggested_format(input))
+
+
+def _suggested_format(t: torch.Tensor) -> torch.memory_format:
+    """The memory format torch's batch norm kernels give their output for input ``t``."""
+    for ndim, channels_last in ((4, torch.channels_last), (5, torch.channels_last_3d)):
+        if t.ndim == ndim and t.is_contiguous(memory_format=channels_last) and not t.is_contiguous():
+            return channels_last
+    return torch.contiguous_format

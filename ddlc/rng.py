@@ -26,12 +26,13 @@ from typing import Callable, Sequence
 import torch
 import torch.cuda
 import torch.random
+import torch.utils._python_dispatch
 from torch import fx
 
 from .ir import leaves, map_leaves
 
 __all__ = ["DRAWS", "draw", "draws_random_numbers", "eager_layouts", "may_draw_permuted", "reseeds_refused",
-           "supported"]
+           "supported", "traced_layouts"]
 
 aten = torch.ops.aten
 
@@ -127,10 +128,14 @@ def draws_random_numbers(node: fx.Node) -> bool:
     """Whether ``node`` is an op torch tags as seeded-random, other than one whose draw is
     switched off by its arguments (attention with ``dropout_p=0``, ``train=False``; RReLU
     in eval mode, ``training=False``: a leaky ReLU of the mean slope)."""
-    target = node.target
-    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+    return node.op == "call_function" and _draws(node.target, node.args, node.kwargs)
+
+
+def _draws(target, args, kwargs) -> bool:
+    """:func:`draws_random_numbers` of a call of ``target``."""
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
         return False
-    values = bound_arguments(node)
+    values = _bound(target, args, kwargs)
     return not (values.get("dropout_p", None) == 0 or values.get("train", None) is False
                 or values.get("training", None) is False)
 
@@ -143,10 +148,14 @@ def supported(node: fx.Node) -> bool:
 
 def bound_arguments(node: fx.Node) -> dict:
     """``node``'s arguments by schema name, defaults filled in."""
-    schema = node.target._schema
+    return _bound(node.target, node.args, node.kwargs)
+
+
+def _bound(target, args, kwargs) -> dict:
+    schema = target._schema
     values = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    values.update(zip((a.name for a in schema.arguments), node.args))
-    values.update(node.kwargs)
+    values.update(zip((a.name for a in schema.arguments), args))
+    values.update(kwargs)
     return values
 
 
@@ -169,6 +178,9 @@ _FILLS_IN_PLACE = (aten.uniform.default, aten.normal_functional.default, aten.be
 #: where given): ``torch.rand_like(x)``
 _FILLS_LIKE = (aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
                aten.randint_like.low_dtype)
+#: random operators that make their tensor from a shape (``out=`` fills a given one)
+_FACTORIES = (aten.rand.default, aten.randn.default, aten.randint.low, aten.randint.default,
+              aten.normal.float_float, aten.randperm.default)
 #: operators whose output is a new tensor whose values a fill of it never reads: a
 #: ``bernoulli.p`` of one is ``x.new_empty(...).bernoulli_(p)`` (dropout's
 #: ``empty_like(x).bernoulli_(q)``), not ``torch.bernoulli`` of a template
@@ -247,7 +259,7 @@ def may_draw_permuted(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callabl
     its activation, the input of ``torch.rand_like``, a slice filled by ``normal_``) may
     be laid out otherwise than row-major and contiguous in eager, which fills it in its
     memory order (and ``normal_`` by another algorithm): a cheap look that decides whether
-    :func:`eager_layouts` needs the trace with views. The traced graph runs
+    :func:`eager_layouts` needs to run the step eagerly. The traced graph runs
     every view as a contiguous copy (``view_form(node)``: the view a ``*_copy`` node stands
     for), so the layouts are worked out on meta tensors: a tensor traced otherwise than
     row-major as traced (an input, a convolution of channels-last weights), each view as a
@@ -256,6 +268,9 @@ def may_draw_permuted(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callabl
     fills = _fills(gm.graph)
     if any(fill.target in _FILLS_LIKE and fill.kwargs.get("memory_format") not in (None, torch.preserve_format)
            for fill, _, _ in fills):  # torch.randn_like(x, memory_format=torch.channels_last)
+        return True
+    if any(node.target in _FACTORIES and any(view_form(user) is not None for user in node.users)
+           for node in gm.graph.nodes):  # torch.randn(..., out=o) of a transposed o, read through views
         return True
     filled = [template for _, template, _ in fills if template is not None]
     if not filled:
@@ -300,6 +315,15 @@ def may_draw_permuted(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callabl
             query = meta(node.args[0])
             if isinstance(query, torch.Tensor) and query.shape == out[0].shape:
                 out = (torch.empty_like(query), *out[1:])
+        if isinstance(out, torch.Tensor) and out.shape == val.shape and out.is_contiguous() and not (
+                node.target is aten.clone.default and node.kwargs.get("memory_format") == torch.contiguous_format):
+            # an operator may lay out its result as its first input where the meta kernel
+            # does not (masked_fill, scatter, index_add, roll of a permuted tensor, and
+            # the functional forms of their in-place calls, which keep their tensor's
+            # layout): assume it does, for :func:`eager_layouts` to run the real kernels
+            alike = metas.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+            if isinstance(alike, torch.Tensor) and alike.shape == out.shape:
+                out = torch.empty_like(alike)
         if isinstance(out, torch.Tensor) and out.shape == val.shape and not out.is_contiguous():
             metas[node] = out
         elif isinstance(out, (tuple, list)) and any(not t.is_contiguous() for t in _tensors(out)):
@@ -318,12 +342,66 @@ def _as_meta(value):
                       if isinstance(v, torch.Tensor) else v, value)
 
 
-def eager_layouts(gm: fx.GraphModule, with_views: fx.GraphModule) -> dict[fx.Node, tuple[int, ...]]:
-    """Per random fill of ``gm`` (:func:`_fills`) whose tensor eager lays out otherwise
-    than row-major and contiguous, that tensor's strides: its template's in
-    ``with_views`` (the same step traced with its views as views, so with eager's
-    layouts: a permuted view, a slice, ``.contiguous()``), or those ``empty_like`` gives it
-    (with the fill's ``memory_format=``); the fills of the two traces pair in order."""
+def eager_layouts(gm: fx.GraphModule, run: Callable[[], None]) -> dict[fx.Node, tuple[int, ...]] | None:
+    """Per random draw of ``gm`` that eager makes into a tensor laid out otherwise than
+    row-major and contiguous, that tensor's strides, recorded while ``run`` runs the step
+    eagerly on its real inputs (stopped at its last draw; the default generators as they
+    were): each random operator the eager step calls, in order, pairs with a draw of
+    ``gm``, and the tensor it returns is the one it filled (an in-place fill's own,
+    ``empty_like``'s of ``rand_like``, dropout's ``empty_like(activation)``, an ``out=``).
+    The real kernels decide those layouts, where the fake ones differ (batch norm of a
+    permuted tensor is contiguous on the CPU, ``masked_fill_`` and ``roll`` keep a permuted
+    tensor's layout), and the in-place calls are in place (the trace has their functional
+    forms). None where the step does not run eagerly here, or its draws do not pair."""
+    draws = [n for n in gm.graph.nodes if draws_random_numbers(n)]
+    recorder = _DrawRecorder(len(draws))
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices), recorder:
+            run()
+    except _AllDrawn:
+        pass
+    except Exception:  # noqa: BLE001 - the caller takes the trace's layouts
+        return None
+    if [_name(n.target) for n in draws] != [name for name, _, _ in recorder.drawn] or any(
+            shape != tuple(n.meta["val"].shape) for n, (_, shape, _) in zip(draws, recorder.drawn)):
+        return None  # another sequence of draws than the trace's (a branch on the grad mode, say)
+    return {node: strides for node, (_, shape, strides) in zip(draws, recorder.drawn)
+            if not torch.empty_strided(shape, strides, device="meta").is_contiguous()}
+
+
+def _name(op) -> str:
+    """A random operator's name, the same for its in-place, functional and ``out=`` forms."""
+    return op._schema.name.removesuffix("_functional").rstrip("_")
+
+
+class _AllDrawn(Exception):
+    """Raised by :class:`_DrawRecorder` at the step's last draw: nothing after it matters."""
+
+
+class _DrawRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the name (:func:`_name`), shape and strides of what each random operator call
+    returns (the tensor it filled), and stops the run after ``count`` of them."""
+
+    def __init__(self, count: int):
+        super().__init__()
+        self.count, self.drawn = count, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _draws(func, args, kwargs or {}):
+            value = out[0] if isinstance(out, (tuple, list)) else out
+            self.drawn.append((_name(func), tuple(value.shape), tuple(value.stride())))
+            if len(self.drawn) == self.count:
+                raise _AllDrawn
+        return out
+
+
+def traced_layouts(gm: fx.GraphModule, with_views: fx.GraphModule) -> dict[fx.Node, tuple[int, ...]]:
+    """:func:`eager_layouts` where the step does not run eagerly: per random fill of ``gm``
+    (:func:`_fills`), the strides of its template in ``with_views`` (the same step traced
+    with its views as views, so with the fake kernels' layouts), or those ``empty_like``
+    gives it (with the fill's ``memory_format=``); the fills of the two traces pair in order."""
     ours, theirs = _fills(gm.graph), _fills(with_views.graph)
     if len(ours) != len(theirs):
         return {}

@@ -149,6 +149,13 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         _refuse_resized_buffers(buffer_values, updated)
         return result, updated
 
+    def forward_eagerly():
+        """The step's forward (and loss) on the real state and batch."""
+        xs = list(batch.tensors)
+        if training:
+            return run_forward(params, buffers, xs, lambda out: _loss_of(out, loss_fn, xs[n_model_inputs:]))
+        return run_forward(params, buffers, xs)
+
     def forward_only(*flat):
         nonlocal outputs_tree
         p, b, _, _, xs = unpack(flat)
@@ -214,9 +221,12 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
             strided_views.repair(gm, with_views,
                                  lambda n: sources.source_from_stack(n.meta.get("stack_trace")) or None)
         if rng.may_draw_permuted(gm, strided_views.view_form):  # random fills: eager's memory order
-            if with_views is None:
-                with_views = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn, remove="mutations")
-            for fill, strides in rng.eager_layouts(gm, with_views).items():
+            layouts = rng.eager_layouts(gm, lambda: _run_eagerly(forward_eagerly, annotator, model))
+            if layouts is None:  # it does not run eagerly here: the layouts of the trace with views
+                if with_views is None:
+                    with_views = _make_fx(fn, flat, annotator, batch.tensors, model, loss_fn, remove="mutations")
+                layouts = rng.traced_layouts(gm, with_views)
+            for fill, strides in layouts.items():
                 DRAW_STRIDES.set(fill, strides)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     untrained = ()
@@ -1184,6 +1194,18 @@ _CAUSES = (
      "code fails on the path libraries take while compiling: torch.compiler.is_compiling() is "
      "True while ddlc traces, as under torch.compile and torch.export)"),
 )
+
+
+def _run_eagerly(forward: Callable[[], object], annotator: _ModuleAnnotator, model: nn.Module) -> None:
+    """``forward`` (the step's forward and loss on the real state and batch) in the setting
+    :func:`_make_fx` traces the step in (what it asks of torch.distributed, batch norm and
+    checkpoints answered alike), and outside torch.func's transforms, which draw dropout's
+    mask otherwise than eager: :func:`ddlc.rng.eager_layouts` records which tensors
+    eager's random fills fill."""
+    with _as_compiling(), _without_generation_cache(model), _checkpoints_as_regions(annotator), \
+            _sync_batch_norm_as_batch_norm(), _inference_mode_as_no_grad(), _single_device_world(), \
+            _failed_kernels_unlogged():
+        forward()
 
 
 def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor],
