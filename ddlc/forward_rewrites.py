@@ -66,6 +66,9 @@ class ForwardRewrites(TorchFunctionMode):
       traced step has none of; the trace saw one call's. A hook on an activation's
       gradient (``h.register_hook(...)``) is traced as it runs; ``h.retain_grad()`` does
       nothing (torch.func refuses it, and the step fills no ``.grad`` for anyone to read).
+    - ``torch.normal`` of a mean or standard deviation tensor, as its kernel computes it
+      (:func:`_normal`): a fill of a new tensor, which ddlc.rng draws, where the operator
+      itself draws numbers that ddlc.rng does not reproduce.
     - ``torch.cov`` and ``torch.corrcoef`` of a real floating tensor without observation
       weights (VICReg's and Barlow Twins' losses): torch's formula, centred product over
       ``observations - correction``, without the check that reads whether that count is
@@ -203,7 +206,26 @@ def _corrcoef(input):
 
 _BATCH_NORM = inspect.signature(F.batch_norm)
 _INSTANCE_NORM = inspect.signature(F.instance_norm)
-_REWRITES = {F.batch_norm: _batch_norm, F.instance_norm: _instance_norm,
+def _normal(mean, std=1.0, *size, generator=None, out=None, **options):
+    """``torch.normal`` of a mean or a standard deviation tensor, as torch's kernel computes
+    it (bit for bit): noise drawn into a new contiguous tensor, ``normal_(0, std)`` for a
+    number ``std``, else ``normal_(0, 1) * std``, plus the mean. Neither gets a gradient, as
+    in eager (its derivative is zero). The draw is then one ddlc.rng reproduces."""
+    if size or options or generator is not None or out is not None or not (
+            isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor)):
+        return _AS_IS
+    mean = mean.detach() if isinstance(mean, torch.Tensor) else mean
+    if not isinstance(std, torch.Tensor):
+        return torch.empty_like(mean, memory_format=torch.contiguous_format).normal_(0, std).add_(mean)
+    std = std.detach()
+    if isinstance(mean, torch.Tensor):
+        noise = torch.empty(torch.broadcast_shapes(mean.shape, std.shape), dtype=mean.dtype, device=mean.device)
+    else:
+        noise = torch.empty_like(std, memory_format=torch.contiguous_format)
+    return noise.normal_(0, 1).mul_(std).add_(mean)
+
+
+_REWRITES = {torch.normal: _normal, F.batch_norm: _batch_norm, F.instance_norm: _instance_norm,
              torch.Tensor.requires_grad_: _requires_grad, F.one_hot: _one_hot,
              F.gaussian_nll_loss: _gaussian_nll_loss, F.embedding: _embedding,
              torch.cov: _cov, torch.Tensor.cov: _cov, torch.corrcoef: _corrcoef, torch.Tensor.corrcoef: _corrcoef,

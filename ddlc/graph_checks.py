@@ -206,11 +206,11 @@ def random_ops(gm: fx.GraphModule) -> None:
             raise UnsupportedInputError(
                 f"the step draws random numbers with {node.target}, which ddlc does not reproduce "
                 "across ranks: it keeps ranks' random numbers consistent for dropout, rand, randn, "
-                "randint, randperm, normal, uniform, exponential (F.gumbel_softmax), cauchy, "
+                "randint, randperm, normal (torch.normal of tensors too), uniform, exponential "
+                "(F.gumbel_softmax), cauchy, "
                 f"geometric, log-normal and random_ fills only ({', '.join(sorted(map(str, rng.DRAWS)))}); "
                 "one whose numbers depend on an input's values (bernoulli of a probability tensor, "
-                "multinomial, poisson) cannot be; torch.normal of a mean or std tensor is not "
-                "drawn yet (mean + std * torch.randn_like(mean) is)",
+                "multinomial, poisson) cannot be",
                 where=where(node))
 
 

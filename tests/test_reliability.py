@@ -45,8 +45,8 @@ def test_a_placement_splitting_a_dim_the_tensor_lacks_names_it(key):
         pipeline.resolve_placements(gm, {key: "(B, S2)"}, 2)
 
 
-class _NoisyMean(torch.nn.Module):
-    """Samples ``torch.normal`` around an activation: a draw ddlc.rng has none for."""
+class _PoissonCounts(torch.nn.Module):
+    """Samples Poisson counts of an activation's rates: numbers that depend on values."""
 
     def __init__(self):
         super().__init__()
@@ -54,7 +54,7 @@ class _NoisyMean(torch.nn.Module):
 
     def forward(self, x):
         h = self.fc(x)
-        return h + torch.normal(h.detach(), 0.1)
+        return h + torch.poisson(h.detach().exp())
 
 
 class _StochasticMask(torch.nn.Module):
@@ -570,8 +570,8 @@ CATALOGUE = [
      UnsupportedInputError, "BatchNorm1d '1' has momentum=None"),
     ("sampling from probabilities", lambda: ddlc.trace(_StochasticMask(), (_X, _X), F.mse_loss),
      UnsupportedInputError, "does not reproduce across ranks"),
-    ("normal samples around an activation", lambda: ddlc.trace(_NoisyMean(), (_X, _X), F.mse_loss),
-     UnsupportedInputError, r"torch.normal of a mean or std tensor is not drawn yet \(mean \+ std \* torch.randn_like"),
+    ("poisson samples of an activation", lambda: ddlc.trace(_PoissonCounts(), (_X, _X), F.mse_loss),
+     UnsupportedInputError, r"aten.poisson.default, which ddlc does not reproduce across ranks"),
     ("an EMA teacher in frozen parameters", lambda: ddlc.trace(_FrozenTeacher(), (_X, _X), F.mse_loss),
      UnsupportedInputError, r"a frozen parameter .* keep such state in buffers \(register_buffer\)"),
     ("Module.to() inside forward", lambda: ddlc.trace(_ConvertsInForward(), (_X, _X), F.mse_loss),

@@ -1026,12 +1026,14 @@ class _MoreDraws(nn.Module):
                  + torch.rand_like(square, memory_format=torch.channels_last).reshape(y.shape))
         masks = (torch.vmap(lambda r: F.dropout(r, 0.4), in_dims=1, out_dims=1, randomness="different")(y)
                  * torch.bernoulli(torch.zeros(16, 1).expand(16, x.shape[0]), 0.5).t())
-        return mixed * gumbel + 0.1 * (heavy + skewed + counts) + noise + masks
+        around = torch.normal(yt, 0.5).t() + torch.normal(0.2, y.abs() + 0.1) + torch.normal(y, y.abs().t().t() + 0.1)
+        return mixed * gumbel + 0.1 * (heavy + skewed + counts + around) + noise + masks
 
 
 def test_more_distributions_and_layouts_draw_eagers_numbers():
-    """Exponential, Cauchy, geometric, log-normal and integer fills, ``randint_like`` and
-    ``randperm`` draw eager's numbers (they were refused); a ``randn_like`` given another
+    """Exponential, Cauchy, geometric, log-normal and integer fills, ``randint_like``,
+    ``randperm`` and ``torch.normal`` of a mean or std tensor (no gradient to either, as in
+    eager) draw eager's numbers (they were refused); a ``randn_like`` given another
     ``memory_format=`` fills that layout (it took its input's: losses 0.1-0.3 off), and a
     ``bernoulli`` of an expanded tensor is not taken for dropout's mask (5e-3 to 0.17 off)."""
     _draws_match_eager(_MoreDraws, batch=8)
