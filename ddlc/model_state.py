@@ -19,9 +19,12 @@ model did) is accepted there.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import numbers
 import operator
+import types
 import weakref
 
 import torch
@@ -31,8 +34,8 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["PLAIN", "ModelWatch", "OptimizerStateWatch", "autocast_state", "autocast_words", "describe", "same_plain",
-           "settings"]
+__all__ = ["PLAIN", "ModelWatch", "OptimizerStateWatch", "autocast_state", "autocast_words", "change_words", "describe",
+           "same_plain", "settings"]
 
 #: torch's hooks on every module (``register_module_forward_hook`` and friends)
 _GLOBAL_HOOKS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_pre_hooks",
@@ -65,49 +68,131 @@ def _hook_dicts(modules, params) -> list[tuple[str, dict | None, str]]:
 
 
 def _is_plain(value) -> bool:
-    return isinstance(value, PLAIN) or (isinstance(value, tuple) and all(map(_is_plain, value)))
+    return isinstance(value, (numbers.Number, str, bytes, type(None))) or (
+        isinstance(value, tuple) and all(map(_is_plain, value)))
 
 
-def _plain_items(prefix: str, items) -> tuple[tuple[str, str], ...]:
-    return tuple((f"{prefix}{k}", repr(v)) for k, v in items if _is_plain(v))
+def _text(value) -> str | None:
+    """What :func:`settings` compares of a value: a plain one's ``repr``, a tensor's identity
+    and writes (:func:`_written`); None for anything else."""
+    if _is_plain(value):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} (id {id(value)}, writes {_written(value)})"
+    return None
 
 
-def settings(obj, depth: int = 2) -> tuple[tuple[str, str], ...]:
-    """The plain values (numbers, strings, flags, tuples of them) a callable computes with
-    that a trace fixes, as (name, repr) pairs: a function's defaults and closure cells (and
-    the plain attributes of an object a cell holds), a ``functools.partial``'s arguments,
-    a bound method's object's attributes, an object's own attributes and its class's.
-    ``depth`` bounds how far held objects are followed."""
-    if depth == 0 or obj is None or isinstance(obj, (torch.Tensor, type)):
-        return ()
+def change_words(name: str, before: str, after: str) -> str:
+    """A change between two :func:`_text` values of ``name``, in words."""
+    if before.startswith("a tensor") and after.startswith("a tensor"):
+        return f"{name}, {before.split(' (id ')[0]}, was replaced or written in place"
+    return f"{name} changed ({before} -> {after})"
+
+
+def _items(prefix: str, items) -> tuple[tuple[str, str], ...]:
+    return tuple((f"{prefix}{k}", text) for k, v in items if (text := _text(v)) is not None)
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The attribute and global names ``code`` and the code nested in it (lambdas,
+    comprehensions, inner functions) load."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+@functools.lru_cache(maxsize=4096)
+def _reads(function, cls: type | None) -> tuple[frozenset[str], tuple[tuple[str, object], ...]]:
+    """The names ``function`` reads (:func:`_code_names`), with those of the methods and
+    properties of ``cls`` it names, and theirs (``self.scale(x)`` reading ``self.alpha``);
+    and the plain or tensor globals among them, as (name, module globals) pairs."""
+    names, seen, todo, spaces = set(), set(), [function], {}
+    while todo:
+        current = inspect.unwrap(todo.pop())
+        code = getattr(current, "__code__", None)
+        if code is None or code in seen:
+            continue
+        seen.add(code)
+        found = _code_names(code)
+        names |= found
+        spaces.setdefault(id(current.__globals__), current.__globals__)
+        for name in found if cls is not None else ():
+            member = inspect.getattr_static(cls, name, None)
+            member = getattr(member, "fget", None) or getattr(member, "__func__", member)
+            if inspect.isfunction(member):
+                todo.append(member)
+    return frozenset(names), tuple((name, space) for space in spaces.values() for name in sorted(names)
+                                   if name in space)
+
+
+def _read_values(obj, function, cls: type) -> tuple[tuple[str, str], ...]:
+    """The values of the names ``function`` reads (:func:`_reads`) on ``obj`` (its own
+    attributes, else its class's, base classes included) and in its module's globals."""
+    names, globals_read = _reads(function, cls)
+    own = getattr(obj, "__dict__", {}) if not isinstance(obj, type) else {}
+    values = [(name, own[name] if name in own else inspect.getattr_static(obj, name, None))
+              for name in sorted(names) if name in own or hasattr(cls, name)]
+    return (*_items("", values), *_items("global ", ((name, space[name]) for name, space in globals_read)))
+
+
+def settings(obj) -> tuple[tuple[str, str], ...]:
+    """The values a loss function that is not a module computes with and a trace fixes, as
+    (name, text) pairs (:func:`_text`: numbers, strings, flags, tuples of them, and tensors
+    by identity and writes): a ``functools.partial``'s arguments; a function's defaults,
+    closure cells and the globals it reads; for a bound method (a classmethod too) or a
+    callable object, the attributes its code reads of its object or class (with those the
+    methods it calls read: ``self.weight``, not a ``self.global_step`` it never reads)."""
     if isinstance(obj, functools.partial):
-        return (*settings(obj.func, depth), *_plain_items("argument ", enumerate(obj.args)),
-                *_plain_items("", sorted(obj.keywords.items())))
+        return (*settings(obj.func), *_items("argument ", enumerate(obj.args)),
+                *_items("", sorted(obj.keywords.items())))
     if inspect.ismethod(obj):
-        return (*settings(obj.__func__, depth), *settings(obj.__self__, depth - 1))
+        owner = obj.__self__
+        return _read_values(owner, obj.__func__, owner if isinstance(owner, type) else type(owner))
     if inspect.isfunction(obj):
-        found = [*_plain_items("default ", enumerate(obj.__defaults__ or ())),
-                 *_plain_items("", sorted((obj.__kwdefaults__ or {}).items()))]
+        cells = []
         for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            found += _plain_items("", [(name, value)]) or [(f"{name}.{k}", v) for k, v in settings(value, depth - 1)]
-        return tuple(found)
-    fields = getattr(obj, "__dict__", None)
-    if inspect.isroutine(obj) or not isinstance(fields, dict):
+            with contextlib.suppress(ValueError):  # an empty cell
+                cells.append((name, cell.cell_contents))
+        names, globals_read = _reads(obj, None)
+        held = [(f"{name}.{attr}", getattr(value, attr)) for name, value in cells
+                if _text(value) is None and not isinstance(value, nn.Module)
+                for attr in sorted(names & set(getattr(value, "__dict__", {})))]
+        return (*_items("default ", enumerate(obj.__defaults__ or ())),
+                *_items("", sorted((obj.__kwdefaults__ or {}).items())), *_items("", cells), *_items("", held),
+                *_items("global ", ((name, space[name]) for name, space in globals_read)))
+    call = getattr(type(obj), "__call__", None)
+    if inspect.isroutine(obj) or isinstance(obj, nn.Module) or not inspect.isfunction(call):
         return ()
-    own = type(obj)
-    return (*_plain_items("", sorted(fields.items())), *(() if own.__module__.startswith("torch.") else _class_settings(own)))
+    return _read_values(obj, call, type(obj))
 
 
-def _class_settings(cls: type) -> tuple[tuple[str, str], ...]:
-    """A class's own plain attributes (``Net.temperature = 0.25``), and which functions its
-    methods are (a ``forward`` replaced on the class), as (name, text) pairs."""
-    fields = vars(cls)
-    return tuple((f"{cls.__qualname__}.{k}", repr(v) if _is_plain(v) else f"function at {id(v)}")
-                 for k, v in fields.items() if _is_plain(v) or inspect.isfunction(v))
+def _class_reads(cls: type) -> list[tuple[str, str, tuple]]:
+    """What a module class's ``forward`` reads of the class (its bases' too) and of the
+    globals (:func:`_reads`) that is a plain value or a tensor now (``Net.temperature``, a
+    module-level constant), and ``forward`` itself (one replaced on the class): (label,
+    name, the namespaces it is looked up in, in order), for :func:`_read_now`."""
+    mro = tuple(vars(k) for k in cls.__mro__)
+    forward = _lookup(mro, "forward")
+    if not inspect.isfunction(forward):
+        return []
+    names, globals_read = _reads(forward, cls)
+    return [("forward", "forward", mro)] + \
+        [(name, name, mro) for name in sorted(names) if _text(_lookup(mro, name)) is not None] + \
+        [(f"global {name}", name, (space,)) for name, space in globals_read if _text(space[name]) is not None]
+
+
+def _lookup(spaces: tuple, name: str):
+    for space in spaces:
+        if name in space:
+            return space[name]
+    return _MISSING
+
+
+def _read_now(label: str, name: str, spaces: tuple) -> str:
+    value = _lookup(spaces, name)
+    return f"function at {id(value)}" if label == "forward" else (_text(value) or describe(value))
 
 
 def _written(t: torch.Tensor) -> tuple[int, int]:
@@ -140,13 +225,13 @@ class ModelWatch:
         self._tensor_attributes = [(f"{name}.{attr}" if name else attr, t) for name, m in self._modules
                                    for attr, t in vars(m).items()
                                    if isinstance(t, torch.Tensor) and id(t) not in held]
-        #: the hook dictionaries (a module's own, the global ones, each parameter's) and the
-        #: model's classes other than torch's, whose values :meth:`_settings` reads
-        self._hook_sources = _hook_dicts(self._modules, self._params)
-        self._classes = [cls for cls in dict.fromkeys(type(m) for _, m in self._modules)
-                         if not cls.__module__.startswith("torch.")]
+        #: what the forward of the model's classes (other than torch's) reads of the classes
+        #: and globals, which :meth:`_settings` looks up
+        self._class_reads = [(f"class {cls.__qualname__}", *read)
+                             for cls in dict.fromkeys(type(m) for _, m in self._modules)
+                             if not cls.__module__.startswith("torch.") for read in _class_reads(cls)]
         self._snapshot = self._take()
-        self._hook_keys = [tuple(h or ()) for _, h, _ in self._hook_sources]
+        self._hook_keys = [tuple(h or ()) for _, h, _ in _hook_dicts(self._modules, self._params)]
         self._next_id = RemovableHandle.next_id
 
     def _take(self) -> tuple[list, tuple]:
@@ -164,13 +249,9 @@ class ModelWatch:
         return objects, numbers
 
     def _settings(self) -> tuple:
-        """What the hooks compute with (a hook object's or closure's plain values) and the
-        model's classes' own attributes (:func:`settings`), as (where, name, value) triples."""
-        found = [(f"a {kind.removesuffix('s')} of {where}", *item)
-                 for where, hooks, kind in self._hook_sources if hooks
-                 for hook in hooks.values() for item in settings(hook)]
-        found += [(f"class {cls.__qualname__}", *item) for cls in self._classes for item in _class_settings(cls)]
-        return tuple(found)
+        """What the model's classes' ``forward`` reads of the classes and globals
+        (:func:`_class_reads`), as (where, name, value) triples."""
+        return tuple((where, label, _read_now(label, name, spaces)) for where, label, name, spaces in self._class_reads)
 
     def _unchanged(self) -> bool:
         objects, numbers = self._take()
@@ -211,7 +292,7 @@ class ModelWatch:
             changed = sorted(set(now) ^ set(then))[0][:2]
             before = dict(((w, k), v) for w, k, v in then).get(changed, "<unset>")
             after = dict(((w, k), v) for w, k, v in now).get(changed, "<unset>")
-            return f"{changed[1]} of {changed[0]} changed ({before} -> {after})"
+            return change_words(f"{changed[1]} of {changed[0]}", before, after)
         for (name, m), before in zip(self._modules, self._attributes):
             now = vars(m)
             for attr in (now.keys() | before.keys()) - _recomputed(m):

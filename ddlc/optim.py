@@ -346,12 +346,16 @@ def refuse_step_hooks(optimizer: torch.optim.Optimizer) -> None:
     around every ``optimizer.step()``, which a compiled step never calls (the update is
     part of its program), so they would silently not run."""
     from torch.optim import optimizer as optimizer_module
+
+    def users(hooks) -> list:  # torch's own (the profiler's, with KINETO_USE_DAEMON) aside
+        return [h for h in (hooks or {}).values() if not getattr(h, "__module__", "").startswith("torch.")]
+
     kinds = [kind for kind, hooks in (
         ("a step pre-hook (register_step_pre_hook)", getattr(optimizer, "_optimizer_step_pre_hooks", None)),
         ("a step post-hook (register_step_post_hook)", getattr(optimizer, "_optimizer_step_post_hooks", None)),
         ("a global step pre-hook (register_optimizer_step_pre_hook)", optimizer_module._global_optimizer_pre_hooks),
         ("a global step post-hook (register_optimizer_step_post_hook)", optimizer_module._global_optimizer_post_hooks),
-    ) if hooks]
+    ) if users(hooks)]
     if kinds:
         raise UnsupportedInputError(
             f"the optimizer has {' and '.join(kinds)}, which torch.optim runs around every "

@@ -63,7 +63,8 @@ class CompileOptions:
     #: reorder collectives for overlap (issue early, wait late)
     schedule: bool = True
     #: bucket small collectives: True lets the timeline model choose the cap, a number
-    #: fixes it (bytes), False fuses nothing
+    #: fixes it (bytes each bucket's collectives move on their group, an all-gather's
+    #: whole output: the same on every rank), False fuses nothing
     fuse: Union[bool, float] = True
     #: split large collectives: True lets the timeline model choose the piece size, a
     #: number fixes it (bytes), False splits nothing

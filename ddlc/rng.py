@@ -321,8 +321,12 @@ def may_draw_permuted(gm: fx.GraphModule, view_form: Callable[[fx.Node], Callabl
             # does not (masked_fill, scatter, index_add, roll of a permuted tensor, and
             # the functional forms of their in-place calls, which keep their tensor's
             # layout): assume it does, for :func:`eager_layouts` to run the real kernels
-            alike = metas.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
-            if isinstance(alike, torch.Tensor) and alike.shape == out.shape:
+            # (any operand of a pointwise one: logaddexp(c, y.t()))
+            operands = node.all_input_nodes if torch.Tag.pointwise in getattr(node.target, "tags", ()) \
+                else node.args[:1]
+            alike = next((metas[a] for a in operands if isinstance(metas.get(a), torch.Tensor)
+                          and metas[a].shape == out.shape), None)
+            if alike is not None:
                 out = torch.empty_like(alike)
         if isinstance(out, torch.Tensor) and out.shape == val.shape and not out.is_contiguous():
             metas[node] = out
@@ -344,9 +348,10 @@ def _as_meta(value):
 
 def eager_layouts(gm: fx.GraphModule, run: Callable[[], None]) -> dict[fx.Node, tuple[int, ...]] | None:
     """Per random draw of ``gm`` that eager makes into a tensor laid out otherwise than
-    row-major and contiguous, that tensor's strides, recorded while ``run`` runs the step
-    eagerly on its real inputs (stopped at its last draw; the default generators as they
-    were): each random operator the eager step calls, in order, pairs with a draw of
+    row-major and contiguous, that tensor's strides, recorded while ``run`` runs the step's
+    forward eagerly on its real inputs (to its end, as a forward the user calls: code after
+    the last draw may restore what it set; the default generators as they were after it):
+    each random operator the eager step calls, in order, pairs with a draw of
     ``gm``, and the tensor it returns is the one it filled (an in-place fill's own,
     ``empty_like``'s of ``rand_like``, dropout's ``empty_like(activation)``, an ``out=``).
     The real kernels decide those layouts, where the fake ones differ (batch norm of a
@@ -354,13 +359,11 @@ def eager_layouts(gm: fx.GraphModule, run: Callable[[], None]) -> dict[fx.Node, 
     tensor's layout), and the in-place calls are in place (the trace has their functional
     forms). None where the step does not run eagerly here, or its draws do not pair."""
     draws = [n for n in gm.graph.nodes if draws_random_numbers(n)]
-    recorder = _DrawRecorder(len(draws))
+    recorder = _DrawRecorder()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices), recorder:
             run()
-    except _AllDrawn:
-        pass
     except Exception:  # noqa: BLE001 - the caller takes the trace's layouts
         return None
     if [_name(n.target) for n in draws] != [name for name, _, _ in recorder.drawn] or any(
@@ -375,25 +378,19 @@ def _name(op) -> str:
     return op._schema.name.removesuffix("_functional").rstrip("_")
 
 
-class _AllDrawn(Exception):
-    """Raised by :class:`_DrawRecorder` at the step's last draw: nothing after it matters."""
-
-
 class _DrawRecorder(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the name (:func:`_name`), shape and strides of what each random operator call
-    returns (the tensor it filled), and stops the run after ``count`` of them."""
+    returns (the tensor it filled)."""
 
-    def __init__(self, count: int):
+    def __init__(self):
         super().__init__()
-        self.count, self.drawn = count, []
+        self.drawn = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if _draws(func, args, kwargs or {}):
             value = out[0] if isinstance(out, (tuple, list)) else out
             self.drawn.append((_name(func), tuple(value.shape), tuple(value.stride())))
-            if len(self.drawn) == self.count:
-                raise _AllDrawn
         return out
 
 

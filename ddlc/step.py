@@ -24,7 +24,7 @@ from . import holding
 from .errors import RuntimeMismatchError, UnsupportedInputError
 from .ir import GLOBAL_VAL, HYPERPARAMETER_DTYPE, SHARDING, STEP
 from .mesh import Mesh
-from .model_state import ModelWatch, OptimizerStateWatch, autocast_state, autocast_words, settings
+from .model_state import ModelWatch, OptimizerStateWatch, autocast_state, autocast_words, change_words, settings
 from .optim import hyperparameter_values, refuse_step_hooks, structure as optimizer_structure
 from .plan import Plan
 from .printing import format_graph
@@ -684,7 +684,7 @@ class CompiledStep:
             return None
         then, now = dict(self._loss_settings), dict(now)
         name = next(k for k in [*then, *now] if then.get(k) != now.get(k))
-        return f"{name} changed ({then.get(name, '<unset>')} -> {now.get(name, '<unset>')})"
+        return change_words(name, then.get(name, "<unset>"), now.get(name, "<unset>"))
 
     def _check_model(self) -> None:
         """Refuse to run when the model changed since compile in a way the program cannot

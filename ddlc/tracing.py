@@ -1197,12 +1197,14 @@ _CAUSES = (
 
 
 def _run_eagerly(forward: Callable[[], object], annotator: _ModuleAnnotator, model: nn.Module) -> None:
-    """``forward`` (the step's forward and loss on the real state and batch) in the setting
+    """``forward`` (the step's forward and loss on the real state and batch) without
+    gradients (the memory of one forward's activations at most), in the setting
     :func:`_make_fx` traces the step in (what it asks of torch.distributed, batch norm and
     checkpoints answered alike), and outside torch.func's transforms, which draw dropout's
     mask otherwise than eager: :func:`ddlc.rng.eager_layouts` records which tensors
-    eager's random fills fill."""
-    with _as_compiling(), _without_generation_cache(model), _checkpoints_as_regions(annotator), \
+    eager's random fills fill (a forward that draws otherwise without gradients pairs
+    with none of the trace's draws, and the trace's layouts are taken)."""
+    with torch.no_grad(), _as_compiling(), _without_generation_cache(model), _checkpoints_as_regions(annotator), \
             _sync_batch_norm_as_batch_norm(), _inference_mode_as_no_grad(), _single_device_world(), \
             _failed_kernels_unlogged():
         forward()

@@ -166,9 +166,15 @@ def _buckets(candidates: list[fx.Node], pos: dict[fx.Node, int], cap: float,
 
 def _kind_and_bytes(node: fx.Node) -> tuple[tuple, int]:
     """What :func:`_buckets` groups collective ``node`` by (its operator, process group and
-    dtype) and its input's bytes."""
+    dtype) and its bytes: those the collective moves on its group as the plan prices it
+    (:attr:`ddlc.ir.CollectiveInfo.nbytes`: the tensor with the other axes' splits at their
+    largest piece), the same on every rank, so that every rank fills the same buckets
+    under one cap. A piece of an unevenly split tensor has other bytes on other ranks
+    (17 and 16 rows of 33): first fit on this rank's own bytes put a collective in a bucket
+    on some ranks and not on others, whose programs then differed."""
     val = node.args[0].meta["val"]
-    return (node.target, node.args[-1], val.dtype), val.numel() * val.element_size()
+    nbytes = COLLECTIVE(node).nbytes if COLLECTIVE.has(node) else val.numel() * val.element_size()
+    return (node.target, node.args[-1], val.dtype), nbytes
 
 
 #: The local steps the collectives pass puts right before a collective (dim moves, padding,

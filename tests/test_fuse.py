@@ -334,8 +334,9 @@ def test_the_cap_search_stops_at_the_first_slower_cap(monkeypatch, latency, stop
     one slower than the best of them so far; it chooses the cap (and program) of least
     makespan over every cap, and times exactly the caps of that descent that fuse
     differently. (With sub-microsecond start-ups the makespan is not unimodal from the
-    largest cap down to 0: a cap of 4096 bytes models faster than 1024 and 256, and no
-    fusion fastest; trying no fusion apart chooses it.)"""
+    largest cap down to 0: a cap of 8192 bytes models faster than 32768 and 2048, and no
+    fusion fastest; trying no fusion apart chooses it. The caps are the MLP's sizes as
+    buckets count them: a collective's bytes on its group, an all-gather's whole output.)"""
     import passes.fuse as fuse_module
     from cost_models.program import order_makespan
     from passes.fuse import Trial, _fuse, fuse, fuse_search
@@ -344,7 +345,7 @@ def test_the_cap_search_stops_at_the_first_slower_cap(monkeypatch, latency, stop
     replicate_updates(planned, mesh := ddlc.Mesh((4,), links=[ddlc.LinkModel(latency, 1e9)], profile=FAST_GLOO))
     decouple(planned, mesh, "forward")
     gm = lower_rank(planned, mesh, (0,), axis_group_names(mesh), fuse=False, partition=False, schedule=False)
-    monkeypatch.setattr(fuse_module, "CAPS", CAPS := (0, 64, 256, 1024, 4096, 16384, math.inf))  # the MLP's sizes
+    monkeypatch.setattr(fuse_module, "CAPS", CAPS := (0, 128, 512, 2048, 8192, 32768, math.inf))  # the MLP's sizes
     order = lambda g, costs=None: schedule(g, profile=mesh.profile, updates="auto", costs=costs)  # noqa: E731
     makespans, programs = {}, {}
     for cap in CAPS:

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import ddlc
-from conftest import FAST_GLOO, assert_matches_reference, optimizer, replicate_updates, train
+from conftest import FAST_GLOO, assert_matches_reference, eager, optimizer, replicate_updates, train
 from ddlc import comm
 from ddlc.errors import SBPError
-from ddlc.ir import GLOBAL_VAL, SHARDING, NdSignature, collective_sequence
+from ddlc.ir import GLOBAL_VAL, SHARDING, STEP, NdSignature, collective_sequence
 from ddlc.launch import spawn
 from ddlc.sbp import B, NdSBP, S, local_shape, local_slices, padded_shape, parse_sbp
 from ddlc.simulate import axis_group_names, lower_rank, simulate_steps
@@ -295,3 +295,46 @@ def test_a_piece_contiguous_on_coordinate_0_only_is_cut_on_every_rank():
         opt.step()
         losses.append(loss.detach())
     torch.testing.assert_close(torch.stack(got), torch.stack(losses), rtol=1e-5, atol=1e-6)
+
+
+class _OddWidths(torch.nn.Module):
+    """A token model of widths 33 and 130 and 97 words, which a (2, 2) mesh splits
+    unevenly (33 into 17 and 16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.norm = torch.nn.Embedding(97, 33), torch.nn.LayerNorm(33)
+        self.a, self.b, self.head = torch.nn.Linear(33, 130), torch.nn.Linear(130, 33), torch.nn.Linear(33, 97)
+
+    def forward(self, x):
+        h = self.emb(x)
+        return self.head(h + self.b(F.gelu(self.a(self.norm(h)))))
+
+
+def _token_loss(out, target):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def test_a_bucket_cap_buckets_unevenly_split_collectives_alike_on_every_rank():
+    """Bucketing filled buckets on each rank's own bytes, which differ where a tensor is split
+    unevenly (68 and 64 bytes for 17 and 16 floats): with a cap of 68 bytes, one mesh column
+    bucketed the loss's scalar all-reduce with its piece's and the other did not, and
+    lowering stopped on ranks whose programs differed (or the step ran other collectives
+    than its peers'). Buckets are filled on the bytes the plan prices, the same on every rank."""
+    torch.manual_seed(0)
+    model = _OddWidths()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 97, (4, 6), generator=g), torch.randint(0, 97, (4, 6), generator=g)) for _ in range(2)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
+    gm = canonicalize(ddlc.trace(model, data[0], _token_loss, sgd(model)))
+    sig, mesh = STEP(gm), ddlc.Mesh((2, 2), profile="dgx-h100-ib")
+    fixed = {sig.input_name("param", "a.weight"): parse_sbp("(S0, S1)"),
+             sig.input_name("param", "b.weight"): parse_sbp("(S1, S0)"),
+             **{sig.input_name("input", k): parse_sbp("(S0, B)") for k in sig.keys("input")}}
+    shard(gm, mesh, fixed=fixed)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    losses, params, _, _ = simulate_steps(gm, mesh, params, {}, data, fuse=68.0, partition=False, schedule=True)
+    want, _ = eager(reference, _token_loss, sgd, data)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})

@@ -1711,54 +1711,74 @@ def test_changes_after_compile_are_refused_and_an_optimizers_state_is_taken():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
 
 
-class _Gain:
-    """A forward hook object scaling its module's output by ``factor``."""
-
-    def __init__(self, factor):
-        self.factor = factor
-
-    def __call__(self, module, inputs, output):
-        return output * self.factor
+#: a module-level setting the forward of :class:`_Tempered` reads
+_SHIFT = 0.0
 
 
-class _Tempered(torch.nn.Module):
-    """A layer whose class holds the temperature its forward divides by."""
+class _TemperedBase(torch.nn.Module):
+    temperature = 1.0  # read by the subclass's forward: a base class's attribute counts
+    created = 0  # an instance counter the forward never reads
 
-    temperature = 1.0
+
+class _Tempered(_TemperedBase):
+    """A layer whose base class holds the temperature its forward divides by."""
 
     def __init__(self):
         super().__init__()
         self.fc = torch.nn.Linear(4, 4)
+        type(self).created += 1
 
     def forward(self, x):
-        return self.fc(x) / self.temperature
+        return self.fc(x) / self.temperature + _SHIFT
 
 
-def test_what_hooks_and_the_models_classes_hold_is_watched():
-    """A hook object's attribute, a value a hook's closure holds and a model class's own
-    attribute are fixed by the trace as a module's attributes are: each changed after
-    compile went unseen (losses 0.1 and 0.5 off in a helper's runs) and is now named."""
-    from ddlc.model_state import ModelWatch
-    gain = _Gain(2.0)
+class _Annealed:
+    """A loss object whose call reads ``weight`` through a method, beside a counter it never
+    reads (a trainer's ``global_step``)."""
+
+    def __init__(self):
+        self.weight, self.global_step, self.scale = 1.0, 0, torch.ones(())
+
+    def factor(self):
+        return self.weight * self.scale
+
+    def __call__(self, out, target):
+        return F.mse_loss(out, target) * self.factor()
+
+
+def test_what_a_models_classes_and_a_loss_read_is_watched_and_nothing_else():
+    """A value a model class's forward reads of its class, a base class or its module's
+    globals, and what a loss object's call reads of it (through its methods too, tensors
+    by identity and writes), are fixed by the trace as a module's attributes are: each
+    changed after compile went unseen (losses up to 3x off in a helper's runs) and is now
+    named. What the code never reads (a class's instance counter, a trainer's step count)
+    is no change."""
+    global _SHIFT
+    from ddlc.model_state import ModelWatch, settings
     model = torch.nn.Sequential(_Tempered(), torch.nn.Linear(4, 4))
-    model[0].register_forward_hook(gain)
-    bias = 0.25
-    model[1].register_forward_hook(lambda m, i, o: o + bias)
     watch = ModelWatch(model)
-    assert watch.change() is None
-    gain.factor = 3.0
-    assert watch.change() == "factor of a forward hook of module 0 changed (2.0 -> 3.0)"
-    gain.factor = 2.0
-    bias = 0.5  # noqa: F841 (read by the hook's closure)
-    assert watch.change() == "bias of a forward hook of module 1 changed (0.25 -> 0.5)"
-    bias = 0.25  # noqa: F841
+    _Tempered()  # another instance: the counter moves, the forward never reads it
     assert watch.change() is None
     try:
-        _Tempered.temperature = 0.5
-        assert watch.change() == "_Tempered.temperature of class _Tempered changed (1.0 -> 0.5)"
+        _TemperedBase.temperature = 0.5
+        assert watch.change() == "temperature of class _Tempered changed (1.0 -> 0.5)"
     finally:
-        _Tempered.temperature = 1.0
+        _TemperedBase.temperature = 1.0
     assert watch.change() is None
+    try:
+        _SHIFT = 0.25
+        assert watch.change() == "global _SHIFT of class _Tempered changed (0.0 -> 0.25)"
+    finally:
+        _SHIFT = 0.0
+    loss = _Annealed()
+    before = settings(loss)
+    loss.global_step += 1
+    assert settings(loss) == before
+    loss.weight = 2.0
+    assert dict(settings(loss))["weight"] == "2.0"
+    loss.weight = 1.0
+    loss.scale.mul_(2)
+    assert settings(loss) != before
 
 
 def test_a_loaded_checkpoint_supersedes_weights_written_into_the_model_only():
