@@ -1746,6 +1746,26 @@ class _Annealed:
         return F.mse_loss(out, target) * self.factor()
 
 
+def test_torchs_own_optimizer_step_hooks_are_no_hooks_of_the_users():
+    """torch's profiler registers a global optimizer step post-hook where
+    ``KINETO_USE_DAEMON`` is set: it is not the user's, and compile was refused with it."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from ddlc.optim import refuse_step_hooks
+
+    def profiler_hook(optimizer, args, kwargs):
+        pass
+    profiler_hook.__module__ = "torch.autograd.profiler"
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    handle = register_optimizer_step_post_hook(profiler_hook)
+    try:
+        refuse_step_hooks(opt)
+        opt.register_step_post_hook(lambda o, args, kwargs: None)
+        with pytest.raises(UnsupportedInputError, match=r"a step post-hook \(register_step_post_hook\)"):
+            refuse_step_hooks(opt)
+    finally:
+        handle.remove()
+
+
 def test_what_a_models_classes_and_a_loss_read_is_watched_and_nothing_else():
     """A value a model class's forward reads of its class, a base class or its module's
     globals, and what a loss object's call reads of it (through its methods too, tensors

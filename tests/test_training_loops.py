@@ -938,6 +938,49 @@ def test_fills_laid_out_by_the_real_kernels_draw_eagers_numbers():
     _draws_match_eager(_KernelLayouts, batch=8)
 
 
+class _SoftplusDropout(nn.Module):
+    """Dropout of ``logaddexp(0, y.t())``: the permuted operand second, whose layout the
+    meta kernel does not keep and the CPU's does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return F.dropout(torch.logaddexp(torch.zeros(()), self.fc(x).t()), 0.3).t()
+
+
+def test_a_fill_of_a_pointwise_result_laid_out_as_its_second_operand_draws_eagers_numbers():
+    """The first look took the layout of a pointwise operator's first operand alone, and
+    drew this mask row-major (losses 0.25 off in a helper's run)."""
+    _draws_match_eager(_SoftplusDropout, batch=8)
+
+
+class _SetsAndRestores(nn.Module):
+    """A forward that turns gradients off and sets a flag around a permuted dropout, and
+    restores both after it, without ``finally``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.busy = nn.Linear(8, 16), False
+
+    def forward(self, x):
+        self.busy, before = True, torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        noise = F.dropout(torch.ones(16, x.shape[0]).t(), 0.5)
+        torch.set_grad_enabled(before)
+        self.busy = False
+        return self.fc(x) * noise
+
+
+def test_the_eager_run_that_records_layouts_runs_the_forward_to_its_end():
+    """The eager run stopped at the last draw, so a forward restoring what it set after it
+    (without ``finally``) left grad mode off in the user's process and the flag set (then
+    refused as state the forward changes). It runs to the end now."""
+    _draws_match_eager(_SetsAndRestores, batch=8)
+    assert torch.is_grad_enabled()
+
+
 def test_adamw_with_its_weight_decay_coupled_trains_as_torchs():
     """``torch.optim.AdamW`` honours a group's ``decoupled_weight_decay=False`` (Adam's L2
     decay): the compiled step ran AdamW's update whatever the flag (parameters 0.04 off
