@@ -20,6 +20,7 @@ model did) is accepted there.
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
 import numbers
@@ -93,38 +94,53 @@ def _items(prefix: str, items) -> tuple[tuple[str, str], ...]:
     return tuple((f"{prefix}{k}", text) for k, v in items if (text := _text(v)) is not None)
 
 
-def _code_names(code: types.CodeType) -> set[str]:
-    """The attribute and global names ``code`` and the code nested in it (lambdas,
-    comprehensions, inner functions) load."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _code_names(const)
-    return names
+#: the instructions that load an attribute (``x.name``, ``x.name(...)``) and a global
+_ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 
 
 @functools.lru_cache(maxsize=4096)
-def _reads(function, cls: type | None) -> tuple[frozenset[str], tuple[tuple[str, object], ...]]:
-    """The names ``function`` reads (:func:`_code_names`), with those of the methods and
-    properties of ``cls`` it names, and theirs (``self.scale(x)`` reading ``self.alpha``);
-    and the plain or tensor globals among them, as (name, module globals) pairs."""
-    names, seen, todo, spaces = set(), set(), [function], {}
+def _loads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
+    """The attribute names and the global names ``code`` and the code nested in it
+    (lambdas, comprehensions, inner functions) load (``co_names`` mixes the two, and
+    stores: ``self.out`` is no read of a global ``out``)."""
+    attributes, globals_ = set(), set()
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in _ATTRIBUTE_LOADS:
+            attributes.add(instruction.argval)
+        elif instruction.opname in _GLOBAL_LOADS:
+            globals_.add(instruction.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            nested = _loads(const)
+            attributes |= nested[0]
+            globals_ |= nested[1]
+    return frozenset(attributes), frozenset(globals_)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reads(function, cls: type | None) -> tuple[frozenset[str], tuple[tuple[str, dict], ...]]:
+    """The attribute names ``function`` reads (:func:`_loads`), with those of the methods
+    and properties of ``cls`` it names, and theirs (``self.scale(x)`` reading
+    ``self.alpha``); and the globals they read, as (name, the module globals it is looked
+    up in) pairs."""
+    attributes, seen, todo, globals_read = set(), set(), [function], {}
     while todo:
         current = inspect.unwrap(todo.pop())
         code = getattr(current, "__code__", None)
         if code is None or code in seen:
             continue
         seen.add(code)
-        found = _code_names(code)
-        names |= found
-        spaces.setdefault(id(current.__globals__), current.__globals__)
+        found, global_names = _loads(code)
+        attributes |= found
+        for name in global_names:
+            globals_read.setdefault((name, id(current.__globals__)), (name, current.__globals__))
         for name in found if cls is not None else ():
             member = inspect.getattr_static(cls, name, None)
             member = getattr(member, "fget", None) or getattr(member, "__func__", member)
             if inspect.isfunction(member):
                 todo.append(member)
-    return frozenset(names), tuple((name, space) for space in spaces.values() for name in sorted(names)
-                                   if name in space)
+    return frozenset(attributes), tuple(sorted(globals_read.values(), key=lambda pair: pair[0]))
 
 
 def _read_values(obj, function, cls: type) -> tuple[tuple[str, str], ...]:
@@ -134,7 +150,7 @@ def _read_values(obj, function, cls: type) -> tuple[tuple[str, str], ...]:
     own = getattr(obj, "__dict__", {}) if not isinstance(obj, type) else {}
     values = [(name, own[name] if name in own else inspect.getattr_static(obj, name, None))
               for name in sorted(names) if name in own or hasattr(cls, name)]
-    return (*_items("", values), *_items("global ", ((name, space[name]) for name, space in globals_read)))
+    return (*_items("", values), *_items("global ", ((name, space.get(name)) for name, space in globals_read)))
 
 
 def settings(obj) -> tuple[tuple[str, str], ...]:
@@ -161,7 +177,7 @@ def settings(obj) -> tuple[tuple[str, str], ...]:
                 for attr in sorted(names & set(getattr(value, "__dict__", {})))]
         return (*_items("default ", enumerate(obj.__defaults__ or ())),
                 *_items("", sorted((obj.__kwdefaults__ or {}).items())), *_items("", cells), *_items("", held),
-                *_items("global ", ((name, space[name]) for name, space in globals_read)))
+                *_items("global ", ((name, space.get(name)) for name, space in globals_read)))
     call = getattr(type(obj), "__call__", None)
     if inspect.isroutine(obj) or isinstance(obj, nn.Module) or not inspect.isfunction(call):
         return ()
@@ -180,7 +196,7 @@ def _class_reads(cls: type) -> list[tuple[str, str, tuple]]:
     names, globals_read = _reads(forward, cls)
     return [("forward", "forward", mro)] + \
         [(name, name, mro) for name in sorted(names) if _text(_lookup(mro, name)) is not None] + \
-        [(f"global {name}", name, (space,)) for name, space in globals_read if _text(space[name]) is not None]
+        [(f"global {name}", name, (space,)) for name, space in globals_read if _text(space.get(name)) is not None]
 
 
 def _lookup(spaces: tuple, name: str):

@@ -5,6 +5,7 @@ import functools
 import pickle
 import random
 import re
+import sys
 import tempfile
 
 import numpy as np
@@ -1791,9 +1792,15 @@ def test_what_a_models_classes_and_a_loss_read_is_watched_and_nothing_else():
     finally:
         _SHIFT = 0.0
     loss = _Annealed()
-    before = settings(loss)
-    loss.global_step += 1
-    assert settings(loss) == before
+    module = sys.modules[__name__]
+    module.scale = 1.0  # a global named as an attribute the loss reads: no read of the global
+    try:
+        before = settings(loss)
+        loss.global_step += 1
+        module.scale = 2.0
+        assert settings(loss) == before
+    finally:
+        del module.scale
     loss.weight = 2.0
     assert dict(settings(loss))["weight"] == "2.0"
     loss.weight = 1.0
