@@ -1204,10 +1204,20 @@ def _run_eagerly(forward: Callable[[], object], annotator: _ModuleAnnotator, mod
     mask otherwise than eager: :func:`ddlc.rng.eager_layouts` records which tensors
     eager's random fills fill (a forward that draws otherwise without gradients pairs
     with none of the trace's draws, and the trace's layouts are taken)."""
-    with torch.no_grad(), _as_compiling(), _without_generation_cache(model), _checkpoints_as_regions(annotator), \
+    with torch.no_grad(), _as_the_step_runs(annotator, model):
+        forward()
+
+
+@contextlib.contextmanager
+def _as_the_step_runs(annotator: _ModuleAnnotator, model: nn.Module):
+    """The setting the step runs in, traced (:func:`_make_fx`) or eagerly
+    (:func:`_run_eagerly`): compiling (``torch.compiler.is_compiling()``), no generation
+    cache, checkpoints as regions, SyncBatchNorm as batch norm, inference mode as
+    ``no_grad``, a world of one process, failed kernels unlogged."""
+    with _as_compiling(), _without_generation_cache(model), _checkpoints_as_regions(annotator), \
             _sync_batch_norm_as_batch_norm(), _inference_mode_as_no_grad(), _single_device_world(), \
             _failed_kernels_unlogged():
-        forward()
+        yield
 
 
 def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor],
@@ -1218,10 +1228,8 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
         # a lazy graph module generates its Python code when first run or printed: the
         # passes rewrite the graph many times before anything runs it (0.25 s a time on a
         # GPT-2-small step)
-        with fx_traceback.preserve_node_meta(), _as_compiling(), _without_generation_cache(model), \
-                _forward_frames_only(), _loss_frames_kept(loss_fn), _use_lazy_graph_module(True), \
-                _checkpoints_as_regions(annotator), _sync_batch_norm_as_batch_norm(), _inference_mode_as_no_grad(), \
-                _single_device_world(), _failed_kernels_unlogged(), rng.reseeds_refused():
+        with fx_traceback.preserve_node_meta(), _forward_frames_only(), _loss_frames_kept(loss_fn), \
+                _use_lazy_graph_module(True), _as_the_step_runs(annotator, model), rng.reseeds_refused():
             # a tensor the forward or loss captures from outside the model (class weights
             # in a global) becomes a constant of the graph
             return make_fx(functionalize(fn, remove=remove), tracing_mode="fake",

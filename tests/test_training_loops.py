@@ -857,19 +857,13 @@ def test_dropout_masks_follow_eagers_layout_in_every_form(variant):
     """A helper found these after the permuted case was fixed: ``.contiguous()`` leaves no
     node in the traced graph and an expanded dim has stride 0 (both drawn permuted:
     losses 4e-2 and 0.13 off), a channels-last convolution's output, a transposed batch and
-    attention's output (laid out as its query) were drawn row-major (4e-2, 0.1, 3e-2 off). The layouts now come from the step traced with
-    its views, where a first look finds a mask that may be laid out otherwise."""
+    attention's output (laid out as its query) were drawn row-major (4e-2, 0.1, 3e-2 off). The layouts now come from the step's forward
+    run eagerly, where a first look finds a mask that may be laid out otherwise."""
     torch.manual_seed(0)
     model = _DropoutLayouts(variant)
     if variant == "channels_last":
         model = model.to(memory_format=torch.channels_last)
-    reference = copy.deepcopy(model)
-    data = _layout_data(variant)
-    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
-    losses, params, _, _ = simulated(model, F.mse_loss, sgd, data, (2, 2))
-    want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)
-    assert_matches_reference({"losses": losses, "params": params},
-                             {"losses": want, "params": dict(reference.named_parameters())})
+    _draws_match_eager(model, _layout_data(variant))
 
 
 class _NoiseLayouts(nn.Module):
@@ -895,14 +889,7 @@ def test_noise_drawn_like_a_permuted_activation_is_eagers():
     1.2e-2 off here, 0.09 and 0.16 in a helper's channels-last and transposed models). Every random fill of a
     tensor eager lays out otherwise is now drawn by eager's kernel into eager's layout."""
     torch.manual_seed(0)
-    model = _NoiseLayouts().to(memory_format=torch.channels_last)
-    reference = copy.deepcopy(model)
-    data = _layout_data("channels_last")
-    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
-    losses, params, _, _ = simulated(model, F.mse_loss, sgd, data, (2, 2))
-    want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)
-    assert_matches_reference({"losses": losses, "params": params},
-                             {"losses": want, "params": dict(reference.named_parameters())})
+    _draws_match_eager(_NoiseLayouts().to(memory_format=torch.channels_last), _layout_data("channels_last"))
 
 
 class _KernelLayouts(nn.Module):
@@ -935,7 +922,7 @@ def test_fills_laid_out_by_the_real_kernels_draw_eagers_numbers():
     recorded from the step's forward run eagerly (where a first look finds a fill that may
     be laid out otherwise than row-major), where they were the fake trace's (losses
     5e-2 to 0.6 off in a helper's reproducers)."""
-    _draws_match_eager(_KernelLayouts, batch=8)
+    _linear_draws_match_eager(_KernelLayouts, batch=8)
 
 
 class _SoftplusDropout(nn.Module):
@@ -953,7 +940,7 @@ class _SoftplusDropout(nn.Module):
 def test_a_fill_of_a_pointwise_result_laid_out_as_its_second_operand_draws_eagers_numbers():
     """The first look took the layout of a pointwise operator's first operand alone, and
     drew this mask row-major (losses 0.25 off in a helper's run)."""
-    _draws_match_eager(_SoftplusDropout, batch=8)
+    _linear_draws_match_eager(_SoftplusDropout, batch=8)
 
 
 class _SetsAndRestores(nn.Module):
@@ -977,7 +964,7 @@ def test_the_eager_run_that_records_layouts_runs_the_forward_to_its_end():
     """The eager run stopped at the last draw, so a forward restoring what it set after it
     (without ``finally``) left grad mode off in the user's process and the flag set (then
     refused as state the forward changes). It runs to the end now."""
-    _draws_match_eager(_SetsAndRestores, batch=8)
+    _linear_draws_match_eager(_SetsAndRestores, batch=8)
     assert torch.is_grad_enabled()
 
 
@@ -997,19 +984,25 @@ def test_adamw_with_its_weight_decay_coupled_trains_as_torchs():
     _matches_eager(model, F.mse_loss, coupled, data, (4,))
 
 
-def _draws_match_eager(model_class, batch: int) -> None:
-    """Three SGD steps of ``model_class()`` (8 features in, 16 out) on simulated (2, 2)
-    ranks match eager's, both seeded 0 (the simulated program's generator)."""
-    torch.manual_seed(0)
-    model = model_class()
+def _draws_match_eager(model: nn.Module, data) -> None:
+    """SGD steps of ``model`` on ``data`` on simulated (2, 2) ranks match eager's, both
+    seeded 0 (the simulated program's generator)."""
     reference = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(batch, 8, generator=g), torch.randn(batch, 16, generator=g)) for _ in range(3)]
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
     losses, params, _, _ = simulated(model, F.mse_loss, sgd, data, (2, 2))
     want, _ = eager(reference, F.mse_loss, sgd, data, seed=0)
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())})
+
+
+def _linear_draws_match_eager(model_class, batch: int) -> None:
+    """:func:`_draws_match_eager` of ``model_class()`` (made after seeding 0; 8 features
+    in, 16 out) on three batches of ``batch`` rows."""
+    torch.manual_seed(0)
+    model = model_class()
+    g = torch.Generator().manual_seed(1)
+    _draws_match_eager(model, [(torch.randn(batch, 8, generator=g), torch.randn(batch, 16, generator=g))
+                               for _ in range(3)])
 
 
 class _FillLayouts(nn.Module):
@@ -1041,7 +1034,7 @@ def test_fills_of_slices_and_row_major_masks_draw_eagers_numbers():
     ``bernoulli`` took the layout of the activation it multiplies, where eager fills the
     mask's own (losses 1e-2 to 0.14 off in a helper's reproducers). Each fill now takes the
     strides of the tensor eager fills."""
-    _draws_match_eager(_FillLayouts, batch=4)
+    _linear_draws_match_eager(_FillLayouts, batch=4)
 
 
 class _MoreDraws(nn.Module):
@@ -1079,7 +1072,7 @@ def test_more_distributions_and_layouts_draw_eagers_numbers():
     eager) draw eager's numbers (they were refused); a ``randn_like`` given another
     ``memory_format=`` fills that layout (it took its input's: losses 0.1-0.3 off), and a
     ``bernoulli`` of an expanded tensor is not taken for dropout's mask (5e-3 to 0.17 off)."""
-    _draws_match_eager(_MoreDraws, batch=8)
+    _linear_draws_match_eager(_MoreDraws, batch=8)
 
 
 class _MatrixTerms(torch.nn.Module):
