@@ -165,6 +165,9 @@ def _compile_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
                              "(cached; see cost_models/measured.py)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw",
                         help="the optimizer of the step (none: gradients, or inference without loss)")
+    parser.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                        help="gradient accumulation: the example batch cut into N micro-batches, "
+                             "a forward and backward each, one update (default 1)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every pass with its time "
                         "to stderr; tracebacks on errors")
 
@@ -270,7 +273,7 @@ def _compiled_rank0(args) -> Compiled:
     profile = replace(load_profile(args.profile or "cpu-gloo"), compute=args.compute)
     profile = profile.for_local_ranks(devices or math.prod(shape))   # as many ranks on this host
     options = CompileOptions.from_kwargs(solver=args.solver, memory_budget=budget, profile=profile,
-                                         compute=args.compute)
+                                         compute=args.compute, micro_batches=args.micro_batches)
     with pipeline.collections_deferred():
         start = time.perf_counter()
         model, inputs, loss_fn = call_factory(args.factory)

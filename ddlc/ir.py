@@ -178,6 +178,32 @@ class OutputSpec:
     key: str
 
 
+def micro_batch_key(key: str, index: int, micro_batches: int) -> str:
+    """The program's input key of micro-batch ``index`` of batch entry ``key``: ``key``
+    itself without micro-batches, else ``key[index]``."""
+    return key if micro_batches == 1 else f"{key}[{index}]"
+
+
+def micro_batch(t: torch.Tensor, index: int, micro_batches: int) -> torch.Tensor:
+    """Micro-batch ``index`` of a batch tensor: rows ``index * m`` to ``(index + 1) * m``
+    of ``t``'s first dim, ``m = len(t) / micro_batches``, as the eager loop over
+    ``t.chunk(micro_batches)`` takes them (where :func:`uneven_micro_batches` finds none)."""
+    rows = t.shape[0] // micro_batches
+    return t.narrow(0, index * rows, rows)
+
+
+def uneven_micro_batches(batch: Mapping[str, torch.Tensor], micro_batches: int) -> str | None:
+    """Why ``batch`` cannot be cut into ``micro_batches`` equal micro-batches (a tensor
+    whose first dim they do not divide), or None where it can."""
+    for key, t in batch.items():
+        if micro_batches > 1 and (t.dim() == 0 or t.shape[0] % micro_batches):
+            return (f"batch entry {key!r} has shape {tuple(t.shape)}, whose first dim cannot be cut "
+                    f"into micro_batches={micro_batches} equal micro-batches: every batch tensor is "
+                    "split along its first dim (the batch dim), so give each a multiple of "
+                    f"{micro_batches} rows")
+    return None
+
+
 #: Output role -> the input role whose placement it must end in (loop-carried state).
 LOOP_ROLE = {"param": "param", "opt_state": "opt_state", "grad": "param", "buffer": "buffer"}
 
@@ -207,9 +233,30 @@ class StepSignature:
     #: the batch inputs that ``step()`` lays out as their examples were: all of them where the
     #: program reads storage through given strides (:data:`STRIDED_READERS`), else none
     strided_inputs: tuple[str, ...] = ()
+    #: gradient accumulation: the batch is split along its first dim into this many equal
+    #: micro-batches, each its own forward and backward, their gradients summed before the
+    #: one update; the program's batch inputs are each micro-batch's (:func:`micro_batch_key`)
+    micro_batches: int = 1
 
     def keys(self, role: str) -> list[str]:
         return [i.key for i in self.inputs if i.role == role]
+
+    def batch_keys(self) -> list[str]:
+        """The batch's keys as ``step()`` takes them: the program's batch inputs, or with
+        micro-batches the first micro-batch's keys without their index."""
+        keys = self.keys("input")
+        if self.micro_batches == 1:
+            return keys
+        return [k.removesuffix("[0]") for k in keys[:len(keys) // self.micro_batches]]
+
+    def split_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``batch`` (by :meth:`batch_keys`) as the program's batch inputs: with micro-batches,
+        each tensor cut along its first dim into ``micro_batches`` equal parts, micro-batch
+        ``i`` of ``key`` under ``key[i]`` (views of the batch's storage)."""
+        if self.micro_batches == 1:
+            return dict(batch)
+        n = self.micro_batches
+        return {micro_batch_key(key, i, n): micro_batch(t, i, n) for i in range(n) for key, t in batch.items()}
 
     def input_name(self, role: str, key: str) -> str:
         """The placeholder name of the input with ``role`` and ``key``."""
@@ -243,7 +290,9 @@ class StepSignature:
         list."""
         hyper = dict(self.hyperparameters) if hyperparameters is None else hyperparameters
         if not isinstance(batch, Mapping):
-            batch = dict(zip(self.keys("input"), batch))
+            batch = dict(zip(self.batch_keys(), batch))
+        if set(batch) != set(self.keys("input")):
+            batch = self.split_batch(batch)
         tables = {"param": params, "buffer": buffers, "opt_state": opt_state,
                   "hparam": hyperparameter_tensors(hyper), "input": batch}
         return [tables[i.role][i.key] for i in self.inputs]

@@ -41,6 +41,10 @@ class CompileOptions:
     clip_grad_norm: Union[float, None] = None
     #: clamp every gradient to [-v, v] before the update (torch.nn.utils.clip_grad_value_)
     clip_grad_value: Union[float, None] = None
+    #: gradient accumulation: cut the step's batch along its first dim into this many equal
+    #: micro-batches, a forward and backward each, their gradients summed before one update
+    #: (eager's loop of ``(loss / n).backward()`` per micro-batch, then ``optimizer.step()``)
+    micro_batches: int = 1
     #: sharding solver: coordinate descent, or the exact MILP (a reference; slow)
     solver: Solver = "cd"
     #: bytes per device the plan may keep resident (None: the profile's device memory)
@@ -118,6 +122,8 @@ class CompileOptions:
         if self.clip_grad_norm is not None and self.clip_grad_value is not None:
             raise OptionError("options clip_grad_norm and clip_grad_value clip the same gradients, and "
                               "which comes first changes the result: give one of them")
+        if self.micro_batches < 1:
+            raise OptionError(f"option micro_batches={self.micro_batches} must be >= 1")
         if self.num_targets < 0:
             raise OptionError(f"option num_targets={self.num_targets} must be >= 0")
         if self.updates == "early" and not self.schedule:

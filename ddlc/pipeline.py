@@ -77,7 +77,7 @@ from passes.views import views_as_views
 from passes.waits import wait_at_once
 
 from .errors import MeshError, SBPError, ShardingError, UnsupportedInputError
-from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP, leaves, map_leaves, name_alike
+from .ir import BUCKET_CAP, PIECE_BYTES, SHARDING, STEP, leaves, map_leaves, micro_batch_key, name_alike
 from .mesh import Mesh
 from .options import CompileOptions
 from .plan import Plan
@@ -142,7 +142,7 @@ def trace_step(model: nn.Module, example_inputs, loss_fn, optimizer,
     several operators read one activation (the search prices one redistribution for them)."""
     gm = run_pass("trace", trace, model, example_inputs, loss_fn, optimizer,
                   num_targets=options.num_targets, clip_grad_norm=options.clip_grad_norm,
-                  clip_grad_value=options.clip_grad_value)
+                  clip_grad_value=options.clip_grad_value, micro_batches=options.micro_batches)
     gm = run_pass("canonicalize", canonicalize, gm)
     gm = run_pass("recompute", recompute_checkpointed, gm)
     return run_pass("shared_reads", insert_shared_reads, gm)
@@ -150,15 +150,19 @@ def trace_step(model: nn.Module, example_inputs, loss_fn, optimizer,
 
 def resolve_placements(gm: fx.GraphModule, placements: Mapping[str, object],
                        ndim: int) -> dict[str, NdSBP]:
-    """Map user placements keyed by parameter name or ``input<i>`` to placeholder names."""
-    by_key = {i.key: i.name for i in STEP(gm).inputs}
+    """Map user placements keyed by parameter name or ``input<i>`` (a batch key: with
+    micro-batches, every micro-batch's input) to placeholder names."""
+    step = STEP(gm)
+    by_key = {i.key: [i.name] for i in step.inputs}
+    by_key.update({k: [step.input_name("input", micro_batch_key(k, i, step.micro_batches))
+                       for i in range(step.micro_batches)] for k in step.batch_keys()})
+    names = {name for named in by_key.values() for name in named}
     fixed = {}
     for key, sbp in placements.items():
-        if key not in by_key and key not in by_key.values():
-            batch = [i.key for i in STEP(gm).inputs if i.role == "input"]
+        if key not in by_key and key not in names:
             raise UnsupportedInputError(
                 f"placement given for {key!r}, which is neither a parameter nor a batch input (the "
-                f"batch inputs are {', '.join(batch)}; parameters go by the names "
+                f"batch inputs are {', '.join(step.batch_keys())}; parameters go by the names "
                 "model.named_parameters() gives, so a tied weight, such as an output embedding "
                 "sharing the input embedding's, goes by the first module's name)")
         sbp = as_ndsbp(sbp)
@@ -168,13 +172,13 @@ def resolve_placements(gm: fx.GraphModule, placements: Mapping[str, object],
             raise SBPError(f"placement {sbp} of {key!r} is a partial sum (P), which cannot hold "
                            "user data: every rank holds the full value and the program would "
                            "add them up; pin it B (replicated) or S(d) (split along dim d)")
-        name = by_key.get(key, key)
-        shape = tuple(gm.graph.find_nodes(op="placeholder", target=name)[0].meta["val"].shape)
-        missing = [x.dim for x in sbp if x.is_split and x.dim >= len(shape)]
-        if missing:
-            raise SBPError(f"placement {sbp} of {key!r} splits dim {missing[0]} of a tensor of shape {shape}, "
-                           f"which has {len(shape)} dim(s)")
-        fixed[name] = sbp
+        for name in by_key.get(key, [key]):
+            shape = tuple(gm.graph.find_nodes(op="placeholder", target=name)[0].meta["val"].shape)
+            missing = [x.dim for x in sbp if x.is_split and x.dim >= len(shape)]
+            if missing:
+                raise SBPError(f"placement {sbp} of {key!r} splits dim {missing[0]} of a tensor of shape "
+                               f"{shape}, which has {len(shape)} dim(s)")
+            fixed[name] = sbp
     return fixed
 
 

@@ -22,7 +22,7 @@ from cost_models.program import program_timeline
 
 from . import holding
 from .errors import RuntimeMismatchError, UnsupportedInputError
-from .ir import GLOBAL_VAL, HYPERPARAMETER_DTYPE, SHARDING, STEP
+from .ir import GLOBAL_VAL, HYPERPARAMETER_DTYPE, SHARDING, STEP, uneven_micro_batches
 from .mesh import Mesh
 from .model_state import ModelWatch, OptimizerStateWatch, autocast_state, autocast_words, change_words, settings
 from .optim import hyperparameter_values, refuse_step_hooks, structure as optimizer_structure
@@ -270,14 +270,21 @@ class CompiledStep:
 
     @property
     def local_input_shapes(self) -> list[tuple[int, ...]]:
-        """Per batch input, the shape each rank passes with ``batch="local"``."""
+        """Per batch input, the shape each rank passes with ``batch="local"`` (with
+        ``micro_batches``, all of them: a micro-batch's rows times their number)."""
+        n = self.signature.micro_batches
+        return [(shape[0] * n, *shape[1:]) if n > 1 else shape
+                for shape in self._program_input_shapes()[:len(self.signature.batch_keys())]]
+
+    def _program_input_shapes(self) -> list[tuple[int, ...]]:
+        """Per batch input of the program (each micro-batch's), this rank's shape."""
         return [tuple(self._placeholders[self._spec[k].name].meta["val"].shape)
                 for k in self.signature.keys("input")]
 
     def _batch_by_key(self, args: Sequence, kwargs: Mapping) -> dict[str, object]:
         """The batch entries by input key, from ``step(*tensors)`` for a positional batch
         or ``step(batch_dict)`` / ``step(**batch_dict)`` for a keyword one."""
-        keys = self.signature.keys("input")
+        keys = self.signature.batch_keys()
         if self.signature.keyword_batch:
             if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
                 given = dict(args[0])
@@ -310,22 +317,36 @@ class CompiledStep:
         if self.batch_mode == "global" and not self._batch_compared:
             try:
                 batch = self._batch_by_key(args, kwargs)
-                out = self._parts(batch)
+                out = self._parts(self._micro_batches(batch))
             except UnsupportedInputError as error:
                 self._check_one_global_batch(None, error)  # every rank hears of it: no hang
                 raise
             self._check_one_global_batch(batch, None)
             self._batch_compared = True  # a refused call compared nothing: the next one does
             return out
-        out = self._parts(self._batch_by_key(args, kwargs))
+        out = self._parts(self._micro_batches(self._batch_by_key(args, kwargs)))
         if self.batch_mode == "local":
             self._check_copies_agree(out)
         return out
 
+    def _micro_batches(self, batch: Mapping[str, object]) -> dict[str, object]:
+        """``batch`` as the program's batch inputs: with ``micro_batches``, each tensor's
+        micro-batches (of this rank's batch, with ``batch="local"``)."""
+        if self.signature.micro_batches == 1:
+            return dict(batch)
+        for key, t in batch.items():
+            if not isinstance(t, torch.Tensor):
+                raise UnsupportedInputError(f"{key} is of type {type(t).__name__}; the compiled step "
+                                            "takes tensors")
+        uneven = uneven_micro_batches(batch, self.signature.micro_batches)
+        if uneven is not None:
+            raise UnsupportedInputError(uneven)
+        return self.signature.split_batch(batch)
+
     def _parts(self, batch: Mapping[str, object]) -> dict[str, torch.Tensor]:
         """This rank's part of each input of ``batch`` (checked against the program's)."""
         out = {}
-        shapes = dict(zip(self.signature.keys("input"), self.local_input_shapes))
+        shapes = dict(zip(self.signature.keys("input"), self._program_input_shapes()))
         for key, t in batch.items():
             if not isinstance(t, torch.Tensor):
                 raise UnsupportedInputError(f"{key} is of type {type(t).__name__}; the compiled step "
@@ -347,6 +368,9 @@ class CompiledStep:
                             "copies or larger parts of it; for each rank's own part (a "
                             f"DistributedSampler's), pin it split, placements={{{key!r}: "
                             f"\"({', '.join(['S0'] * len(self.mesh.shape))})\"}} for every batch input")
+                if self.signature.micro_batches > 1:
+                    hint += (f" ({key} is a micro-batch: the step cuts each batch tensor along its first "
+                             f"dim into micro_batches={self.signature.micro_batches})")
                 raise UnsupportedInputError(
                     f"{key} has shape {tuple(t.shape)} but the program was compiled for "
                     f"{self.batch_mode} shape {want} (placement {self._sbp(key)} on mesh {self.mesh}){hint}")

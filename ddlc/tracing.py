@@ -46,7 +46,7 @@ from .errors import TraceError, UnsupportedInputError
 from .fake import element_span
 from .forward_rewrites import ForwardRewrites
 from .ir import (DRAW_STRIDES, ORIGIN, RECOMPUTE, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
-                 dataclasses_as_nodes, hyperparameter_tensors)
+                 dataclasses_as_nodes, hyperparameter_tensors, micro_batch, micro_batch_key, uneven_micro_batches)
 from .model_state import PLAIN, ModelWatch, describe, same_plain as _same_plain
 from .optim import hyperparameter_key, optimizer_spec
 from .updates import Update, stamp_updates
@@ -55,7 +55,8 @@ __all__ = ["refuse_wrapped", "trace"]
 
 def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
           optimizer: torch.optim.Optimizer | None = None, *, num_targets: int = 1,
-          clip_grad_norm: float | None = None, clip_grad_value: float | None = None) -> fx.GraphModule:
+          clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
+          micro_batches: int = 1) -> fx.GraphModule:
     """Trace one training step of ``model`` into a flat functional aten GraphModule.
 
     ``example_inputs`` is a tensor, a tuple of tensors (the model is called
@@ -72,6 +73,14 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     statistics) are step outputs. Outputs: ``(loss, [grad_norm], *new_params,
     *new_state, *new_buffers)``, or ``(loss, *grads, *new_buffers)`` without an
     optimizer. Without ``loss_fn`` and optimizer the graph is the forward pass alone.
+
+    With ``micro_batches > 1`` (gradient accumulation) every batch tensor is cut along its
+    first dim into that many equal micro-batches, the program's batch inputs ``key[i]``
+    (:meth:`ddlc.ir.StepSignature.split_batch`), and the step runs as eager's loop
+    ``for mb in micro-batches: (loss(mb) / micro_batches).backward()`` before one clipping
+    and update: a forward and backward per micro-batch in turn (buffers such as BatchNorm's
+    running statistics carried from one to the next), the gradients summed in that order;
+    the loss output is the mean of the micro-batches' losses.
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -84,6 +93,16 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     for option, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
         if value is not None and not training:
             raise UnsupportedInputError(f"{option} clips gradients: it needs a loss_fn or an optimizer")
+    if micro_batches > 1 and not training:
+        raise UnsupportedInputError("micro_batches accumulates gradients over micro-batches: it needs a "
+                                    "loss_fn or an optimizer (an inference program takes its batch whole)")
+    uneven = uneven_micro_batches(dict(zip(batch.keys, batch.tensors)), micro_batches)
+    if uneven is not None:
+        raise UnsupportedInputError(uneven)
+    # the program's batch inputs: each micro-batch's, laid out as the batch
+    examples = {micro_batch_key(k, i, micro_batches): micro_batch(t, i, micro_batches) if micro_batches == 1
+                else micro_batch(t, i, micro_batches).clone(memory_format=torch.preserve_format)
+                for i in range(micro_batches) for k, t in zip(batch.keys, batch.tensors)}
     refuse_wrapped(model)
     _check_loss_signature(loss_fn, n_targets)
     _check_initialised(model, batch)
@@ -113,7 +132,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
               + [InputSpec("", "buffer", k) for k in buffers]
               + [InputSpec("", "opt_state", k) for k in opt_state]
               + [InputSpec("", "hparam", k) for k in hyper]
-              + [InputSpec("", "input", k) for k in batch.keys])
+              + [InputSpec("", "input", k) for k in examples])
     clip = [OutputSpec("grad_norm", "grad_norm")] if clip_grad_norm is not None else []
     if not training:
         outputs = None  # known after tracing
@@ -134,7 +153,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         it = iter(flat)
         tables = [{k: next(it) for k in params}, {k: next(it) for k in buffers},
                   {k: next(it) for k in opt_state}, {k: next(it) for k in hyper},
-                  [next(it) for _ in range(len(batch))]]
+                  [next(it) for _ in range(len(examples))]]
         return tables
 
     def run_forward(weights, buffer_values, xs, then: Callable = lambda out: out):
@@ -149,12 +168,20 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         _refuse_resized_buffers(buffer_values, updated)
         return result, updated
 
+    def micro_batch_inputs(xs, i):
+        """Micro-batch ``i``'s part of the program's batch inputs ``xs``."""
+        return xs[i * len(batch):(i + 1) * len(batch)]
+
     def forward_eagerly():
-        """The step's forward (and loss) on the real state and batch."""
-        xs = list(batch.tensors)
-        if training:
-            return run_forward(params, buffers, xs, lambda out: _loss_of(out, loss_fn, xs[n_model_inputs:]))
-        return run_forward(params, buffers, xs)
+        """The step's forward (and loss) on the real state and batch, micro-batch by micro-batch."""
+        xs = list(examples.values())
+        if not training:
+            return run_forward(params, buffers, xs)
+        buffer_values = buffers
+        for i in range(micro_batches):
+            mb = micro_batch_inputs(xs, i)
+            _, buffer_values = run_forward(params, buffer_values, mb,
+                                           lambda out: _loss_of(out, loss_fn, mb[n_model_inputs:]))
 
     def forward_only(*flat):
         nonlocal outputs_tree
@@ -167,18 +194,26 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         p, b, state, hp, xs = unpack(flat)
         frozen = {k: v for k, v in p.items() if k not in trainable}
 
-        def compute_loss(train_params, buffer_values):
+        def compute_loss(train_params, buffer_values, mb):
+            """The loss on micro-batch ``mb``, divided by their number (as an eager loop
+            scales it before ``backward()``), and, aside, the buffers the forward updated."""
             nonlocal loss_shape
-            loss, updated = run_forward({**train_params, **frozen}, buffer_values, xs,
-                                        lambda out: _loss_of(out, loss_fn, xs[n_model_inputs:]))
+            loss, updated = run_forward({**train_params, **frozen}, buffer_values, mb,
+                                        lambda out: _loss_of(out, loss_fn, mb[n_model_inputs:]))
             if loss.ndim:  # step() returns it in its shape; torch.func takes 0-d losses only
                 loss_shape, loss = tuple(loss.shape), loss.reshape(())
+            scaled = loss / micro_batches if micro_batches > 1 else loss
             annotator.phase("backward")
-            annotator.watch_backward(loss)
-            return loss, updated
+            annotator.watch_backward(scaled)
+            return scaled, updated
 
-        grads, (loss, updated) = grad_and_value(compute_loss, has_aux=True)(
-            {k: p[k] for k in trainable}, b)
+        grads, loss, updated = None, None, b
+        for i in range(micro_batches):  # eager's order: forward, backward, the next micro-batch
+            mb_grads, (mb_loss, updated) = grad_and_value(compute_loss, has_aux=True)(
+                {k: p[k] for k in trainable}, updated, micro_batch_inputs(xs, i))
+            # summed in order, as backward() adds into .grad and a loop into its logged loss
+            grads = mb_grads if grads is None else {k: grads[k] + mb_grads[k] for k in grads}
+            loss = mb_loss if loss is None else loss + mb_loss
         annotator.phase("optimizer")
         norm = []
         if clip_grad_norm is not None:
@@ -199,7 +234,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
 
     hyper_tensors = hyperparameter_tensors(hyper)
     tables = {"param": params, "buffer": buffers, "opt_state": opt_state, "hparam": hyper_tensors,
-              "input": dict(zip(batch.keys, batch.tensors))}
+              "input": examples}
     flat = [tables[i.role][i.key].detach() for i in inputs]
     fn = train_step if training else forward_only
     def forward_again() -> None:
@@ -265,7 +300,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     STEP.set(gm, StepSignature(tuple(inputs), tuple(outputs), tuple((k, specs[k]) for k in specs),
                                n_targets, tuple(groups.items()), tuple(hyper.items()),
                                keyword_batch=batch.keyword, output_tree=outputs_tree, untrained=untrained,
-                               loss_shape=loss_shape, strided_inputs=strided_inputs))
+                               loss_shape=loss_shape, strided_inputs=strided_inputs,
+                               micro_batches=micro_batches))
     return gm
 
 
@@ -307,9 +343,13 @@ def _without_gradient(gm: fx.GraphModule, n_norm: int, trainable: Sequence[str])
     ``CompiledStep.gradients`` leaves them out."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = list(output.args[0])
-    # not through the clipping norm: every clipped gradient is computed from it, the zeros
-    # of an unused parameter's too
-    from_loss = _descendants(values[0], stop=set(values[1:1 + n_norm]))
+    # each backward starts from the loss it differentiates: the step's loss output, or with
+    # micro-batches each micro-batch's, which that output sums; so a gradient comes from the
+    # loss if it is computed from what the loss output is computed from (torch.func's zeros
+    # for an unused parameter are computed from the parameter alone). Not through the
+    # clipping norm: every clipped gradient is computed from it, the zeros too.
+    computing = [n for n in _ancestors(values[0]) if n.op != "placeholder"]
+    from_loss = _descendants(*computing, stop=set(values[1:1 + n_norm]))
     grads = values[1 + n_norm:1 + n_norm + len(trainable)]
     return tuple(k for k, grad in zip(trainable, grads) if grad not in from_loss)
 
@@ -324,14 +364,25 @@ def _erase_if_unused(graph: fx.Graph, node: fx.Node) -> None:
         _erase_if_unused(graph, arg)
 
 
-def _descendants(node: fx.Node, stop: set[fx.Node] = frozenset()) -> set[fx.Node]:
-    """``node`` and every node computed from it, other than through the nodes ``stop``."""
-    found, stack = {node}, [node]
+def _descendants(*nodes: fx.Node, stop: set[fx.Node] = frozenset()) -> set[fx.Node]:
+    """``nodes`` and every node computed from them, other than through the nodes ``stop``."""
+    found, stack = set(nodes), list(nodes)
     while stack:
         for user in stack.pop().users:
             if user not in found and user not in stop:
                 found.add(user)
                 stack.append(user)
+    return found
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it is computed from."""
+    found, stack = {node}, [node]
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg not in found:
+                found.add(arg)
+                stack.append(arg)
     return found
 
 

@@ -103,14 +103,35 @@ def _depends_on(node: fx.Node) -> set[fx.Node]:
 def _feeders(nodes: list[fx.Node], seeds: set[fx.Node]) -> set[fx.Node]:
     """``seeds`` plus the operators that only feed them (transitively), reading no wait,
     but recomputed activations (``ir.RECOMPUTED``: hoisted, they would live from forward
-    on, as if they had not been checkpointed)."""
+    on, as if they had not been checkpointed) and the forward's computation (only its
+    local copies): with one bucket of every gradient and the loss the whole step feeds
+    one collective, and hoisted ahead of the nodes that read a wait (a forward's
+    collective: the token count of the loss) the next micro-batch's forward would run
+    before the backward of the one before, every micro-batch's activations live at once."""
     out = set(seeds)
     for node in reversed(nodes):
         if node.op == "call_function" and node.users and not is_wait(node) and not RECOMPUTED.has(node) \
-                and all(u in out for u in node.users) \
+                and all(u in out for u in node.users) and (not _in_forward(node) or _copies(node)) \
                 and not any(is_wait(a) for a in node.all_input_nodes):
             out.add(node)
     return out
+
+
+def _in_forward(node: fx.Node) -> bool:
+    origin = ORIGIN.get(node)
+    return origin is not None and origin.phase == "forward"
+
+
+def _copies(node: fx.Node) -> bool:
+    """Whether ``node`` moves data and computes nothing: a view or its ``*_copy`` form, a
+    concatenation or copy."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and (
+        target.is_view or torch.Tag.view_copy in target.tags or target in _COPIES)
+
+
+_COPIES = frozenset({torch.ops.aten.cat.default, torch.ops.aten.clone.default, torch.ops.aten._to_copy.default,
+                     torch.ops.aten.contiguous.default})
 
 
 def _eager(nodes: list[fx.Node]) -> set[fx.Node]:

@@ -160,22 +160,32 @@ MESHES = {(4,): "(S0)", (2, 2): "(S0, S0)"}
 LOWER = {"fuse": False, "partition": False, "schedule": False}
 
 
-def eager(model, loss_fn, make_optimizer, data, clip=None, seed=None, clip_value=None):
+def eager(model, loss_fn, make_optimizer, data, clip=None, seed=None, clip_value=None, micro_batches=1):
     """Single-device training of ``model`` in place: losses, and the last gradient norm.
     A batch is a tuple ``(*inputs, target)`` for ``loss_fn``, or a dict the model takes
-    as keywords and computes its own loss from (``loss_fn`` None: ``out["loss"]``)."""
+    as keywords and computes its own loss from (``loss_fn`` None: ``out["loss"]``). With
+    ``micro_batches``, gradient accumulation as a training loop writes it: each tensor of
+    the batch chunked along dim 0, ``(loss / micro_batches).backward()`` per chunk, the
+    loss reported the sum of the scaled ones."""
     opt = make_optimizer(model)
     if seed is not None:
         torch.manual_seed(seed)
     losses, norm = [], None
     for batch in data:
         opt.zero_grad()
-        if isinstance(batch, dict):
-            loss = model(**batch)["loss"]
-        else:
-            *inputs, target = batch
-            loss = loss_fn(model(*inputs), target)
-        loss.backward()
+        keys = list(batch) if isinstance(batch, dict) else range(len(batch))
+        chunks = zip(*(batch[k].chunk(micro_batches) for k in keys))
+        loss = 0
+        for chunk in (dict(zip(keys, c)) if isinstance(batch, dict) else c for c in chunks):
+            if isinstance(chunk, dict):
+                part = model(**chunk)["loss"]
+            else:
+                *inputs, target = chunk
+                part = loss_fn(model(*inputs), target)
+            if micro_batches > 1:
+                part = part / micro_batches
+            part.backward()
+            loss = loss + part.detach()
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         if clip_value is not None:

@@ -73,6 +73,8 @@ def _commands(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "profile_not_json": (["plan", f"{FACTORIES}:mlp", "--mesh", "2", "--profile", str(tmp / "raising.py")
                               .replace(".py", ".json")], "0"),
         "svg_no_folder": (["plan", f"{FACTORIES}:mlp", "--mesh", "2", "--svg", str(tmp / "no" / "p.svg")], "0"),
+        "micro_batches": (["plan", f"{FACTORIES}:mlp", "--mesh", "2", "--micro-batches", "2", "--graph"], "0"),
+        "uneven_micro_batches": (["plan", f"{FACTORIES}:mlp", "--mesh", "2", "--micro-batches", "3"], "0"),
     }
 
 
@@ -211,6 +213,8 @@ def test_schedule_prints_the_timeline_and_writes_a_trace(runs):
     ("over_budget", "no sharding fits the memory budget of 1000 B per device"),
     ("profile_not_json", "raising.json' is not valid JSON"),
     ("svg_no_folder", "cannot write --svg"),
+    ("uneven_micro_batches", "batch entry 'input0' has shape (8, 32), whose first dim cannot be cut into "
+                             "micro_batches=3 equal micro-batches"),
     ("factory_exits", "the factory raised SystemExit: 3"),  # rc 3 and no message before
     # torch's fake tensor mode logged the failing kernel's traceback first (19 lines)
     ("inputs_misfit", "the example inputs may not match the model (or, where eager runs the model on them, its "
@@ -224,6 +228,15 @@ def test_bad_input_is_one_line_and_exit_2(runs, name, cause):
     assert out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ddlc plan: error: ") and cause in lines[0], out.stderr
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_plan_with_micro_batches_shows_each_micro_batchs_inputs(runs):
+    out = _result(runs, "micro_batches")
+    assert out.returncode == 0, out.stderr
+    assert "modeled step" in out.stdout
+    for name in ("input0_0_", "input0_1_", "input1_0_", "input1_1_"):  # rank 0's graph, with --graph
+        assert name in out.stdout, name
 
 
 @pytest.mark.timeout(TIMEOUT)
