@@ -340,6 +340,23 @@ def _spec_for_group(optimizer: torch.optim.Optimizer, group: dict) -> OptimizerS
                                 "RMSprop or Adagrad")
 
 
+def refuse_non_optimizer(optimizer) -> None:
+    """Refuse an ``optimizer`` that is not one ``torch.optim.Optimizer``: several of them (a
+    tutorial's encoder and decoder optimizers) name the way to one."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return
+    if isinstance(optimizer, (list, tuple)) and optimizer and \
+            all(isinstance(o, torch.optim.Optimizer) for o in optimizer):
+        kinds = ", ".join(type(o).__name__ for o in optimizer)
+        raise UnsupportedInputError(
+            f"optimizer is a {type(optimizer).__name__} of {len(optimizer)} optimizers ({kinds}); a "
+            "compiled step runs one: give one optimizer with a param group per part of the model, "
+            "each with its own hyper-parameters (torch.optim.SGD([{'params': encoder.parameters()}, "
+            "{'params': decoder.parameters(), 'lr': 0.01}], lr=0.1)); an lr scheduler of it sets "
+            "every group's lr")
+    raise UnsupportedInputError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+
+
 def refuse_step_hooks(optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimizer with step hooks (its own ``register_step_pre_hook`` /
     ``register_step_post_hook``, or torch.optim's global ones): torch.optim runs them
@@ -367,9 +384,7 @@ def refuse_step_hooks(optimizer: torch.optim.Optimizer) -> None:
 def optimizer_spec(optimizer: torch.optim.Optimizer,
                    named_params: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, OptimizerSpec]]:
     """Map each parameter name to (the index of its param group, that group's spec)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UnsupportedInputError(f"optimizer must be a torch.optim.Optimizer, got "
-                                    f"{type(optimizer).__name__}")
+    refuse_non_optimizer(optimizer)
     refuse_step_hooks(optimizer)
     by_id = {id(p): n for n, p in named_params.items()}
     specs: dict[str, tuple[int, OptimizerSpec]] = {}

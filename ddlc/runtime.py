@@ -40,7 +40,7 @@ from .errors import DDLCError, LoweringError, MeshError, RuntimeMismatchError, U
 from .ir import SHARDING, collective_sequence
 from .mesh import Mesh
 from .model_state import PLAIN
-from .optim import group_hyperparameters, structure as optimizer_structure
+from .optim import group_hyperparameters, refuse_non_optimizer, structure as optimizer_structure
 from .options import CompileOptions
 from .portable import attributes_read, from_portable, set_attribute, to_portable
 from .random_stream import STREAM, share_generator
@@ -518,6 +518,8 @@ def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None
     Under ``torch.inference_mode()`` the step's state is still made of normal tensors
     (inference tensors could not be updated by the steps run outside it).
     """
+    if optimizer is not None:
+        refuse_non_optimizer(optimizer)
     if isinstance(model, nn.Module):  # else rank 0's trace says what is wrong
         refuse_wrapped(model)  # before the wrapper's tensors meet a collective
         holding.guard(model, optimizer)

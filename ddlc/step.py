@@ -519,6 +519,8 @@ class CompiledStep:
                 "step's copies of them. Compile again to go on from them (ddlc.compile takes the model "
                 "as it is; one compiled step per batch shape needs a write_back and a compile at each "
                 "switch), or keep training with that step")
+        if self._optimizer is None:  # the model's weights are the step's
+            self._take_parameters()
         self._check_model()  # after the checks above: another step's training changed the model's state
         out = self._run(batch, keyword_batch, self._hyperparameters())
         self.params.update(out.get("param", {}))
@@ -532,8 +534,18 @@ class CompiledStep:
             self.last_grad_norm = out["grad_norm"]["grad_norm"].detach()
         self.steps_done += 1
         self._last_ran = holding.now()
-        holding.hold(self, self._model, self._optimizer)
+        if self._optimizer is not None or any(o.role == "buffer" for o in self.signature.outputs):
+            # it holds weights or statistics newer than the model's (else they are the model's)
+            holding.hold(self, self._model, self._optimizer)
         return out["loss"]["loss"].detach().reshape(self.signature.loss_shape)
+
+    def _take_parameters(self) -> None:
+        """A step without an optimizer changes no parameter, so it reads the model's, as they
+        are at each call, as eager's backward does: a loop that updates the weights itself
+        from ``gradients()`` (``p.data.add_(g, alpha=-lr)``, word_language_model's) trains."""
+        params = dict(self._model.named_parameters())
+        self.params = {k: self._shard(k, params[k]) for k in self.signature.keys("param")}
+        self._watch.accept_writes(set(self.params))
 
     def _take_inference_statistics(self) -> None:
         """Where an inference program of this model, or of a model sharing a submodule with
@@ -599,7 +611,7 @@ class CompiledStep:
         # a collective per tensor, alike on every rank; a frozen parameter stays as it is
         # unless a checkpoint was loaded, and an inference program's parameters (the model's,
         # as it took them)
-        held = {**self.params, **self.buffers} if self.signature.has_loss else self.buffers
+        held = {**self.params, **self.buffers} if self._optimizer is not None else self.buffers
         skipped = frozenset() if self._frozen_loaded else self._frozen
         full = {k: self._gather(k, v) for k, v in held.items() if k not in skipped}
         self._frozen_loaded = False
@@ -845,6 +857,8 @@ class CompiledStep:
         ``state_dict()`` (a tied parameter under each of its names), so that
         ``model.load_state_dict(step.state_dict(), strict=True)`` works (collective)."""
         self._take_inference_statistics()
+        if self.signature.has_loss and self._optimizer is None:  # the model's weights are the step's
+            self._take_parameters()
         full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()}
         state = {key: full[name] for key, name in self._state_dict_names.items()}
         return {key: state[key] if key in state else self._extra_state[key]
@@ -952,6 +966,8 @@ class CompiledStep:
                 "torch.save of model.state_dict() and optimizer.state_dict() instead")
         self._take_stream()  # the stream's latest state, another program's draws too
         self._take_inference_statistics()
+        if self.signature.has_loss and self._optimizer is None:  # the model's weights are the step's
+            self._take_parameters()
         dcp.save({**self._sharded_state(), **self._param_group_state()}, checkpoint_id=path)
 
     def load_checkpoint(self, path: str) -> None:

@@ -35,7 +35,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
-from torch.nn.modules import module as module_mod
+from torch.nn.modules import module as module_mod, transformer as transformer_module
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.nn.utils.weight_norm import WeightNorm
@@ -242,7 +242,8 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
         mode = FakeTensorMode()
         state = {k: mode.from_tensor(v) for k, v in {**params, **buffers}.items()}
         xs = [mode.from_tensor(t) for t in batch.tensors[:n_model_inputs]]
-        with mode, torch.no_grad(), _as_compiling(), _without_generation_cache(model), _single_device_world():
+        with mode, torch.no_grad(), _as_compiling(), _without_generation_cache(model), _single_device_world(), \
+                _causal_masks_taken_as_given():
             batch.call(model, state, xs)
 
     with _no_state_kept_across_calls(model, forward_again):
@@ -877,6 +878,22 @@ def _process_group_call(e: BaseException) -> str | None:
 
 
 @contextlib.contextmanager
+def _causal_masks_taken_as_given():
+    """``nn.TransformerEncoder`` and ``nn.TransformerDecoder`` given a mask and no
+    ``is_causal`` compare the mask's values with a causal mask to choose a kernel
+    (``_detect_is_causal_mask``: ``bool((mask == causal).all())``), which one static graph
+    cannot do. Within, the mask is taken as given (not detected causal): the attention
+    applies it, which computes what the causal kernel computes for a causal mask, and the
+    mask itself for any other."""
+    detect = transformer_module._detect_is_causal_mask
+    transformer_module._detect_is_causal_mask = lambda mask, is_causal=None, size=None: is_causal is True
+    try:
+        yield
+    finally:
+        transformer_module._detect_is_causal_mask = detect
+
+
+@contextlib.contextmanager
 def _sync_batch_norm_as_batch_norm():
     """``nn.SyncBatchNorm`` runs as the batch norm it is while tracing. Under DDP it
     reduces the statistics of every rank's part of the batch; ddlc traces the step on the
@@ -1264,10 +1281,11 @@ def _as_the_step_runs(annotator: _ModuleAnnotator, model: nn.Module):
     """The setting the step runs in, traced (:func:`_make_fx`) or eagerly
     (:func:`_run_eagerly`): compiling (``torch.compiler.is_compiling()``), no generation
     cache, checkpoints as regions, SyncBatchNorm as batch norm, inference mode as
-    ``no_grad``, a world of one process, failed kernels unlogged."""
+    ``no_grad``, a world of one process, failed kernels unlogged, transformer masks taken
+    as given."""
     with _as_compiling(), _without_generation_cache(model), _checkpoints_as_regions(annotator), \
             _sync_batch_norm_as_batch_norm(), _inference_mode_as_no_grad(), _single_device_world(), \
-            _failed_kernels_unlogged():
+            _failed_kernels_unlogged(), _causal_masks_taken_as_given():
         yield
 
 

@@ -2531,3 +2531,18 @@ def test_an_inference_program_of_hook_based_weight_and_spectral_norm_matches_eag
     assert not torch.equal(want[2], want[3])  # the second train-mode call reads the moved u, v
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+def test_several_optimizers_are_refused_naming_one_with_param_groups():
+    """A seq2seq tutorial's encoder and decoder optimizers, given as a list: refused by
+    ``compile`` itself (before any collective), naming one optimizer with param groups;
+    before, a TypeError came from deep inside ddlc (a weak reference to the list)."""
+    encoder, decoder = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    model = torch.nn.Sequential(encoder, decoder)
+    optimizers = [torch.optim.SGD(encoder.parameters(), lr=0.1), torch.optim.Adam(decoder.parameters())]
+    for given in (optimizers, tuple(optimizers)):
+        with pytest.raises(UnsupportedInputError, match=r"of 2 optimizers \(SGD, Adam\); a compiled step runs "
+                                                        r"one: give one optimizer with a param group per part"):
+            ddlc.compile(model, (1,), (torch.randn(2, 4), torch.randn(2, 2)), F.mse_loss, given)
+    with pytest.raises(UnsupportedInputError, match="optimizer must be a torch.optim.Optimizer, got str"):
+        ddlc.compile(model, (1,), (torch.randn(2, 4), torch.randn(2, 2)), F.mse_loss, "adam")

@@ -17,6 +17,7 @@ import ddlc
 from conftest import MESHES, assert_matches_reference, eager, simulated
 from ddlc import zoo
 from ddlc.ir import STEP
+from ddlc.launch import spawn
 
 def _images(n_steps=3, batch=8, size=32, classes=10):
     g = torch.Generator().manual_seed(1)
@@ -1328,9 +1329,104 @@ def _one_element_loss_steps(rank):
 
 @pytest.mark.multiprocess
 def test_step_returns_a_loss_of_shape_one_in_its_shape():
-    from ddlc.launch import spawn
     got = spawn(_one_element_loss_steps, 1, timeout=60, deadline=100)[0]
     torch.manual_seed(0)
     want, _ = eager(zoo.MLP(), _one_element_loss, _adamw, _one_element_loss_data())
     assert [loss.shape for loss in got] == [torch.Size([1])] * 3
     torch.testing.assert_close(torch.cat(got), torch.cat(want))
+
+
+class _TutorialTransformerLM(nn.Module):
+    """The "Language Modeling with nn.Transformer" tutorial's model: sequence-first, its
+    causal mask built in forward and given to the encoder without ``is_causal``."""
+
+    def __init__(self, tokens=50, width=32):
+        super().__init__()
+        self.embedding = nn.Embedding(tokens, width)
+        layer = nn.TransformerEncoderLayer(width, 4, 64, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.decoder = nn.Linear(width, tokens)
+        self.width = width
+
+    def forward(self, src):
+        mask = nn.Transformer.generate_square_subsequent_mask(len(src))
+        return self.decoder(self.encoder(self.embedding(src) * self.width ** 0.5, mask))
+
+
+def test_a_transformer_given_a_causal_mask_without_is_causal_trains_like_eager():
+    """``nn.TransformerEncoder`` compares a mask given without ``is_causal`` with a causal
+    mask to choose its kernel, a value check the trace refused (a generic data-dependent
+    control flow error); the mask is taken as given now, which computes the same."""
+    torch.manual_seed(0)
+    model = _TutorialTransformerLM()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 50, (10, 8), generator=g), torch.randint(0, 50, (10, 8), generator=g))
+            for _ in range(3)]
+    loss = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    losses, params, _, _ = simulated(model, loss, sgd, data, (4,), batch_sbp="(S1)")
+    want, _ = eager(reference, loss, sgd, data)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
+
+
+class _ManualNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+def _manual_sgd_data():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(4)]
+
+
+def _manual_sgd_steps(rank, through_data):
+    """word_language_model's loop: no optimizer, each weight updated by hand from the
+    step's gradients, through ``.data`` or under ``no_grad``; the model read eagerly between."""
+    torch.manual_seed(0)
+    model = _ManualNet()
+    step = ddlc.compile(model, (4,), _manual_sgd_data()[0], F.mse_loss)
+    losses = []
+    for x, y in _manual_sgd_data():
+        losses.append(float(step.step(x, y)))
+        for name, grad in step.gradients().items():
+            param = dict(model.named_parameters())[name]
+            if through_data:
+                param.data.add_(grad, alpha=-0.5)
+            else:
+                with torch.no_grad():
+                    param.add_(grad, alpha=-0.5)
+    from_step = step.state_dict()  # the weights the loop wrote since the last step too
+    step.write_back()  # the running statistics; the weights are the model's own
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert all(torch.equal(from_step[k], v) for k, v in state.items())
+    return losses, state
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("through_data", [True, False], ids=["data", "no_grad"])
+def test_a_step_without_optimizer_reads_the_weights_a_loop_updates_by_hand(through_data):
+    """A step compiled without an optimizer changes no weight, so it reads the model's at
+    each step, as eager's backward does. It held a copy taken at compile: an update through
+    ``.data`` was silently ignored (every loss the untrained model's), one under ``no_grad``
+    refused. ``write_back`` puts back the running statistics and leaves the weights."""
+    got = spawn(_manual_sgd_steps, 4, through_data, timeout=150, deadline=190)
+    torch.manual_seed(0)
+    model, losses = _ManualNet(), []
+    for x, y in _manual_sgd_data():
+        model.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.5)
+        losses.append(float(loss))
+    for rank_losses, state in got:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)
