@@ -99,10 +99,10 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     uneven = uneven_micro_batches(dict(zip(batch.keys, batch.tensors)), micro_batches)
     if uneven is not None:
         raise UnsupportedInputError(uneven)
-    # the program's batch inputs: each micro-batch's, laid out as the batch
-    examples = {micro_batch_key(k, i, micro_batches): micro_batch(t, i, micro_batches) if micro_batches == 1
-                else micro_batch(t, i, micro_batches).clone(memory_format=torch.preserve_format)
-                for i in range(micro_batches) for k, t in zip(batch.keys, batch.tensors)}
+    # the program's batch inputs: the batch's tensors, or each micro-batch's, laid out as the batch
+    examples = dict(zip(batch.keys, batch.tensors)) if micro_batches == 1 else \
+        {micro_batch_key(k, i, micro_batches): micro_batch(t, i, micro_batches).clone(memory_format=torch.preserve_format)
+         for i in range(micro_batches) for k, t in zip(batch.keys, batch.tensors)}
     refuse_wrapped(model)
     _check_loss_signature(loss_fn, n_targets)
     _check_initialised(model, batch)
@@ -209,8 +209,10 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
 
         grads, loss, updated = None, None, b
         for i in range(micro_batches):  # eager's order: forward, backward, the next micro-batch
-            mb_grads, (mb_loss, updated) = grad_and_value(compute_loss, has_aux=True)(
-                {k: p[k] for k in trainable}, updated, micro_batch_inputs(xs, i))
+            # the batch captured, not an argument: torch.func refuses its in-place update
+            loss_of_micro_batch = functools.partial(compute_loss, mb=micro_batch_inputs(xs, i))
+            mb_grads, (mb_loss, updated) = grad_and_value(loss_of_micro_batch, has_aux=True)(
+                {k: p[k] for k in trainable}, updated)
             # summed in order, as backward() adds into .grad and a loop into its logged loss
             grads = mb_grads if grads is None else {k: grads[k] + mb_grads[k] for k in grads}
             loss = mb_loss if loss is None else loss + mb_loss
