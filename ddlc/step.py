@@ -1000,6 +1000,11 @@ class CompiledStep:
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
                 value.to_local().contiguous().to(self._device_for(name))
         self._frozen_loaded = bool(self._frozen)  # written back with the rest
+        if self.signature.has_loss and self._optimizer is None:  # its weights are the model's
+            own = dict(self._model.named_parameters())
+            with torch.no_grad():
+                for name, local in self.params.items():  # a collective per tensor, alike on every rank
+                    own[name].copy_(self._gather(name, local))
         self._accept_writes()  # the model's weights written since compile are superseded
         if self._optimizer_watch is not None:  # and so is the optimizer's state
             self._optimizer_watch.accept()

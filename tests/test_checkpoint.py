@@ -710,3 +710,45 @@ def test_param_groups_load_as_the_checkpoint_has_them_or_are_refused_changing_no
     error, lr = spawn(_loaded_into, 2, path, "no weight decay", timeout=120, deadline=300)[0]
     assert "holds hyper-parameters this step was not compiled for (param group 0: weight_decay" in error
     assert lr == 1
+
+
+def _hand_trained(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _hand_trained_saved_and_loaded(rank, path):
+    """Two steps without an optimizer, the weights updated by hand, a checkpoint; then a
+    model of other weights compiled and the checkpoint loaded into its step."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+    model = _hand_trained(0)
+    step = ddlc.compile(model, (2,), (x, y), F.mse_loss)
+    for _ in range(2):
+        step.step(x, y)
+        with torch.no_grad():
+            for name, grad in step.gradients().items():
+                dict(model.named_parameters())[name].sub_(0.3 * grad)
+    step.save_checkpoint(path)
+    saved = {k: v.detach().clone() for k, v in model.named_parameters()}
+    continued = float(step.step(x, y))
+    other = _hand_trained(7)
+    resumed = ddlc.compile(other, (2,), (x, y), F.mse_loss)
+    resumed.load_checkpoint(path)
+    loaded = {k: v.detach().clone() for k, v in other.named_parameters()}
+    return continued, float(resumed.step(x, y)), saved, loaded
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_checkpoint_of_a_step_without_optimizer_restores_the_weights(tmp_path):
+    """Such a step reads the model's weights at each call, so loading a checkpoint puts the
+    weights into the model: before, the loaded ones were replaced by the model's at the
+    next step, and a resumed loop that updates its weights by hand started again from the
+    new model's (the next loss 0.82 off)."""
+    continued, resumed, saved, loaded = spawn(_hand_trained_saved_and_loaded, 2, str(tmp_path / "ckpt"),
+                                              timeout=120, deadline=140)[0]
+    assert resumed == pytest.approx(continued, rel=1e-6)
+    for key, value in loaded.items():
+        torch.testing.assert_close(value, saved[key], msg=key)
