@@ -294,7 +294,9 @@ class ModelWatch:
                         "optimizer step, an initializer, an assignment to its .data)")
         for (name, b), version in zip(self._buffers, self._snapshot[1][3]):
             if _written(b) != version:
-                return f"buffer {name} was written in place (model.load_state_dict, reset_running_stats)"
+                return (f"buffer {name} was written in place (an eager call of the model in train "
+                        "mode, which moves BatchNorm's running statistics; model.load_state_dict, "
+                        "reset_running_stats)")
         for (name, t), version in zip(self._tensor_attributes, self._snapshot[1][4]):
             if _written(t) != version:
                 return (f"the tensor attribute {name}, which the step holds as a constant (it is "
