@@ -208,6 +208,9 @@ class CompiledStep:
         #: the optimizer's state as this step took it (it holds its own from then on)
         self._optimizer_watch = OptimizerStateWatch(optimizer) if optimizer is not None else None
         self._autocast = autocast_state()
+        #: fingerprints of the model's weights where they are the step's (at compile, after a
+        #: write-back), which the next step compares (:meth:`_refuse_writes_through_data`)
+        self._weight_prints = self._model_weight_prints()
 
     def _take_model_state(self, model: nn.Module) -> None:
         """This rank's pieces of ``model``'s parameters and buffers, as the program holds them."""
@@ -522,6 +525,7 @@ class CompiledStep:
         if self._optimizer is None:  # the model's weights are the step's
             self._take_parameters()
         self._check_model()  # after the checks above: another step's training changed the model's state
+        self._refuse_writes_through_data()
         out = self._run(batch, keyword_batch, self._hyperparameters())
         self.params.update(out.get("param", {}))
         self.opt_state.update(out.get("opt_state", {}))
@@ -538,6 +542,30 @@ class CompiledStep:
             # it holds weights or statistics newer than the model's (else they are the model's)
             holding.hold(self, self._model, self._optimizer)
         return out["loss"]["loss"].detach().reshape(self.signature.loss_shape)
+
+    def _model_weight_prints(self) -> dict[str, torch.Tensor] | None:
+        """:func:`tensor_fingerprint` of each of the model's weights, where the step holds
+        weights of its own (it has an optimizer)."""
+        if self._optimizer is None:
+            return None
+        return {name: tensor_fingerprint(p) for name, p in self._model.named_parameters()}
+
+    def _refuse_writes_through_data(self) -> None:
+        """At the first step after compile or a write-back, where the model's weights were
+        the step's: refuse a weight written since through ``.data`` (``p.data.clamp_()``,
+        WGAN's clipping), which moves no version counter, so :class:`ModelWatch` cannot see
+        it, and which the step, holding its own weights, would ignore. Later writes into
+        the model's weights, which the step has trained past, are not compared."""
+        if self._weight_prints is None:
+            return
+        for name, p in self._model.named_parameters():
+            if name in self._weight_prints and not torch.equal(tensor_fingerprint(p), self._weight_prints[name]):
+                raise UnsupportedInputError(
+                    f"parameter {name} was written through .data since compile or step.write_back() "
+                    "(p.data.clamp_(), p.data.copy_(...)): the compiled step holds its own weights and "
+                    "would ignore the write. To train on the model's weights as they are now, compile "
+                    "again (write back, change, compile again)", where=f"parameter {name}")
+        self._weight_prints = None
 
     def _take_parameters(self) -> None:
         """A step without an optimizer changes no parameter, so it reads the model's, as they
@@ -630,6 +658,7 @@ class CompiledStep:
         if self._optimizer is not None:
             self._optimizer_watch.accept()
         self._accept_writes()
+        self._weight_prints = self._model_weight_prints()
         holding.release(self._model)
         if self.signature.has_loss:
             holding.wrote(self, self._model)
@@ -1000,6 +1029,7 @@ class CompiledStep:
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
                 value.to_local().contiguous().to(self._device_for(name))
         self._frozen_loaded = bool(self._frozen)  # written back with the rest
+        self._weight_prints = None  # the model's weights are superseded
         if self.signature.has_loss and self._optimizer is None:  # its weights are the model's
             own = dict(self._model.named_parameters())
             with torch.no_grad():

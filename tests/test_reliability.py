@@ -2546,3 +2546,38 @@ def test_several_optimizers_are_refused_naming_one_with_param_groups():
             ddlc.compile(model, (1,), (torch.randn(2, 4), torch.randn(2, 2)), F.mse_loss, given)
     with pytest.raises(UnsupportedInputError, match="optimizer must be a torch.optim.Optimizer, got str"):
         ddlc.compile(model, (1,), (torch.randn(2, 4), torch.randn(2, 2)), F.mse_loss, "adam")
+
+
+def _written_through_data(rank):
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 4), torch.randn(8, 2))
+    outcomes = {}
+    for when in ("after compile", "after write_back", "unchanged"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        step = ddlc.compile(model, (1,), batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+        if when != "after compile":
+            step.step(*batch)
+            step.write_back()
+        bound = 0.05 if when != "unchanged" else 100.0  # WGAN's clipping; a clamp that changes nothing
+        for p in model.parameters():
+            p.data.clamp_(-bound, bound)
+        try:
+            step.step(*batch)
+            outcomes[when] = None
+        except UnsupportedInputError as error:
+            outcomes[when] = str(error)
+    return outcomes
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_weights_written_through_data_after_compile_or_write_back_are_refused():
+    """A write through ``.data`` moves no version counter, so the model watch missed it, and
+    the step, holding its own weights, ignored it silently (round U: WGAN's
+    ``p.data.clamp_()`` after ``write_back``, parameters 0.36 off eager). The first step after
+    compile or a write-back compares the weights' fingerprints with the step's."""
+    outcomes = spawn(_written_through_data, 1, timeout=90, deadline=110)[0]
+    for when in ("after compile", "after write_back"):
+        assert "parameter 0.weight was written through .data since compile or step.write_back()" \
+            in outcomes[when], outcomes[when]
+    assert outcomes["unchanged"] is None, outcomes["unchanged"]

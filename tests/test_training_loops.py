@@ -1425,7 +1425,7 @@ def test_a_step_without_optimizer_reads_the_weights_a_loop_updates_by_hand(throu
         loss.backward()
         for p in model.parameters():
             p.data.add_(p.grad, alpha=-0.5)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     for rank_losses, state in got:
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
         for key, value in model.state_dict().items():
