@@ -268,7 +268,11 @@ class StepSignature:
         spec = next((i for i in self.inputs if i.name == name), None)
         if spec is None:
             return f"input {name!r}"
-        return f"{_ROLE_WORDS[spec.role]} {spec.key!r}"
+        words = f"{_ROLE_WORDS[spec.role]} {spec.key!r}"
+        if spec.role == "input" and self.micro_batches > 1:
+            key, index = spec.key[:-1].rsplit("[", 1)
+            words += f" (micro-batch {index} of {key}, cut into micro_batches={self.micro_batches})"
+        return words
 
     def loop_inputs(self) -> dict[int, str]:
         """Output index -> the placeholder whose placement that output must end in

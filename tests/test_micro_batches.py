@@ -251,3 +251,16 @@ def test_one_micro_batchs_activations_are_live_at_a_time():
     # 17 activations of 512 x 64 floats on each rank in one batch; of 64 x 64 in an eighth
     assert whole > 17 * 512 * 64 * 4
     assert eighths < 0.3 * whole, (eighths, whole)
+
+
+def test_a_micro_batch_the_mesh_cannot_split_is_named_as_one():
+    """Eight rows in four micro-batches leave two rows a micro-batch, which (S0) over four
+    ranks cannot cut: the refusal names the micro-batch of which batch input it is."""
+    model = nn.Linear(4, 2)
+    gm = canonicalize(ddlc.trace(model, (torch.randn(8, 4), torch.randn(8, 2)), F.mse_loss,
+                                 torch.optim.SGD(model.parameters(), lr=0.1), micro_batches=4))
+    sig = STEP(gm)
+    with pytest.raises(ddlc.errors.ShardingError,
+                       match=r"batch input 'input0\[0\]' \(micro-batch 0 of input0, cut into micro_batches=4\) "
+                             r"cannot cut its shape \(2, 4\)"):
+        shard(gm, ddlc.Mesh((4,)), fixed={sig.input_name("input", k): parse_sbp("(S0)") for k in sig.keys("input")})
