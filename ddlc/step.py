@@ -367,9 +367,10 @@ class CompiledStep:
             if tuple(t.shape) != want:
                 hint = ""
                 if self.batch_mode == "local" and any(not x.is_split for x in self._sbp(key)):
+                    entry = key.rsplit("[", 1)[0] if self.signature.micro_batches > 1 else key
                     hint = (f": the plan does not split {key} over every mesh axis, so ranks take "
                             "copies or larger parts of it; for each rank's own part (a "
-                            f"DistributedSampler's), pin it split, placements={{{key!r}: "
+                            f"DistributedSampler's), pin it split, placements={{{entry!r}: "
                             f"\"({', '.join(['S0'] * len(self.mesh.shape))})\"}} for every batch input")
                 if self.signature.micro_batches > 1:
                     hint += (f" ({key} is a micro-batch: the step cuts each batch tensor along its first "

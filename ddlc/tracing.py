@@ -20,6 +20,7 @@ import re
 import sys
 import threading
 import traceback
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -105,6 +106,7 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
          for i in range(micro_batches) for k, t in zip(batch.keys, batch.tensors)}
     refuse_wrapped(model)
     _check_loss_signature(loss_fn, n_targets)
+    _warn_of_targets_given_to_the_model(batch, n_targets)
     _check_initialised(model, batch)
     if training:
         _check_modules(model)
@@ -970,6 +972,25 @@ def _clip_by_global_norm(grads: Mapping[str, torch.Tensor], max_norm: float):
     total = torch.stack([squares(g) for g in grads.values()]).sum().sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     return total, {k: g * scale.to(g.dtype) for k, g in grads.items()}
+
+
+_TARGET_NAMES = ("labels", "label", "targets", "target")
+
+
+def _warn_of_targets_given_to_the_model(batch: "_Batch", n_targets: int) -> None:
+    """A dict batch with a ``loss_fn`` gives the loss its last ``n_targets`` entries and the
+    model the rest, by order: warn where an entry named like a target (``labels``) goes to
+    the model, as a collator or ``datasets.map`` that puts it first does (the loss then takes
+    ``attention_mask``, whose 0s and 1s are valid classes: it trains, on the wrong target)."""
+    if not (batch.keyword and n_targets):
+        return
+    given = [k for k in batch.keys[:len(batch) - n_targets] if k in _TARGET_NAMES]
+    if given:
+        targets = list(batch.keys[len(batch) - n_targets:])
+        warnings.warn(f"the dict batch's entry {given[0]!r} goes to the model, and loss_fn's target(s) are "
+                      f"the last {n_targets} entr{'y' if n_targets == 1 else 'ies'}, {targets}, of "
+                      f"{list(batch.keys)}: if {given[0]!r} is the target, order the dict so that it comes "
+                      "last", UserWarning, stacklevel=4)
 
 
 @contextlib.contextmanager

@@ -264,3 +264,25 @@ def test_a_micro_batch_the_mesh_cannot_split_is_named_as_one():
                        match=r"batch input 'input0\[0\]' \(micro-batch 0 of input0, cut into micro_batches=4\) "
                              r"cannot cut its shape \(2, 4\)"):
         shard(gm, ddlc.Mesh((4,)), fixed={sig.input_name("input", k): parse_sbp("(S0)") for k in sig.keys("input")})
+
+
+def _own_part_of_a_whole_input(rank):
+    model = nn.Linear(4, 2)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    step = ddlc.compile(model, (2,), (x, y), F.mse_loss, _sgd(model), micro_batches=2, batch="local",
+                        placements={"input0": "(B)", "input1": "(B)"})
+    try:
+        step.step(x.chunk(2)[rank], y.chunk(2)[rank])
+    except ddlc.errors.UnsupportedInputError as error:
+        return str(error)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_ranks_own_part_of_a_whole_input_names_the_batch_entry_to_pin():
+    """With batch="local", a rank's own rows of an input the plan keeps whole are refused
+    with the pin that fixes it: the batch entry's, which pins every micro-batch (round V: it
+    named one micro-batch's key, and pinning that one named the next)."""
+    message = spawn(_own_part_of_a_whole_input, 2, timeout=100, deadline=110)[0]
+    assert "pin it split, placements={'input0': \"(S0)\"} for every batch input" in message, message
+    assert "input0[0] is a micro-batch" in message

@@ -2581,3 +2581,28 @@ def test_weights_written_through_data_after_compile_or_write_back_are_refused():
         assert "parameter 0.weight was written through .data since compile or step.write_back()" \
             in outcomes[when], outcomes[when]
     assert outcomes["unchanged"] is None, outcomes["unchanged"]
+
+
+def test_a_target_named_entry_given_to_the_model_is_warned_of():
+    """A dict batch ordered labels first (a collator's or datasets.map's order) with a
+    loss_fn: the loss takes the last entry, attention_mask, whose 0s and 1s are valid
+    classes, so the step trained on the wrong target silently (round V); a warning names
+    the order now. In the right order nothing is said."""
+    import warnings
+    model = torch.nn.Linear(4, 2)
+    batch = {"labels": torch.randint(0, 2, (6,)), "x": torch.randn(6, 4), "mask": torch.randint(0, 2, (6,))}
+
+    class _TakesX(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, labels=None, x=None):
+            return self.inner(x)
+    with pytest.warns(UserWarning, match=r"the dict batch's entry 'labels' goes to the model, and loss_fn's "
+                                         r"target\(s\) are the last 1 entry, \['mask'\]"):
+        ddlc.trace(_TakesX(), batch, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        ddlc.trace(_TakesX(), {"x": batch["x"], "labels": batch["labels"]}, F.cross_entropy,
+                   torch.optim.SGD(model.parameters(), lr=0.1))
