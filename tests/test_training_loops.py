@@ -1385,9 +1385,14 @@ def _manual_sgd_data():
     return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(4)]
 
 
-def _manual_sgd_steps(rank, through_data):
+def _manual_sgd_steps(rank):
+    """Both forms of :func:`_manual_sgd_loop`: through ``.data``, under ``no_grad``."""
+    return [_manual_sgd_loop(through_data) for through_data in (True, False)]
+
+
+def _manual_sgd_loop(through_data):
     """word_language_model's loop: no optimizer, each weight updated by hand from the
-    step's gradients, through ``.data`` or under ``no_grad``; the model read eagerly between."""
+    step's gradients, through ``.data`` or under ``no_grad``."""
     torch.manual_seed(0)
     model = _ManualNet()
     step = ddlc.compile(model, (4,), _manual_sgd_data()[0], F.mse_loss)
@@ -1410,13 +1415,12 @@ def _manual_sgd_steps(rank, through_data):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("through_data", [True, False], ids=["data", "no_grad"])
-def test_a_step_without_optimizer_reads_the_weights_a_loop_updates_by_hand(through_data):
+def test_a_step_without_optimizer_reads_the_weights_a_loop_updates_by_hand():
     """A step compiled without an optimizer changes no weight, so it reads the model's at
     each step, as eager's backward does. It held a copy taken at compile: an update through
     ``.data`` was silently ignored (every loss the untrained model's), one under ``no_grad``
     refused. ``write_back`` puts back the running statistics and leaves the weights."""
-    got = spawn(_manual_sgd_steps, 4, through_data, timeout=150, deadline=190)
+    got = [run for rank_runs in spawn(_manual_sgd_steps, 4, timeout=150, deadline=190) for run in rank_runs]
     torch.manual_seed(0)
     model, losses = _ManualNet(), []
     for x, y in _manual_sgd_data():
