@@ -195,12 +195,14 @@ def micro_batch(t: torch.Tensor, index: int, micro_batches: int) -> torch.Tensor
 def uneven_micro_batches(batch: Mapping[str, torch.Tensor], micro_batches: int) -> str | None:
     """Why ``batch`` cannot be cut into ``micro_batches`` equal micro-batches (a tensor
     whose first dim they do not divide), or None where it can."""
+    if micro_batches == 1:
+        return None
     for key, t in batch.items():
-        if micro_batches > 1 and t.dim() == 0:
+        if t.dim() == 0:
             return (f"batch entry {key!r} is 0-d, and micro_batches={micro_batches} cuts every batch "
                     "tensor along its first dim (the batch dim): keep a value that is not per sample "
                     "out of the batch (on the model, or in the loss function)")
-        if micro_batches > 1 and t.shape[0] % micro_batches:
+        if t.shape[0] % micro_batches:
             return (f"batch entry {key!r} has shape {tuple(t.shape)}, whose first dim cannot be cut "
                     f"into micro_batches={micro_batches} equal micro-batches: every batch tensor is "
                     "split along its first dim (the batch dim), so give each a multiple of "

@@ -523,7 +523,7 @@ class CompiledStep:
                 "step's copies of them. Compile again to go on from them (ddlc.compile takes the model "
                 "as it is; one compiled step per batch shape needs a write_back and a compile at each "
                 "switch), or keep training with that step")
-        if self._optimizer is None:  # the model's weights are the step's
+        if self._reads_model_weights:
             self._take_parameters()
         self._check_model()  # after the checks above: another step's training changed the model's state
         self._refuse_writes_through_data()
@@ -567,6 +567,12 @@ class CompiledStep:
                     "would ignore the write. To train on the model's weights as they are now, compile "
                     "again (write back, change, compile again)", where=f"parameter {name}")
         self._weight_prints = None
+
+    @property
+    def _reads_model_weights(self) -> bool:
+        """A training step without an optimizer changes no weight: its weights are the
+        model's, read at each call (:meth:`_take_parameters`)."""
+        return self.signature.has_loss and self._optimizer is None
 
     def _take_parameters(self) -> None:
         """A step without an optimizer changes no parameter, so it reads the model's, as they
@@ -887,7 +893,7 @@ class CompiledStep:
         ``state_dict()`` (a tied parameter under each of its names), so that
         ``model.load_state_dict(step.state_dict(), strict=True)`` works (collective)."""
         self._take_inference_statistics()
-        if self.signature.has_loss and self._optimizer is None:  # the model's weights are the step's
+        if self._reads_model_weights:
             self._take_parameters()
         full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()}
         state = {key: full[name] for key, name in self._state_dict_names.items()}
@@ -996,7 +1002,7 @@ class CompiledStep:
                 "torch.save of model.state_dict() and optimizer.state_dict() instead")
         self._take_stream()  # the stream's latest state, another program's draws too
         self._take_inference_statistics()
-        if self.signature.has_loss and self._optimizer is None:  # the model's weights are the step's
+        if self._reads_model_weights:
             self._take_parameters()
         dcp.save({**self._sharded_state(), **self._param_group_state()}, checkpoint_id=path)
 
@@ -1031,7 +1037,7 @@ class CompiledStep:
                 value.to_local().contiguous().to(self._device_for(name))
         self._frozen_loaded = bool(self._frozen)  # written back with the rest
         self._weight_prints = None  # the model's weights are superseded
-        if self.signature.has_loss and self._optimizer is None:  # its weights are the model's
+        if self._reads_model_weights:
             own = dict(self._model.named_parameters())
             with torch.no_grad():
                 for name, local in self.params.items():  # a collective per tensor, alike on every rank
