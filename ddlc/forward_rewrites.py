@@ -260,10 +260,16 @@ def _instance_norm_by_reductions(input, running_mean, running_var, weight, bias,
 
 def _move_running_stats(running_mean, running_var, mean, var, momentum, count) -> None:
     """torch's kernels' update: ``running = (1 - momentum) * running + momentum * stat``,
-    the variance made unbiased over the ``count`` values it was computed from."""
+    the variance made unbiased over the ``count`` values it was computed from. A 0-d
+    tensor ``momentum`` is a factor the step computes (a cumulative average's, see
+    :func:`ddlc.tracing._batch_norms_traceable`)."""
     with torch.no_grad():
-        running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-        running_var.mul_(1 - momentum).add_(var, alpha=momentum * count / (count - 1))
+        if isinstance(momentum, torch.Tensor):
+            running_mean.mul_(1 - momentum).add_(mean * momentum)
+            running_var.mul_(1 - momentum).add_(var * (momentum * count / (count - 1)))
+        else:
+            running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+            running_var.mul_(1 - momentum).add_(var, alpha=momentum * count / (count - 1))
 
 
 def _batch_norm_by_reductions(input, running_mean, running_var, weight, bias, training, momentum, eps):

@@ -30,6 +30,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 import torch.fx.proxy as fx_proxy
 import torch.fx.traceback as fx_traceback
+import torch.nn.functional as F
 from torch import fx, nn
 from torch.func import functionalize, grad_and_value
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
@@ -523,9 +524,7 @@ def _refuse_overlapping_parameters(model: nn.Module) -> None:
 
 
 def _check_modules(model: nn.Module) -> None:
-    """Refuse BatchNorm layers whose training-mode update needs a running count's value
-    (``momentum=None``: a cumulative average, ``1 / num_batches_tracked``), embeddings
-    with sparse gradients (no sparse tensor runs through the traced update), and hooks on
+    """Refuse embeddings with sparse gradients (no sparse tensor runs through the traced update), and hooks on
     gradients: a parameter's (``register_hook``, ``register_post_accumulate_grad_hook``,
     which autograd runs as it fills ``.grad``: ddlc computes gradients in the traced step
     and no ``.grad`` is filled) and a module's backward hooks (torch runs them through an
@@ -554,13 +553,6 @@ def _check_modules(model: nn.Module) -> None:
             raise UnsupportedInputError(
                 f"{type(module).__name__} {name!r} has sparse=True: ddlc trains with dense "
                 "gradients only; give it sparse=False", where=f"module {name} ({type(module).__name__})")
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training \
-                and module.track_running_stats and module.momentum is None:
-            raise UnsupportedInputError(
-                f"{type(module).__name__} {name!r} has momentum=None (a cumulative moving average "
-                "of the running statistics), whose factor reads num_batches_tracked's value and "
-                "cannot be one static graph: give it a momentum, or call .eval() on it",
-                where=f"module {name} ({type(module).__name__})")
 
 
 @dataclass(frozen=True)
@@ -898,18 +890,37 @@ def _causal_masks_taken_as_given():
 
 
 @contextlib.contextmanager
-def _sync_batch_norm_as_batch_norm():
-    """``nn.SyncBatchNorm`` runs as the batch norm it is while tracing. Under DDP it
-    reduces the statistics of every rank's part of the batch; ddlc traces the step on the
-    global batch, and a plan that splits it sums the statistics across ranks itself, so
-    its BatchNorm already normalizes as SyncBatchNorm does (SyncBatchNorm's own forward
-    refuses a CPU tensor and calls collectives of its own)."""
-    sync = nn.SyncBatchNorm.forward
-    nn.SyncBatchNorm.forward = nn.modules.batchnorm._BatchNorm.forward
+def _batch_norms_traceable():
+    """Batch norm layers run as torch's ``_BatchNorm.forward`` does, in two forms one
+    static graph can hold:
+
+    - ``nn.SyncBatchNorm`` as the batch norm it is. Under DDP it reduces the statistics of
+      every rank's part of the batch; ddlc traces the step on the global batch, and a plan
+      that splits it sums the statistics across ranks itself, so its BatchNorm already
+      normalizes as SyncBatchNorm does (SyncBatchNorm's own forward refuses a CPU tensor
+      and calls collectives of its own).
+    - ``momentum=None`` in training (a cumulative average of the statistics): torch's factor
+      ``1.0 / float(num_batches_tracked)`` reads the count's value into Python. It is
+      computed as a 0-d float64 tensor of the count instead, which ``F.batch_norm``'s
+      rewrite (:mod:`ddlc.forward_rewrites`) takes as its momentum, so every step reads the
+      count it has reached."""
+    forward, sync = nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward
+
+    def traceable(self, input):
+        if not (self.momentum is None and self.training and self.track_running_stats
+                and self.num_batches_tracked is not None):
+            return forward(self, input)
+        self._check_input_dim(input)
+        self.num_batches_tracked.add_(1)
+        factor = 1.0 / self.num_batches_tracked.to(torch.float64)
+        return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
+                            True, factor, self.eps)
+
+    nn.modules.batchnorm._BatchNorm.forward = nn.SyncBatchNorm.forward = traceable
     try:
         yield
     finally:
-        nn.SyncBatchNorm.forward = sync
+        nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward = forward, sync
 
 
 def _loss_of(out, loss_fn: Callable | None, targets: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -1303,11 +1314,11 @@ def _run_eagerly(forward: Callable[[], object], annotator: _ModuleAnnotator, mod
 def _as_the_step_runs(annotator: _ModuleAnnotator, model: nn.Module):
     """The setting the step runs in, traced (:func:`_make_fx`) or eagerly
     (:func:`_run_eagerly`): compiling (``torch.compiler.is_compiling()``), no generation
-    cache, checkpoints as regions, SyncBatchNorm as batch norm, inference mode as
+    cache, checkpoints as regions, batch norms traceable, inference mode as
     ``no_grad``, a world of one process, failed kernels unlogged, transformer masks taken
     as given."""
     with _as_compiling(), _without_generation_cache(model), _checkpoints_as_regions(annotator), \
-            _sync_batch_norm_as_batch_norm(), _inference_mode_as_no_grad(), _single_device_world(), \
+            _batch_norms_traceable(), _inference_mode_as_no_grad(), _single_device_world(), \
             _failed_kernels_unlogged(), _causal_masks_taken_as_given():
         yield
 

@@ -101,15 +101,26 @@ def compiled_on_a_device_mesh(rank: int, layout, cases):
     return results
 
 
+def cumulative_every_other_batch_norm(model):
+    """``model`` with every other batch norm layer a cumulative average (``momentum=None``)."""
+    import torch
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for norm in norms[::2]:
+        norm.momentum = None
+    return model
+
+
 def sync_batchnorm_steps(rank, steps: int):
-    """A tiny ResNet converted to ``nn.SyncBatchNorm`` (as for DDP), compiled on (4,)
-    with the batch split, SGD steps: the losses, and the parameters and buffers."""
+    """A tiny ResNet, every other batch norm a cumulative average, converted to
+    ``nn.SyncBatchNorm`` (as for DDP), compiled on (4,) with the batch split, SGD steps:
+    the losses, and the parameters and buffers."""
     import torch
     import torch.nn.functional as F
     import ddlc
     from ddlc import zoo
     torch.manual_seed(0)
-    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(zoo.resnet18(num_classes=10, width=4))
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+        cumulative_every_other_batch_norm(zoo.resnet18(num_classes=10, width=4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     batch = (torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))

@@ -427,10 +427,6 @@ class _ReadsValues(torch.nn.Module):
         return self.fc(x) * len(x.sum(0).tolist())
 
 
-def _bn_model():
-    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, momentum=None))
-
-
 class _FrozenTeacher(torch.nn.Module):
     """BYOL's target network as frozen parameters, updated in place in forward."""
 
@@ -567,8 +563,6 @@ CATALOGUE = [
      ddlc.errors.TraceError, "native_layer_norm gets float32 and float64"),
     ("a forward that writes its input in place", lambda: ddlc.trace(_WritesInput(), (_X, _X), F.mse_loss),
      UnsupportedInputError, r"an input of the step \(`x.mul_\(2\)` on the batch"),
-    ("BatchNorm with a cumulative average", lambda: ddlc.trace(_bn_model(), (_X, _X), F.mse_loss),
-     UnsupportedInputError, "BatchNorm1d '1' has momentum=None"),
     ("sampling from probabilities", lambda: ddlc.trace(_StochasticMask(), (_X, _X), F.mse_loss),
      UnsupportedInputError, "does not reproduce across ranks"),
     ("poisson samples of an activation", lambda: ddlc.trace(_PoissonCounts(), (_X, _X), F.mse_loss),

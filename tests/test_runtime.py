@@ -240,13 +240,15 @@ def test_sync_batchnorm_trains_as_the_batchnorm_it_converts():
     """A model converted with ``nn.SyncBatchNorm.convert_sync_batchnorm`` (as for DDP),
     compiled in a process group (where SyncBatchNorm's own forward would refuse CPU
     tensors and call collectives of its own), trains as the BatchNorm model it came from
-    on one device: ddlc's BatchNorm already normalizes over the global batch."""
+    on one device: ddlc's BatchNorm already normalizes over the global batch. Every other
+    layer is a cumulative average (``momentum=None``), whose factor each step reads from
+    the count of batches it has reached."""
     import torch.nn.functional as F
-    from distributed_cases import sync_batchnorm_steps
+    from distributed_cases import cumulative_every_other_batch_norm, sync_batchnorm_steps
     from ddlc import zoo
     losses, state = spawn(sync_batchnorm_steps, 4, 2, timeout=120, deadline=300)[0]
     torch.manual_seed(0)
-    model = zoo.resnet18(num_classes=10, width=4)
+    model = cumulative_every_other_batch_norm(zoo.resnet18(num_classes=10, width=4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     batch = (torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))

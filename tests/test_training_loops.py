@@ -175,6 +175,27 @@ def test_batchnorm_per_rank_statistics_would_differ():
     assert not torch.allclose(x[:2].mean((0, 2, 3)), whole, atol=1e-3)
 
 
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_a_cumulative_batchnorm_average_reads_the_count_each_step(mesh_shape):
+    """BatchNorm with ``momentum=None`` moves its running statistics by ``1 / count`` of the
+    batches it has seen, the count taken at each step (here from 5, trained eagerly before
+    compile), on batches whose statistics drift from step to step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=None), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(8 * 8 * 8, 16), nn.BatchNorm1d(16, momentum=None),
+                          nn.Linear(16, 4))
+    for norm in (model[1], model[5]):
+        norm.num_batches_tracked.fill_(5)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 3, 8, 8, generator=g) * (i + 1) + i, torch.randint(0, 4, (8,), generator=g))
+            for i in range(4)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
+    _, buffers, _, reference = _matches_eager(model, F.cross_entropy, sgd, data, mesh_shape)
+    for name, value in reference.named_buffers():
+        torch.testing.assert_close(buffers[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert int(buffers["1.num_batches_tracked"]) == 9
+
+
 class _DropoutMLP(nn.Module):
     def __init__(self):
         super().__init__()
