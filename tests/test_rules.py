@@ -9,6 +9,7 @@ reshape families; plus the pointwise family by tag, proofs that the checker reje
 wrong rules, the fallback, repeatable enumeration on a large graph (its speed:
 bench/rules.py) and the GPU rule data.
 """
+import functools
 import logging
 
 import pytest
@@ -53,9 +54,16 @@ def _trace_case(case):
     return gm, capture_values(gm, sig.flatten(params, buffers, state, batch))
 
 
-@pytest.fixture(scope="module")
-def examples():
+@functools.cache
+def _examples():
     return {case: _trace_case(case) for case in CASES}
+
+
+@pytest.fixture
+def examples():
+    """Every case's graph and values, traced once per process: a module-scoped fixture is
+    built again wherever the worker runs another module's tests in between (15 s a time)."""
+    return _examples()
 
 
 @pytest.mark.parametrize("case", CASES)
