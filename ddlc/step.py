@@ -209,7 +209,7 @@ class CompiledStep:
         self._optimizer_watch = OptimizerStateWatch(optimizer) if optimizer is not None else None
         self._autocast = autocast_state()
         #: fingerprints of the model's weights where they are the step's (at compile, after a
-        #: write-back), which the next step compares (:meth:`_refuse_writes_through_data`)
+        #: write-back), which the next step compares (:meth:`_written_through_data`)
         self._weight_prints = self._model_weight_prints()
 
     def _take_model_state(self, model: nn.Module) -> None:
@@ -525,8 +525,9 @@ class CompiledStep:
                 "switch), or keep training with that step")
         if self._reads_model_weights:
             self._take_parameters()
+        if self._keeps_state and holding.holder(self._model) is not self:
+            self._take_writes_into_the_current_model()
         self._check_model()  # after the checks above: another step's training changed the model's state
-        self._refuse_writes_through_data()
         out = self._run(batch, keyword_batch, self._hyperparameters())
         self.params.update(out.get("param", {}))
         self.opt_state.update(out.get("opt_state", {}))
@@ -539,8 +540,7 @@ class CompiledStep:
             self.last_grad_norm = out["grad_norm"]["grad_norm"].detach()
         self.steps_done += 1
         self._last_ran = holding.now()
-        if self._optimizer is not None or any(o.role == "buffer" for o in self.signature.outputs):
-            # it holds weights or statistics newer than the model's (else they are the model's)
+        if self._keeps_state:  # it holds weights or statistics newer than the model's now
             holding.hold(self, self._model, self._optimizer)
         return out["loss"]["loss"].detach().reshape(self.signature.loss_shape)
 
@@ -551,22 +551,40 @@ class CompiledStep:
             return None
         return {name: tensor_fingerprint(p) for name, p in self._model.named_parameters()}
 
-    def _refuse_writes_through_data(self) -> None:
-        """At the first step after compile or a write-back, where the model's weights were
-        the step's: refuse a weight written since through ``.data`` (``p.data.clamp_()``,
-        WGAN's clipping), which moves no version counter, so :class:`ModelWatch` cannot see
-        it, and which the step, holding its own weights, would ignore. Later writes into
-        the model's weights, which the step has trained past, are not compared."""
-        if self._weight_prints is None:
-            return
-        for name, p in self._model.named_parameters():
-            if name in self._weight_prints and not torch.equal(tensor_fingerprint(p), self._weight_prints[name]):
-                raise UnsupportedInputError(
-                    f"parameter {name} was written through .data since compile or step.write_back() "
-                    "(p.data.clamp_(), p.data.copy_(...)): the compiled step holds its own weights and "
-                    "would ignore the write. To train on the model's weights as they are now, compile "
-                    "again (write back, change, compile again)", where=f"parameter {name}")
-        self._weight_prints = None
+    @property
+    def _keeps_state(self) -> bool:
+        """Whether a step leaves weights or statistics of its own, newer than the model's
+        until written back: it updates weights (has an optimizer) or buffers."""
+        return self._optimizer is not None or any(o.role == "buffer" for o in self.signature.outputs)
+
+    def _take_writes_into_the_current_model(self) -> None:
+        """Where the model is as new as this step (it has not run since compile or since its
+        last write-back): take what the user wrote into the model and the optimizer since, as
+        eager's next step trains on it (rank 0's values; a small collective agrees which,
+        :meth:`_take_users_changes`): weights and buffers written in place (``nn.init``,
+        ``load_state_dict``, ``reset_running_stats``), weights written through ``.data``
+        (``p.data.clamp_()``, WGAN's clipping), which move no version counter and are seen
+        by the fingerprints taken at compile or at the write-back, and a parameter's
+        optimizer state changed (``optimizer.load_state_dict``). Writes while the step holds
+        newer training than the model are refused (:meth:`_check_model`)."""
+        written = self._watch.written() | self._written_through_data()
+        entries = self._optimizer_watch.changed_entries() if self._optimizer_watch is not None else set()
+        changed_ids = {id_ for id_, _ in entries}
+        changed = {name for name, p in self._model.named_parameters() if id(p) in changed_ids}
+        self._take_users_changes(written, changed)
+        self._accept_writes()
+        if self._optimizer_watch is not None:
+            self._optimizer_watch.accept()
+
+    def _written_through_data(self) -> set[str]:
+        """The weights whose fingerprints differ from those taken at compile or at the last
+        write-back, once (later writes into weights the step has trained past are not
+        compared)."""
+        prints, self._weight_prints = self._weight_prints, None
+        if prints is None:
+            return set()
+        return {name for name, p in self._model.named_parameters()
+                if name in prints and not torch.equal(tensor_fingerprint(p), prints[name])}
 
     @property
     def _reads_model_weights(self) -> bool:
@@ -781,10 +799,12 @@ class CompiledStep:
         if change is not None:
             raise UnsupportedInputError(
                 f"the model changed after compile: {change}. The compiled step runs the model as "
-                "it was traced and holds its own copy of the weights and buffers, so it would "
-                "ignore the change: undo it, or compile again (that takes the model as it is "
-                "then, with the weights and optimizer state this step trained, written back); "
-                "weights written into the model are superseded by step.load_checkpoint")
+                "it was traced and holds its own copy of the weights and buffers, newer than the "
+                "model's once it has run, so it would ignore the change: undo it. To change weights, "
+                "buffers or optimizer state, call step.write_back() first and make the change then "
+                "(the next step takes it); to change anything else, compile again (that takes the "
+                "model as it is then, with the weights and optimizer state this step trained, "
+                "written back); weights written into the model are superseded by step.load_checkpoint")
         if autocast_state() != self._autocast:
             raise UnsupportedInputError(
                 f"torch.autocast is {autocast_words(autocast_state())} here but was "
