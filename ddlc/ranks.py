@@ -146,8 +146,10 @@ def take_rank0_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
 def tensor_fingerprint(t: torch.Tensor) -> torch.Tensor:
     """Float64 numbers that tell tensors of one shape apart: the sum of the finite values
     and their sum weighted by position (so a reordering shows too), and the position-weighted
-    sums of where the NaNs and the infinities are (a NaN would make every sum NaN alike)."""
-    x = t.detach().reshape(-1).to(torch.float64)
+    sums of where the NaNs and the infinities are (a NaN would make every sum NaN alike). A
+    complex tensor's real and imaginary parts are told apart."""
+    t = t.detach()
+    x = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1).to(torch.float64)
     weights = torch.arange(x.numel(), dtype=torch.float64, device=x.device) % 997 + 1
     finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
     return torch.stack([finite.sum(), (finite * weights).sum(), (x.isnan() * weights).sum(),

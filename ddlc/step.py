@@ -208,9 +208,9 @@ class CompiledStep:
         #: the optimizer's state as this step took it (it holds its own from then on)
         self._optimizer_watch = OptimizerStateWatch(optimizer) if optimizer is not None else None
         self._autocast = autocast_state()
-        #: fingerprints of the model's weights where they are the step's (at compile, after a
-        #: write-back), which the next step compares (:meth:`_written_through_data`)
-        self._weight_prints = self._model_weight_prints()
+        #: fingerprints of the model's weights and buffers where they are the step's (at
+        #: compile, after a write-back), which the next step compares (:meth:`_written_unseen`)
+        self._prints = self._model_prints()
 
     def _take_model_state(self, model: nn.Module) -> None:
         """This rank's pieces of ``model``'s parameters and buffers, as the program holds them."""
@@ -544,12 +544,15 @@ class CompiledStep:
             holding.hold(self, self._model, self._optimizer)
         return out["loss"]["loss"].detach().reshape(self.signature.loss_shape)
 
-    def _model_weight_prints(self) -> dict[str, torch.Tensor] | None:
-        """:func:`tensor_fingerprint` of each of the model's weights, where the step holds
-        weights of its own (it has an optimizer)."""
-        if self._optimizer is None:
+    def _model_prints(self) -> dict[str, torch.Tensor] | None:
+        """:func:`tensor_fingerprint` of each of the model's weights and buffers that the step
+        holds copies of, newer than the model's once it runs: the weights where it has an
+        optimizer, the buffers where it updates buffers."""
+        if not self._keeps_state:
             return None
-        return {name: tensor_fingerprint(p) for name, p in self._model.named_parameters()}
+        tensors = [*(self._model.named_parameters() if self._optimizer is not None else ()),
+                   *self._model.named_buffers()]
+        return {name: tensor_fingerprint(t) for name, t in tensors}
 
     @property
     def _keeps_state(self) -> bool:
@@ -562,12 +565,13 @@ class CompiledStep:
         last write-back): take what the user wrote into the model and the optimizer since, as
         eager's next step trains on it (rank 0's values; a small collective agrees which,
         :meth:`_take_users_changes`): weights and buffers written in place (``nn.init``,
-        ``load_state_dict``, ``reset_running_stats``), weights written through ``.data``
-        (``p.data.clamp_()``, WGAN's clipping), which move no version counter and are seen
-        by the fingerprints taken at compile or at the write-back, and a parameter's
+        ``load_state_dict``, ``reset_running_stats``), and written without moving a version
+        counter, which the fingerprints taken at compile or at the write-back see (through
+        ``.data``: ``p.data.clamp_()``, WGAN's clipping; BatchNorm's running statistics by
+        an eager call in train mode, whose kernel writes them so), and a parameter's
         optimizer state changed (``optimizer.load_state_dict``). Writes while the step holds
         newer training than the model are refused (:meth:`_check_model`)."""
-        written = self._watch.written() | self._written_through_data()
+        written = self._watch.written() | self._written_unseen()
         entries = self._optimizer_watch.changed_entries() if self._optimizer_watch is not None else set()
         changed_ids = {id_ for id_, _ in entries}
         changed = {name for name, p in self._model.named_parameters() if id(p) in changed_ids}
@@ -576,15 +580,16 @@ class CompiledStep:
         if self._optimizer_watch is not None:
             self._optimizer_watch.accept()
 
-    def _written_through_data(self) -> set[str]:
-        """The weights whose fingerprints differ from those taken at compile or at the last
-        write-back, once (later writes into weights the step has trained past are not
-        compared)."""
-        prints, self._weight_prints = self._weight_prints, None
+    def _written_unseen(self) -> set[str]:
+        """The weights and buffers whose fingerprints differ from those taken at compile or
+        at the last write-back, once (later writes into tensors the step has trained past are
+        not compared)."""
+        prints, self._prints = self._prints, None
         if prints is None:
             return set()
-        return {name for name, p in self._model.named_parameters()
-                if name in prints and not torch.equal(tensor_fingerprint(p), prints[name])}
+        now = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
+        return {name for name, print_ in prints.items()
+                if name in now and not torch.equal(tensor_fingerprint(now[name]), print_)}
 
     @property
     def _reads_model_weights(self) -> bool:
@@ -683,7 +688,7 @@ class CompiledStep:
         if self._optimizer is not None:
             self._optimizer_watch.accept()
         self._accept_writes()
-        self._weight_prints = self._model_weight_prints()
+        self._prints = self._model_prints()
         holding.release(self._model)
         if self.signature.has_loss:
             holding.wrote(self, self._model)
@@ -1056,7 +1061,7 @@ class CompiledStep:
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \
                 value.to_local().contiguous().to(self._device_for(name))
         self._frozen_loaded = bool(self._frozen)  # written back with the rest
-        self._weight_prints = None  # the model's weights are superseded
+        self._prints = None  # the model's weights are superseded
         if self._reads_model_weights:
             own = dict(self._model.named_parameters())
             with torch.no_grad():
@@ -1104,7 +1109,18 @@ class CompiledStep:
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Full gradients of the last step (compiled with loss_fn, no optimizer; collective),
-        but of the parameters the loss does not reach, whose ``.grad`` eager leaves None."""
+        but of the parameters the loss does not reach, whose ``.grad`` eager leaves None. A
+        step with an optimizer keeps none (its update consumes them inside the program), nor
+        does an inference program: refused, rather than an empty dict a logger would read as
+        zero gradients."""
+        if self._optimizer is not None or not self.signature.has_loss:
+            raise UnsupportedInputError(
+                "step.gradients() is for a step compiled with a loss_fn and without an optimizer; "
+                + ("this one has an optimizer, whose update takes the gradients inside the "
+                   "compiled program, which keeps none: for their norm, compile with "
+                   "clip_grad_norm= and read step.last_grad_norm; to see them, compile without the "
+                   "optimizer and update the weights yourself" if self._optimizer is not None
+                   else "this is an inference program, which computes no gradient"))
         unreached = set(self.signature.untrained)
         return {k: self._gather(k, v) for k, v in self.gradients_local.items() if k not in unreached}
 

@@ -2544,7 +2544,12 @@ def test_several_optimizers_are_refused_naming_one_with_param_groups():
 
 def _clip_weights(model, step: int, rank: int) -> None:
     """WGAN's weight clipping through ``.data`` (no version counter moves), under
-    ``no_grad`` at step 1 (one moves), and at step 2 a write on rank 0 alone."""
+    ``no_grad`` at step 1 (one moves), and at step 2 a write on rank 0 alone; at steps 0 and
+    1 an eager forward in train mode first, which moves BatchNorm's running statistics
+    (its kernel moves no version counter of theirs; PreciseBN's recalibration)."""
+    if step < 2:
+        with torch.no_grad():
+            model(torch.randn(8, 4, generator=torch.Generator().manual_seed(step)) * 3 + 1)
     for p in model.parameters():
         if step == 1:
             with torch.no_grad():
@@ -2558,7 +2563,7 @@ def _clip_weights(model, step: int, rank: int) -> None:
 def _clipped_between_steps(rank):
     """Worker: the weights clipped after compile and after each write-back, then a step."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = _clipped_net()
     batch = (torch.randn(8, 4), torch.randn(8, 2))
     step = ddlc.compile(model, (2,), batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     losses = []
@@ -2566,20 +2571,26 @@ def _clipped_between_steps(rank):
         _clip_weights(model, i, rank)
         losses.append(step.step(*batch))
         step.write_back()
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _clipped_net():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 2))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_weights_written_after_compile_or_write_back_are_taken_by_the_next_step():
-    """Weights written into the model where it is as new as the step (after compile, after
-    a write-back) are what the next step trains, as in eager: WGAN's ``p.data.clamp_()``
-    (no version counter moves: seen by the weights' fingerprints; ignored silently until
-    round U, then refused), a clamp under ``no_grad``, and a write on rank 0 alone (every
-    rank takes rank 0's, as compile does)."""
+    """Weights and buffers written into the model where it is as new as the step (after
+    compile, after a write-back) are what the next step trains, as in eager: WGAN's
+    ``p.data.clamp_()`` (no version counter moves: seen by the fingerprints; ignored
+    silently until round U, then refused), a clamp under ``no_grad``, a write on rank 0
+    alone (every rank takes rank 0's, as compile does), and BatchNorm statistics an eager
+    train-mode forward moved (round X: ignored while taking the count it moved)."""
     per_rank = spawn(_clipped_between_steps, 2, timeout=90, deadline=110)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = _clipped_net()
     batch = (torch.randn(8, 4), torch.randn(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     want = []
@@ -2590,10 +2601,10 @@ def test_weights_written_after_compile_or_write_back_are_taken_by_the_next_step(
         loss.backward()
         opt.step()
         want.append(loss.detach())
-    for losses, params in per_rank:
+    for losses, state in per_rank:
         torch.testing.assert_close(torch.stack(losses), torch.stack(want))
-        for name, value in model.named_parameters():
-            torch.testing.assert_close(params[name], value, msg=name)
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(state[name], value, msg=name)
 
 
 def test_a_target_named_entry_given_to_the_model_is_warned_of():
@@ -2619,3 +2630,27 @@ def test_a_target_named_entry_given_to_the_model_is_warned_of():
         warnings.simplefilter("error", UserWarning)
         ddlc.trace(_TakesX(), {"x": batch["x"], "labels": batch["labels"]}, F.cross_entropy,
                    torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _gradients_asked_of_steps_that_keep_none(rank):
+    batch = (torch.randn(8, 4), torch.randn(8, 2))
+    model = torch.nn.Linear(4, 2)
+    messages = []
+    for step in (ddlc.compile(model, (1,), batch, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1)),
+                 ddlc.compile(model, (1,), batch[:1])):
+        (step.step if step.signature.has_loss else step)(*batch[:1 + step.signature.has_loss])
+        try:
+            messages.append(step.gradients())
+        except UnsupportedInputError as error:
+            messages.append(str(error))
+    return messages
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_gradients_of_a_step_with_an_optimizer_or_of_inference_are_refused():
+    """``step.gradients()`` of a step with an optimizer returned an empty dict, which a
+    gradient-norm logger read as zero (round X); it is refused now, as for inference."""
+    with_optimizer, inference = spawn(_gradients_asked_of_steps_that_keep_none, 1, timeout=90, deadline=110)[0]
+    assert "this one has an optimizer" in with_optimizer, with_optimizer
+    assert "this is an inference program" in inference, inference
