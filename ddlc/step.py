@@ -78,6 +78,16 @@ def layout(t: torch.Tensor) -> str:
     return f"with dims {memory_order(t)} from outermost to innermost (strides {strides})"
 
 
+def _kind(t: torch.Tensor) -> tuple:
+    """What a traced program fixes of a tensor it takes: its dtype, shape and device."""
+    return t.dtype, tuple(t.shape), t.device
+
+
+def _describe_kind(kind: tuple) -> str:
+    dtype, shape, device = kind
+    return f"{str(dtype).removeprefix('torch.')} of shape {list(shape)} on {device}"
+
+
 def _group_members(optimizer: torch.optim.Optimizer) -> tuple:
     """Per param group of ``optimizer``, the ids of its parameters."""
     return tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups)
@@ -211,6 +221,8 @@ class CompiledStep:
         #: fingerprints of the model's weights and buffers where they are the step's (at
         #: compile, after a write-back), which the next step compares (:meth:`_written_unseen`)
         self._prints = self._model_prints()
+        #: the dtype, shape and device of each of the model's weights and buffers at compile
+        self._kinds = {name: _kind(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
 
     def _take_model_state(self, model: nn.Module) -> None:
         """This rank's pieces of ``model``'s parameters and buffers, as the program holds them."""
@@ -523,10 +535,7 @@ class CompiledStep:
                 "step's copies of them. Compile again to go on from them (ddlc.compile takes the model "
                 "as it is; one compiled step per batch shape needs a write_back and a compile at each "
                 "switch), or keep training with that step")
-        if self._reads_model_weights:
-            self._take_parameters()
-        if self._keeps_state and holding.holder(self._model) is not self:
-            self._take_writes_into_the_current_model()
+        self._take_the_models_newer_state()
         self._check_model()  # after the checks above: another step's training changed the model's state
         out = self._run(batch, keyword_batch, self._hyperparameters())
         self.params.update(out.get("param", {}))
@@ -572,38 +581,72 @@ class CompiledStep:
         optimizer state changed (``optimizer.load_state_dict``). Writes while the step holds
         newer training than the model are refused (:meth:`_check_model`)."""
         written = self._watch.written() | self._written_unseen()
+        self._refuse_other_kinds(written)
         entries = self._optimizer_watch.changed_entries() if self._optimizer_watch is not None else set()
         changed_ids = {id_ for id_, _ in entries}
         changed = {name for name, p in self._model.named_parameters() if id(p) in changed_ids}
-        self._take_users_changes(written, changed)
+        taken = self._take_users_changes(written, changed)
         self._accept_writes()
         if self._optimizer_watch is not None:
             self._optimizer_watch.accept()
+        if self._prints is not None:  # the model's values are the step's again
+            now = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
+            self._prints.update({name: tensor_fingerprint(now[name]) for name in taken if name in self._prints})
 
     def _written_unseen(self) -> set[str]:
-        """The weights and buffers whose fingerprints differ from those taken at compile or
-        at the last write-back, once (later writes into tensors the step has trained past are
-        not compared)."""
-        prints, self._prints = self._prints, None
-        if prints is None:
+        """The weights and buffers whose fingerprints differ from those taken at compile, at
+        the last write-back or when the step last took the model's writes (writes into
+        tensors the step has trained past are not compared)."""
+        if self._prints is None:
             return set()
         now = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
-        return {name for name, print_ in prints.items()
+        return {name for name, print_ in self._prints.items()
                 if name in now and not torch.equal(tensor_fingerprint(now[name]), print_)}
+
+    def _refuse_other_kinds(self, written: set[str]) -> None:
+        """Refuse a weight or buffer given another dtype, shape or device since compile
+        (``model.double()``, ``p.data = t.double()``, a bias of another size through
+        ``.data``): the traced program has the tensors' dtypes and shapes."""
+        now = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
+        for name in sorted(written):
+            then, tensor = self._kinds.get(name), now.get(name)
+            if then is not None and tensor is not None and then != _kind(tensor):
+                raise UnsupportedInputError(
+                    f"{name} is now {_describe_kind(_kind(tensor))} where the step was "
+                    f"compiled for {_describe_kind(then)} (model.double(), .to(), or a tensor of "
+                    "another dtype or shape assigned to its .data): the compiled program has the "
+                    "dtypes and shapes it was traced with; compile again", where=name)
 
     @property
     def _reads_model_weights(self) -> bool:
         """A training step without an optimizer changes no weight: its weights are the
-        model's, read at each call (:meth:`_take_parameters`)."""
+        model's, read at each call (:meth:`_read_the_models_tensors`)."""
         return self.signature.has_loss and self._optimizer is None
 
-    def _take_parameters(self) -> None:
+    def _take_the_models_newer_state(self) -> None:
+        """Take what the model holds newer than this step's copies, before the step runs or
+        its state is read: the weights a step without an optimizer reads at each call
+        (:meth:`_read_the_models_tensors`), and where the model is as new as this step (it
+        has not run since compile or since its last write-back), what was written into it
+        since (:meth:`_take_writes_into_the_current_model`, a collective)."""
+        if self._reads_model_weights:
+            self._read_the_models_tensors()
+        if self._keeps_state and holding.holder(self._model) is not self:
+            self._take_writes_into_the_current_model()
+
+    def _read_the_models_tensors(self) -> None:
         """A step without an optimizer changes no parameter, so it reads the model's, as they
         are at each call, as eager's backward does: a loop that updates the weights itself
-        from ``gradients()`` (``p.data.add_(g, alpha=-lr)``, word_language_model's) trains."""
+        from ``gradients()`` (``p.data.add_(g, alpha=-lr)``, word_language_model's) trains.
+        So it reads the buffers too where it updates none (a constant table, a mask)."""
         params = dict(self._model.named_parameters())
         self.params = {k: self._shard(k, params[k]) for k in self.signature.keys("param")}
-        self._watch.accept_writes(set(self.params))
+        read = set(self.params)
+        if not self._keeps_state:
+            buffers = dict(self._model.named_buffers())
+            self.buffers = {k: self._shard(k, buffers[k]) for k in self.buffers}
+            read |= set(self.buffers)
+        self._watch.accept_writes(read)
 
     def _take_inference_statistics(self) -> None:
         """Where an inference program of this model, or of a model sharing a submodule with
@@ -693,14 +736,15 @@ class CompiledStep:
         if self.signature.has_loss:
             holding.wrote(self, self._model)
 
-    def _take_users_changes(self, written: set[str], changed: set[str]) -> None:
+    def _take_users_changes(self, written: set[str], changed: set[str]) -> list[str]:
         """After :meth:`write_back`: the step goes on from the parameters and buffers the
         user wrote into the model (``written``: ``nn.init``, ``load_state_dict``, an average
         copied in) and from the optimizer state of the parameters whose state the user
         changed (``changed``: ``optimizer.load_state_dict``, a reset of one parameter's
         moments), as eager training would, instead of from its own shards. Every rank
         takes rank 0's values (as compile does), the optimizer's hyper-parameters too, for
-        what any rank changed: which that is, is agreed first (one small collective)."""
+        what any rank changed: which that is, is agreed first (one small collective).
+        Returns the names of the weights and buffers taken (those any rank wrote)."""
         own = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
         names = sorted(own)
         mask = torch.tensor([name in written for name in names] + [name in changed for name in names],
@@ -720,6 +764,7 @@ class CompiledStep:
             params = dict(self._model.named_parameters())
             self.opt_state.update({k: self._initial_opt_state(k, params, self._optimizer)
                                    for k in self.signature.keys("opt_state") if k.rsplit(":", 1)[0] in changed})
+        return written
 
     def _hand_back_stream(self) -> None:
         """The random stream's latest state (another program's draws too) into the default
@@ -918,8 +963,7 @@ class CompiledStep:
         ``state_dict()`` (a tied parameter under each of its names), so that
         ``model.load_state_dict(step.state_dict(), strict=True)`` works (collective)."""
         self._take_inference_statistics()
-        if self._reads_model_weights:
-            self._take_parameters()
+        self._take_the_models_newer_state()
         full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()}
         state = {key: full[name] for key, name in self._state_dict_names.items()}
         return {key: state[key] if key in state else self._extra_state[key]
@@ -1027,8 +1071,7 @@ class CompiledStep:
                 "torch.save of model.state_dict() and optimizer.state_dict() instead")
         self._take_stream()  # the stream's latest state, another program's draws too
         self._take_inference_statistics()
-        if self._reads_model_weights:
-            self._take_parameters()
+        self._take_the_models_newer_state()
         dcp.save({**self._sharded_state(), **self._param_group_state()}, checkpoint_id=path)
 
     def load_checkpoint(self, path: str) -> None:
@@ -1080,6 +1123,7 @@ class CompiledStep:
         updated: its state is the optimizer's own, as every rank took it from rank 0 at
         compile (none for most optimizers; Adagrad makes its sum when it is made); so is a
         frozen parameter's (the state an earlier training left it, which eager keeps)."""
+        self._take_the_models_newer_state()
         untrained = set(self.signature.untrained)
         on_cpu = self._steps_kept_on_cpu()
         state = {k: self._gather(k, v).cpu() if k in on_cpu else self._gather(k, v)

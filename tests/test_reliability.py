@@ -2654,3 +2654,91 @@ def test_gradients_of_a_step_with_an_optimizer_or_of_inference_are_refused():
     with_optimizer, inference = spawn(_gradients_asked_of_steps_that_keep_none, 1, timeout=90, deadline=110)[0]
     assert "this one has an optimizer" in with_optimizer, with_optimizer
     assert "this is an inference program" in inference, inference
+
+
+def test_a_tensor_fingerprint_tells_apart_a_change_of_one_element_or_its_position():
+    """What the first step after a write-back and the cross-rank batch checks compare: one
+    element moved by one ulp, two neighbours swapped, a zero's sign, a NaN's position, a
+    complex tensor's imaginary part, in every element size."""
+    from ddlc.ranks import tensor_fingerprint
+    x = torch.randn(64, 33)
+    changed = [x.clone() for _ in range(3)]
+    changed[0][5, 7] = torch.nextafter(x[5, 7], torch.tensor(float("inf")))
+    changed[1][0, 0], changed[1][0, 1] = x[0, 1], x[0, 0]
+    changed[2][3] = torch.nan
+    for other in changed:
+        assert not torch.equal(tensor_fingerprint(other), tensor_fingerprint(x))
+    assert torch.equal(tensor_fingerprint(x.clone()), tensor_fingerprint(x))
+    assert torch.equal(tensor_fingerprint(x.t().contiguous().t()), tensor_fingerprint(x))
+    assert not torch.equal(tensor_fingerprint(torch.zeros(3)), tensor_fingerprint(-torch.zeros(3)))
+    z = torch.randn(8, dtype=torch.complex64)
+    assert not torch.equal(tensor_fingerprint(z), tensor_fingerprint(z + 1e-3j))
+    for t in (torch.tensor([True, False]), torch.randn(5).bfloat16(), torch.arange(7), torch.randn(4).double()):
+        changed = t.clone()
+        changed[1] = ~changed[1] if t.dtype == torch.bool else changed[1] + 1
+        assert not torch.equal(tensor_fingerprint(changed), tensor_fingerprint(t)), t.dtype
+
+
+class _Scaled(torch.nn.Module):
+    """A layer whose output a buffer scales: a constant the step reads and never updates."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def _writes_read_before_the_next_step(rank):
+    """Worker: what a write-back's writes give before the next step runs."""
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 4), torch.randn(8, 2))
+    model = _clipped_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = ddlc.compile(model, (1,), batch, F.mse_loss, opt)
+    step.step(*batch)
+    step.write_back()
+    out = {}
+    torch.nn.init.zeros_(model[3].weight)
+    opt.state[model[3].bias]["momentum_buffer"].zero_()
+    out["state_dict"] = step.state_dict()["3.weight"].abs().sum().item()
+    out["optimizer_state"] = step.optimizer_state()["3.bias:momentum_buffer"].abs().sum().item()
+    model.eval()  # refused, then undone: the writes after it are taken still
+    try:
+        step.step(*batch)
+    except UnsupportedInputError:
+        pass
+    model.train()
+    model[0].weight.data.clamp_(-0.01, 0.01)
+    out["after_a_refused_step"] = step.state_dict()["0.weight"].abs().max().item()
+    step.step(*batch)
+    step.write_back()
+    model.double()
+    try:
+        step.step(*batch)
+    except UnsupportedInputError as error:
+        out["double"] = str(error)
+    # a step without an optimizer reads a constant buffer as the model has it at each call
+    torch.manual_seed(0)
+    scaled = _Scaled()
+    gradients_only = ddlc.compile(scaled, (1,), batch, F.mse_loss)
+    scaled.scale.data.fill_(2.0)
+    out["constant_buffer"] = (gradients_only.step(*batch), F.mse_loss(scaled(batch[0]), batch[1]).detach())
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_writes_into_a_current_model_are_read_before_the_next_step_and_kept_by_a_refused_one():
+    """Round Y: writes after a write-back reached the step only at its next ``step()``, so
+    ``state_dict()``, ``optimizer_state()`` and a checkpoint gave the old values; a refused
+    step used up the fingerprints, and a ``.data`` write after it was ignored; a dtype
+    changed by ``model.double()`` crashed inside the program; a step without an optimizer
+    ignored a ``.data`` write into a buffer it reads and never updates."""
+    out = spawn(_writes_read_before_the_next_step, 1, timeout=90, deadline=110)[0]
+    assert out["state_dict"] == 0 and out["optimizer_state"] == 0, out
+    assert out["after_a_refused_step"] <= 0.01, out
+    assert "0.bias is now float64 of shape [8]" in out["double"] and "compiled for float32" in out["double"], out
+    torch.testing.assert_close(*out["constant_buffer"])
