@@ -581,11 +581,10 @@ class CompiledStep:
         optimizer state changed (``optimizer.load_state_dict``). Writes while the step holds
         newer training than the model are refused (:meth:`_check_model`)."""
         written = self._watch.written() | self._written_unseen()
-        self._refuse_other_kinds(written)
         entries = self._optimizer_watch.changed_entries() if self._optimizer_watch is not None else set()
         changed_ids = {id_ for id_, _ in entries}
         changed = {name for name, p in self._model.named_parameters() if id(p) in changed_ids}
-        taken = self._take_users_changes(written, changed)
+        taken = self._take_users_changes(written, changed, self._other_kind(written))
         self._accept_writes()
         if self._optimizer_watch is not None:
             self._optimizer_watch.accept()
@@ -603,19 +602,20 @@ class CompiledStep:
         return {name for name, print_ in self._prints.items()
                 if name in now and not torch.equal(tensor_fingerprint(now[name]), print_)}
 
-    def _refuse_other_kinds(self, written: set[str]) -> None:
-        """Refuse a weight or buffer given another dtype, shape or device since compile
-        (``model.double()``, ``p.data = t.double()``, a bias of another size through
-        ``.data``): the traced program has the tensors' dtypes and shapes."""
+    def _other_kind(self, written: set[str]) -> UnsupportedInputError | None:
+        """The refusal of a weight or buffer given another dtype, shape or device since
+        compile (``model.double()``, ``p.data = t.double()``, a bias of another size through
+        ``.data``), or None: the traced program has the tensors' dtypes and shapes."""
         now = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
         for name in sorted(written):
             then, tensor = self._kinds.get(name), now.get(name)
             if then is not None and tensor is not None and then != _kind(tensor):
-                raise UnsupportedInputError(
+                return UnsupportedInputError(
                     f"{name} is now {_describe_kind(_kind(tensor))} where the step was "
                     f"compiled for {_describe_kind(then)} (model.double(), .to(), or a tensor of "
                     "another dtype or shape assigned to its .data): the compiled program has the "
                     "dtypes and shapes it was traced with; compile again", where=name)
+        return None
 
     @property
     def _reads_model_weights(self) -> bool:
@@ -736,20 +736,28 @@ class CompiledStep:
         if self.signature.has_loss:
             holding.wrote(self, self._model)
 
-    def _take_users_changes(self, written: set[str], changed: set[str]) -> list[str]:
+    def _take_users_changes(self, written: set[str], changed: set[str],
+                            refusal: UnsupportedInputError | None = None) -> list[str]:
         """After :meth:`write_back`: the step goes on from the parameters and buffers the
         user wrote into the model (``written``: ``nn.init``, ``load_state_dict``, an average
         copied in) and from the optimizer state of the parameters whose state the user
         changed (``changed``: ``optimizer.load_state_dict``, a reset of one parameter's
         moments), as eager training would, instead of from its own shards. Every rank
         takes rank 0's values (as compile does), the optimizer's hyper-parameters too, for
-        what any rank changed: which that is, is agreed first (one small collective).
+        what any rank changed: which that is, is agreed first (one small collective), and
+        so is a ``refusal`` of any rank's, which every rank raises then.
         Returns the names of the weights and buffers taken (those any rank wrote)."""
         own = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
         names = sorted(own)
-        mask = torch.tensor([name in written for name in names] + [name in changed for name in names],
-                            dtype=torch.int32, device=self.device)
+        mask = torch.tensor([name in written for name in names] + [name in changed for name in names]
+                            + [refusal is not None], dtype=torch.int32, device=self.device)
         dist.all_reduce(mask, op=dist.ReduceOp.MAX)
+        if mask[-1]:
+            raise refusal or UnsupportedInputError(
+                "another rank refused what was written into its model since compile or the last "
+                "write-back (a weight or buffer of another dtype, shape or device; its error names "
+                "it): every rank must change its model alike")
+        mask = mask[:-1]
         written = [name for name, bit in zip(names, mask[:len(names)].tolist()) if bit]
         changed = {name for name, bit in zip(names, mask[len(names):].tolist()) if bit}
         with torch.no_grad():

@@ -2697,7 +2697,7 @@ def _writes_read_before_the_next_step(rank):
     batch = (torch.randn(8, 4), torch.randn(8, 2))
     model = _clipped_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    step = ddlc.compile(model, (1,), batch, F.mse_loss, opt)
+    step = ddlc.compile(model, (2,), batch, F.mse_loss, opt)
     step.step(*batch)
     step.write_back()
     out = {}
@@ -2715,7 +2715,8 @@ def _writes_read_before_the_next_step(rank):
     out["after_a_refused_step"] = step.state_dict()["0.weight"].abs().max().item()
     step.step(*batch)
     step.write_back()
-    model.double()
+    if rank == 1:  # refused on every rank at once
+        model.double()
     try:
         step.step(*batch)
     except UnsupportedInputError as error:
@@ -2723,7 +2724,7 @@ def _writes_read_before_the_next_step(rank):
     # a step without an optimizer reads a constant buffer as the model has it at each call
     torch.manual_seed(0)
     scaled = _Scaled()
-    gradients_only = ddlc.compile(scaled, (1,), batch, F.mse_loss)
+    gradients_only = ddlc.compile(scaled, (2,), batch, F.mse_loss)
     scaled.scale.data.fill_(2.0)
     out["constant_buffer"] = (gradients_only.step(*batch), F.mse_loss(scaled(batch[0]), batch[1]).detach())
     return out
@@ -2735,10 +2736,13 @@ def test_writes_into_a_current_model_are_read_before_the_next_step_and_kept_by_a
     """Round Y: writes after a write-back reached the step only at its next ``step()``, so
     ``state_dict()``, ``optimizer_state()`` and a checkpoint gave the old values; a refused
     step used up the fingerprints, and a ``.data`` write after it was ignored; a dtype
-    changed by ``model.double()`` crashed inside the program; a step without an optimizer
-    ignored a ``.data`` write into a buffer it reads and never updates."""
-    out = spawn(_writes_read_before_the_next_step, 1, timeout=90, deadline=110)[0]
-    assert out["state_dict"] == 0 and out["optimizer_state"] == 0, out
-    assert out["after_a_refused_step"] <= 0.01, out
-    assert "0.bias is now float64 of shape [8]" in out["double"] and "compiled for float32" in out["double"], out
-    torch.testing.assert_close(*out["constant_buffer"])
+    changed by ``model.double()`` crashed inside the program (on one rank alone, it is
+    refused on every rank at once); a step without an optimizer ignored a ``.data`` write
+    into a buffer it reads and never updates."""
+    first, second = spawn(_writes_read_before_the_next_step, 2, timeout=90, deadline=110)
+    for out in (first, second):
+        assert out["state_dict"] == 0 and out["optimizer_state"] == 0, out
+        assert out["after_a_refused_step"] <= 0.01, out
+        torch.testing.assert_close(*out["constant_buffer"])
+    assert "0.bias is now float64 of shape [8]" in second["double"] and "compiled for float32" in second["double"]
+    assert first["double"].startswith("another rank refused what was written into its model"), first
