@@ -590,7 +590,8 @@ class CompiledStep:
             self._optimizer_watch.accept()
         if self._prints is not None:  # the model's values are the step's again
             now = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
-            self._prints.update({name: tensor_fingerprint(now[name]) for name in taken if name in self._prints})
+            self._prints.update({name: tensor_fingerprint(now[name]) for name in taken
+                                 if name in self._prints})
 
     def _written_unseen(self) -> set[str]:
         """The weights and buffers whose fingerprints differ from those taken at compile, at

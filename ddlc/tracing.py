@@ -524,8 +524,8 @@ def _refuse_overlapping_parameters(model: nn.Module) -> None:
 
 
 def _check_modules(model: nn.Module) -> None:
-    """Refuse embeddings with sparse gradients (no sparse tensor runs through the traced update), and hooks on
-    gradients: a parameter's (``register_hook``, ``register_post_accumulate_grad_hook``,
+    """Refuse embeddings with sparse gradients (no sparse tensor runs through the traced
+    update), and hooks on gradients: a parameter's (``register_hook``, ``register_post_accumulate_grad_hook``,
     which autograd runs as it fills ``.grad``: ddlc computes gradients in the traced step
     and no ``.grad`` is filled) and a module's backward hooks (torch runs them through an
     old-style autograd.Function, which the torch.func transforms cannot run)."""
