@@ -54,6 +54,9 @@ class ForwardRewrites(TorchFunctionMode):
       range, which reads the values (the trace fails there; a label out of range then gives
       a row of zeros where eager raises). Without ``num_classes`` it is refused: the count
       would come from the values.
+    - ``x[i]`` (also ``x[:, i]``, ``x[..., i, 1:]``) with ``i`` a 0-d integer tensor (an
+      ``argmax``), which eager reads as an int, as ``index_select`` of ``i`` along the dim it
+      indexes, that dim dropped (at the level of the step's own transform only).
     - ``F.embedding(..., sparse=True)`` (not through an ``nn.Embedding``, which
       :func:`ddlc.tracing._check_modules` refuses before tracing) is refused: a sparse gradient.
     - ``F.gaussian_nll_loss`` with a variance tensor: torch's formula (the variance clamped
@@ -225,7 +228,37 @@ def _normal(mean, std=1.0, *size, generator=None, out=None, **options):
     return noise.normal_(0, 1).mul_(std).add_(mean)
 
 
+def _getitem(self, index):
+    """``x[..., i, ...]`` with ``i`` a 0-d integer tensor (an ``argmax``), which eager reads
+    as an int (a value one static graph cannot hold), as ``index_select`` of ``i`` along the
+    dim it indexes, that dim then dropped: the same values and gradient. Only where it is
+    the index's one tensor among slices, ints, ``None`` and ``...``; a negative ``i`` counts
+    from the end, one out of range fails when the step runs, as in eager."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(item is None or item is Ellipsis or type(item) in (int, slice) or isinstance(item, torch.Tensor)
+               for item in items):
+        return _AS_IS
+    tensors = [p for p, item in enumerate(items) if isinstance(item, torch.Tensor)]
+    if len(tensors) != 1 or items[tensors[0]].ndim != 0 or items[tensors[0]].dtype not in _INDEX_DTYPES:
+        return _AS_IS
+    at = tensors[0]
+    consuming = sum(item is not None and item is not Ellipsis for item in items)
+    if consuming > self.ndim or sum(item is Ellipsis for item in items) > 1:
+        return _AS_IS  # torch's own error
+    ellipsis_dims = self.ndim - consuming
+    dim = sum(ellipsis_dims if item is Ellipsis else item is not None for item in items[:at])
+    kept = sum(ellipsis_dims if item is Ellipsis else type(item) is not int for item in items[:at])
+    i = items[at]
+    i = torch.where(i < 0, i + self.shape[dim], i).reshape(1)
+    sliced = self[items[:at] + (slice(None),) + items[at + 1:]]
+    return sliced.index_select(kept, i).squeeze(kept)
+
+
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
+
+
 _REWRITES = {torch.normal: _normal, F.batch_norm: _batch_norm, F.instance_norm: _instance_norm,
+             torch.Tensor.__getitem__: _getitem,
              torch.Tensor.requires_grad_: _requires_grad, F.one_hot: _one_hot,
              F.gaussian_nll_loss: _gaussian_nll_loss, F.embedding: _embedding,
              torch.cov: _cov, torch.Tensor.cov: _cov, torch.corrcoef: _corrcoef, torch.Tensor.corrcoef: _corrcoef,
@@ -233,7 +266,7 @@ _REWRITES = {torch.normal: _normal, F.batch_norm: _batch_norm, F.instance_norm: 
              torch.Tensor.register_post_accumulate_grad_hook: _register_post_accumulate_grad_hook}
 #: the calls rewritten only at the level of the step's own transform (see ForwardRewrites)
 _STEP_LEVEL_ONLY = frozenset({torch.Tensor.requires_grad_, torch.Tensor.register_hook, torch.Tensor.retain_grad,
-                              torch.Tensor.register_post_accumulate_grad_hook})
+                              torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.__getitem__})
 
 
 def _instance_norm_by_reductions(input, running_mean, running_var, weight, bias, use_input_stats,

@@ -680,6 +680,41 @@ def test_one_hot_targets_on_a_split_batch(mesh_shape):
     _matches_eager(model, _one_hot_loss, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), data, mesh_shape)
 
 
+class _PicksByArgmax(nn.Module):
+    """Adds the largest activation, and a column and a row picked by 0-d integer tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(10, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + h.flatten()[h.argmax()] + h[:, h.sum(0).argmin()].unsqueeze(1) + h[..., -(h.argmax() % 2) - 1, None]
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_indexing_by_a_0d_integer_tensor_trains(mesh_shape):
+    """``x[i]`` with ``i`` a 0-d integer tensor reads ``i``'s value in eager (an int index),
+    which one static graph cannot: it was refused as data-dependent (round W). It traces as
+    ``index_select`` and trains like single device; a negative one counts from the end."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 10, generator=g), torch.randn(8, 6, generator=g)) for _ in range(3)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
+    _matches_eager(_PicksByArgmax(), F.mse_loss, sgd, data, mesh_shape)
+
+
+def test_indexing_by_a_0d_integer_tensor_is_rewritten_as_eager_indexes():
+    """The rewrite against eager's indexing: the tensor among slices, ints, None and ``...``,
+    in every position, negative indices included."""
+    from ddlc.forward_rewrites import _getitem
+    x = torch.randn(3, 4, 5)
+    i, j = torch.tensor(2), torch.tensor(-1)
+    for index in [i, (i,), (slice(None), i), (Ellipsis, j), (None, i, 1), (j, Ellipsis, slice(1, 3)),
+                  (slice(0, 3, 2), None, j, None), (1, i, slice(None)), (Ellipsis, i, None)]:
+        torch.testing.assert_close(_getitem(x, index), x[index], rtol=0, atol=0, msg=str(index))
+
+
 def test_one_hot_without_the_class_count_is_refused():
     """Without ``num_classes`` the count comes from the labels' values: refused at the
     user's line."""
