@@ -2746,3 +2746,48 @@ def test_writes_into_a_current_model_are_read_before_the_next_step_and_kept_by_a
         torch.testing.assert_close(*out["constant_buffer"])
     assert "0.bias is now float64 of shape [8]" in second["double"] and "compiled for float32" in second["double"]
     assert first["double"].startswith("another rank refused what was written into its model"), first
+
+
+def _statistics_of_an_inference_call_then_a_write_back(rank):
+    torch.manual_seed(0)
+    model = _clipped_net()
+    step = ddlc.compile(model, (2,), _drifting(0), F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    infer = ddlc.compile(model, (2,), _drifting(0)[:1])
+    losses = [step.step(*_drifting(0))]
+    infer(_drifting(1)[0])  # in train mode: BatchNorm's statistics move
+    step.write_back()
+    losses.append(step.step(*_drifting(2)))
+    step.write_back()
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _drifting(i):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(8, 4, generator=g) * (i + 1), torch.randn(8, 2, generator=g)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_statistics_of_a_train_mode_inference_call_reach_the_step_across_a_write_back():
+    """A train-mode inference call between steps moves BatchNorm's statistics, which the
+    next step reads as eager's does, also where a write-back comes between (the README said
+    it was refused)."""
+    losses, state = spawn(_statistics_of_an_inference_call_then_a_write_back, 2, timeout=90, deadline=110)[0]
+    torch.manual_seed(0)
+    model = _clipped_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    want = []
+    for i in (0, 1, 2):
+        x, y = _drifting(i)
+        if i == 1:
+            with torch.no_grad():
+                model(x)
+            continue
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.detach())
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(state[name], value, msg=name)
