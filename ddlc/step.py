@@ -563,6 +563,10 @@ class CompiledStep:
                    *self._model.named_buffers()]
         return {name: tensor_fingerprint(t) for name, t in tensors}
 
+    def _model_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers by name, as they are now."""
+        return {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
+
     @property
     def _keeps_state(self) -> bool:
         """Whether a step leaves weights or statistics of its own, newer than the model's
@@ -589,7 +593,7 @@ class CompiledStep:
         if self._optimizer_watch is not None:
             self._optimizer_watch.accept()
         if self._prints is not None:  # the model's values are the step's again
-            now = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
+            now = self._model_tensors()
             self._prints.update({name: tensor_fingerprint(now[name]) for name in taken
                                  if name in self._prints})
 
@@ -599,7 +603,7 @@ class CompiledStep:
         tensors the step has trained past are not compared)."""
         if self._prints is None:
             return set()
-        now = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
+        now = self._model_tensors()
         return {name for name, print_ in self._prints.items()
                 if name in now and not torch.equal(tensor_fingerprint(now[name]), print_)}
 
@@ -607,7 +611,7 @@ class CompiledStep:
         """The refusal of a weight or buffer given another dtype, shape or device since
         compile (``model.double()``, ``p.data = t.double()``, a bias of another size through
         ``.data``), or None: the traced program has the tensors' dtypes and shapes."""
-        now = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
+        now = self._model_tensors()
         for name in sorted(written):
             then, tensor = self._kinds.get(name), now.get(name)
             if then is not None and tensor is not None and then != _kind(tensor):
@@ -748,7 +752,7 @@ class CompiledStep:
         what any rank changed: which that is, is agreed first (one small collective), and
         so is a ``refusal`` of any rank's, which every rank raises then.
         Returns the names of the weights and buffers taken (those any rank wrote)."""
-        own = {**dict(self._model.named_parameters()), **dict(self._model.named_buffers())}
+        own = self._model_tensors()
         names = sorted(own)
         mask = torch.tensor([name in written for name in names] + [name in changed for name in names]
                             + [refusal is not None], dtype=torch.int32, device=self.device)
