@@ -15,8 +15,9 @@ import torch
 
 from .errors import UnsupportedInputError
 
-__all__ = ["OptimizerSpec", "SGDSpec", "AdamWSpec", "AdamSpec", "RMSpropSpec", "AdagradSpec", "optimizer_spec",
-           "hyperparameter_key", "hyperparameter_values", "refuse_step_hooks", "structure"]
+__all__ = ["OptimizerSpec", "SGDSpec", "AdamWSpec", "AdamSpec", "RMSpropSpec", "AdagradSpec", "AdadeltaSpec",
+           "AdamaxSpec", "NAdamSpec", "RAdamSpec", "optimizer_spec", "hyperparameter_key", "hyperparameter_values",
+           "refuse_step_hooks", "structure"]
 
 
 class OptimizerSpec:
@@ -35,12 +36,35 @@ class OptimizerSpec:
     #: fields that only set the state's start (:meth:`initial_value`): torch.optim reads
     #: them once, when it makes the state, so a later edit changes nothing
     initial_only: tuple[str, ...] = ()
+    #: ascend instead of descend (each spec's dataclass field; torch.optim's ``maximize``)
+    maximize: bool = False
+
+    @classmethod
+    def group_values(cls, group: dict) -> dict[str, object]:
+        """The values of the ``inputs`` hyper-parameters in param group ``group`` (its
+        ``betas`` pair gives ``beta1`` and ``beta2``)."""
+        entries = {**group, **dict(zip(("beta1", "beta2"), group.get("betas", ())))}
+        return {name: entries[name] for name in cls.inputs}
+
+    @classmethod
+    def from_group(cls, group: dict) -> "OptimizerSpec":
+        """The spec of param group ``group``: each field the group's entry of that name
+        (``beta1`` and ``beta2`` from ``betas``), as the field's type; a field the group
+        lacks keeps its default (``maximize`` of an optimizer pickled before torch had it)."""
+        values = {k: float(v) for k, v in cls.group_values(group).items()}
+        for f in dataclasses.fields(cls):
+            if f.name not in values and f.name in group:
+                values[f.name] = type(f.default)(group[f.name])
+        return cls(**values)
 
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The state of a parameter that has not stepped: every tensor filled with its
-        :meth:`initial_value` (so each rank of a compiled step makes its own pieces, without
-        the whole)."""
-        raise NotImplementedError
+        """The state of a parameter that has not stepped: each :attr:`per_element` state
+        like ``param``, each other one (a step count, NAdam's product of momenta) a 0-d
+        float32 tensor, as torch.optim makes them, every one filled with its
+        :meth:`initial_value` (so each rank of a compiled step makes its own pieces,
+        without the whole)."""
+        return {name: torch.full_like(param, self.initial_value(name)) if name in self.per_element
+                else torch.tensor(self.initial_value(name), dtype=torch.float32) for name in self.state_names}
 
     def initial_value(self, state_name: str) -> float:
         """The value every element of state ``state_name`` starts at."""
@@ -64,10 +88,14 @@ class OptimizerSpec:
         float64. So a 0-d parameter, its gradient and its :attr:`per_element` state are
         updated as one-element vectors and given back their shape. A complex parameter is
         updated as its real and imaginary parts (``view_as_real``), as torch.optim does (Adam's
-        second moment is then per part, not ``|g|^2``)."""
+        second moment is then per part, not ``|g|^2``). With ``maximize`` the update takes
+        the negated gradient, as torch.optim does before anything else."""
+        return self._apply(param, grad.neg() if self.maximize else grad, state, hp)
+
+    def _apply(self, param, grad, state, hp):
         if param.is_complex():
             parts = {k: torch.view_as_real(v) if k in self.per_element else v for k, v in state.items()}
-            new_param, new_state = self.apply(torch.view_as_real(param), torch.view_as_real(grad), parts, hp)
+            new_param, new_state = self._apply(torch.view_as_real(param), torch.view_as_real(grad), parts, hp)
             return torch.view_as_complex(new_param), {
                 k: torch.view_as_complex(v) if k in self.per_element else v for k, v in new_state.items()}
         if param.dim() != 0:
@@ -92,33 +120,24 @@ class OptimizerSpec:
 
 @dataclass(frozen=True)
 class SGDSpec(OptimizerSpec):
+    """``torch.optim.SGD``: momentum (nesterov), L2 weight decay. torch starts the momentum
+    buffer as a copy of the first gradient; a zero buffer gives the same first step while
+    dampening is 0 (``momentum * 0 + g``), so dampening is refused."""
+
     lr: float
     momentum: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    maximize: bool = False
 
     inputs = ("lr", "momentum", "weight_decay")
     gates = ("momentum", "weight_decay")
-
-    @staticmethod
-    def from_group(group: dict) -> "SGDSpec":
-        return SGDSpec(lr=float(group["lr"]), momentum=float(group["momentum"]),
-                       weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]))
-
-    @staticmethod
-    def group_values(group: dict) -> dict[str, float]:
-        return {"lr": group["lr"], "momentum": group["momentum"], "weight_decay": group["weight_decay"]}
 
     per_element = ("momentum_buffer",)
 
     @property
     def state_names(self) -> tuple[str, ...]:
         return ("momentum_buffer",) if self.momentum else ()
-
-    def init_state(self, param):
-        # torch starts the buffer as a copy of the first gradient; a zero buffer
-        # gives the identical first step when dampening is 0 (momentum*0 + g).
-        return {name: torch.zeros_like(param) for name in self.state_names}
 
     def derived(self, hp):
         return {**hp, "neg_lr": -hp["lr"]}
@@ -142,27 +161,16 @@ class AdamWSpec(OptimizerSpec):
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.01
+    amsgrad: bool = False
+    maximize: bool = False
 
-    state_names = ("step", "exp_avg", "exp_avg_sq")
-    per_element = ("exp_avg", "exp_avg_sq")
+    per_element = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     inputs = ("lr", "beta1", "beta2", "eps", "weight_decay")
     gates = ("weight_decay",)
 
-    @staticmethod
-    def from_group(group: dict) -> "AdamWSpec":
-        b1, b2 = group["betas"]
-        return AdamWSpec(lr=float(group["lr"]), beta1=float(b1), beta2=float(b2),
-                         eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
-
-    @staticmethod
-    def group_values(group: dict) -> dict[str, float]:
-        b1, b2 = group["betas"]
-        return {"lr": group["lr"], "beta1": b1, "beta2": b2, "eps": group["eps"],
-                "weight_decay": group["weight_decay"]}
-
-    def init_state(self, param):
-        return {"step": torch.zeros((), dtype=torch.float32),
-                "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return ("step", "exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if self.amsgrad else ()))
 
     def derived(self, hp):
         out = {**hp, "one_minus_beta1": 1 - hp["beta1"], "one_minus_beta2": 1 - hp["beta2"]}
@@ -175,18 +183,21 @@ class AdamWSpec(OptimizerSpec):
             param = param * hp["decay"]
         return self._moments_step(param, grad, state, hp)
 
-    @staticmethod
-    def _moments_step(param, grad, state, hp):
-        """Adam's moment update and bias-corrected step (after any weight decay)."""
+    def _moments_step(self, param, grad, state, hp):
+        """Adam's moment update and bias-corrected step (after any weight decay); with
+        ``amsgrad``, the step divides by the largest second moment so far instead."""
         step = state["step"] + 1
         exp_avg = state["exp_avg"].lerp(grad, hp["one_minus_beta1"])
         # beta2 * v + (1 - beta2) * g^2, as a lerp (one kernel after g^2)
         exp_avg_sq = state["exp_avg_sq"].lerp(grad * grad, hp["one_minus_beta2"])
+        new_state = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        second = exp_avg_sq
+        if self.amsgrad:
+            second = new_state["max_exp_avg_sq"] = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq)
         bias_correction1 = 1 - torch.pow(hp["beta1"], step)
         bias_correction2_sqrt = (1 - torch.pow(hp["beta2"], step)).sqrt()
-        denom = exp_avg_sq.sqrt().div(bias_correction2_sqrt).add(hp["eps"])
-        new_param = param - exp_avg.div(denom).mul(hp["lr"] / bias_correction1)
-        return new_param, {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        denom = second.sqrt().div(bias_correction2_sqrt).add(hp["eps"])
+        return param - exp_avg.div(denom).mul(hp["lr"] / bias_correction1), new_state
 
 
 @dataclass(frozen=True)
@@ -195,10 +206,6 @@ class AdamSpec(AdamWSpec):
     (``grad + weight_decay * param``) instead of decoupled from it."""
 
     weight_decay: float = 0.0
-
-    @staticmethod
-    def from_group(group: dict) -> "AdamSpec":
-        return AdamSpec(**dataclasses.asdict(AdamWSpec.from_group(group)))
 
     def derived(self, hp):
         return {**hp, "one_minus_beta1": 1 - hp["beta1"], "one_minus_beta2": 1 - hp["beta2"]}
@@ -220,27 +227,16 @@ class RMSpropSpec(OptimizerSpec):
     weight_decay: float = 0.0
     momentum: float = 0.0
     centered: bool = False
+    maximize: bool = False
 
     per_element = ("square_avg", "momentum_buffer", "grad_avg")
     inputs = ("lr", "alpha", "eps", "weight_decay", "momentum")
     gates = ("weight_decay", "momentum")
 
-    @staticmethod
-    def from_group(group: dict) -> "RMSpropSpec":
-        return RMSpropSpec(**{k: float(group[k]) for k in RMSpropSpec.inputs}, centered=bool(group["centered"]))
-
-    @staticmethod
-    def group_values(group: dict) -> dict[str, float]:
-        return {k: group[k] for k in RMSpropSpec.inputs}
-
     @property
     def state_names(self) -> tuple[str, ...]:
         return ("step", "square_avg", *(("momentum_buffer",) if self.momentum else ()),
                 *(("grad_avg",) if self.centered else ()))
-
-    def init_state(self, param):
-        return {name: torch.zeros((), dtype=torch.float32) if name == "step" else torch.zeros_like(param)
-                for name in self.state_names}
 
     def derived(self, hp):
         return {**hp, "one_minus_alpha": 1 - hp["alpha"], "neg_lr": -hp["lr"]}
@@ -276,25 +272,13 @@ class AdagradSpec(OptimizerSpec):
     weight_decay: float = 0.0
     eps: float = 1e-10
     initial_accumulator_value: float = 0.0
+    maximize: bool = False
 
     state_names = ("step", "sum")
     per_element = ("sum",)
     inputs = ("lr", "lr_decay", "weight_decay", "eps")
     gates = ("weight_decay",)
     initial_only = ("initial_accumulator_value",)
-
-    @staticmethod
-    def from_group(group: dict) -> "AdagradSpec":
-        return AdagradSpec(**{k: float(group[k]) for k in AdagradSpec.inputs},
-                           initial_accumulator_value=float(group["initial_accumulator_value"]))
-
-    @staticmethod
-    def group_values(group: dict) -> dict[str, float]:
-        return {k: group[k] for k in AdagradSpec.inputs}
-
-    def init_state(self, param):
-        return {"step": torch.zeros((), dtype=torch.float32),
-                "sum": torch.full_like(param, self.initial_accumulator_value)}
 
     def initial_value(self, state_name: str) -> float:
         return self.initial_accumulator_value if state_name == "sum" else 0.0
@@ -309,7 +293,166 @@ class AdagradSpec(OptimizerSpec):
         return torch.addcdiv(param, grad * neg_clr, total.sqrt() + hp["eps"]), {"step": step, "sum": total}
 
 
-_UNSUPPORTED_FLAGS = ("maximize", "amsgrad", "differentiable", "capturable")
+@dataclass(frozen=True)
+class AdadeltaSpec(OptimizerSpec):
+    """``torch.optim.Adadelta``: running averages of squared gradients and of squared
+    updates (both with ``rho``), the update the gradient scaled by the ratio of their
+    roots, times ``lr``; L2 weight decay."""
+
+    lr: float = 1.0
+    rho: float = 0.9
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+    maximize: bool = False
+
+    state_names = ("step", "square_avg", "acc_delta")
+    per_element = ("square_avg", "acc_delta")
+    inputs = ("lr", "rho", "eps", "weight_decay")
+    gates = ("weight_decay",)
+
+    def derived(self, hp):
+        return {**hp, "one_minus_rho": 1 - hp["rho"], "neg_lr": -hp["lr"]}
+
+    def update(self, param, grad, state, hp):
+        if self.weight_decay:
+            grad = torch.addcmul(grad, param, hp["weight_decay"])
+        square_avg = torch.addcmul(state["square_avg"] * hp["rho"], grad * hp["one_minus_rho"], grad)
+        delta = (state["acc_delta"] + hp["eps"]).sqrt() / (square_avg + hp["eps"]).sqrt() * grad
+        acc_delta = torch.addcmul(state["acc_delta"] * hp["rho"], delta * hp["one_minus_rho"], delta)
+        return torch.addcmul(param, delta, hp["neg_lr"]), {
+            "step": state["step"] + 1, "square_avg": square_avg, "acc_delta": acc_delta}
+
+
+@dataclass(frozen=True)
+class AdamaxSpec(OptimizerSpec):
+    """``torch.optim.Adamax``: Adam's first moment, and instead of its second an
+    exponentially weighted infinity norm ``max(beta2 * u, |g| + eps)``; L2 weight decay."""
+
+    lr: float = 2e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    maximize: bool = False
+
+    state_names = ("step", "exp_avg", "exp_inf")
+    per_element = ("exp_avg", "exp_inf")
+    inputs = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    gates = ("weight_decay",)
+
+    def derived(self, hp):
+        return {**hp, "one_minus_beta1": 1 - hp["beta1"]}
+
+    def update(self, param, grad, state, hp):
+        step = state["step"] + 1
+        if self.weight_decay:
+            grad = torch.addcmul(grad, param, hp["weight_decay"])
+        exp_avg = state["exp_avg"].lerp(grad, hp["one_minus_beta1"])
+        exp_inf = torch.maximum(state["exp_inf"] * hp["beta2"], grad.abs() + hp["eps"])
+        neg_clr = -hp["lr"] / (1 - torch.pow(hp["beta1"], step))
+        return torch.addcdiv(param, exp_avg * neg_clr, exp_inf), {"step": step, "exp_avg": exp_avg,
+                                                                  "exp_inf": exp_inf}
+
+
+def _weight_decayed(spec, param, grad, hp):
+    """``(param, grad)`` after ``spec``'s weight decay: none where it is 0, else decoupled
+    (the parameter shrunk by ``lr * weight_decay``) where ``spec.decoupled_weight_decay``,
+    else L2 (``weight_decay * param`` added to the gradient)."""
+    if not spec.weight_decay:
+        return param, grad
+    if spec.decoupled_weight_decay:
+        return param * (1 - hp["lr"] * hp["weight_decay"]), grad
+    return param, torch.addcmul(grad, param, hp["weight_decay"])
+
+
+@dataclass(frozen=True)
+class NAdamSpec(OptimizerSpec):
+    """``torch.optim.NAdam``: Adam's moments with Nesterov momentum. The momentum of step
+    ``t`` is ``mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))``, and their running
+    product ``mu_product`` is state (a float32 scalar, rounded as torch.optim's in-place
+    product rounds it); L2 or (``decoupled_weight_decay``) decoupled weight decay."""
+
+    lr: float = 2e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum_decay: float = 4e-3
+    decoupled_weight_decay: bool = False
+    maximize: bool = False
+
+    state_names = ("step", "mu_product", "exp_avg", "exp_avg_sq")
+    per_element = ("exp_avg", "exp_avg_sq")
+    inputs = ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum_decay")
+    gates = ("weight_decay",)
+
+    def initial_value(self, state_name: str) -> float:
+        return 1.0 if state_name == "mu_product" else 0.0
+
+    def derived(self, hp):
+        return {**hp, "one_minus_beta1": 1 - hp["beta1"], "one_minus_beta2": 1 - hp["beta2"]}
+
+    def update(self, param, grad, state, hp):
+        step = state["step"] + 1
+        param, grad = _weight_decayed(self, param, grad, hp)
+        mu = hp["beta1"] * (1.0 - 0.5 * torch.pow(0.96, step * hp["momentum_decay"]))
+        mu_next = hp["beta1"] * (1.0 - 0.5 * torch.pow(0.96, (step + 1) * hp["momentum_decay"]))
+        mu_product = (state["mu_product"] * mu).to(state["mu_product"].dtype)
+        exp_avg = state["exp_avg"].lerp(grad, hp["one_minus_beta1"])
+        exp_avg_sq = state["exp_avg_sq"].lerp(grad * grad, hp["one_minus_beta2"])
+        denom = exp_avg_sq.div(1 - torch.pow(hp["beta2"], step)).sqrt().add(hp["eps"])
+        param = torch.addcdiv(param, grad * (-hp["lr"] * (1.0 - mu) / (1.0 - mu_product)), denom)
+        param = torch.addcdiv(param, exp_avg * (-hp["lr"] * mu_next / (1.0 - mu_product * mu_next)), denom)
+        return param, {"step": step, "mu_product": mu_product, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+@dataclass(frozen=True)
+class RAdamSpec(OptimizerSpec):
+    """``torch.optim.RAdam``: Adam's moments, the adaptive step rectified by the variance
+    of its estimate where the length of the approximated simple moving average ``rho_t``
+    exceeds 5, plain momentum SGD before (the branch a ``where`` on the step count, both
+    computed); L2 or (``decoupled_weight_decay``) decoupled weight decay."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False
+    maximize: bool = False
+
+    state_names = ("step", "exp_avg", "exp_avg_sq")
+    per_element = ("exp_avg", "exp_avg_sq")
+    inputs = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    gates = ("weight_decay",)
+
+    def derived(self, hp):
+        return {**hp, "one_minus_beta1": 1 - hp["beta1"], "one_minus_beta2": 1 - hp["beta2"],
+                "rho_inf": 2 / (1 - hp["beta2"]) - 1}
+
+    def update(self, param, grad, state, hp):
+        step = state["step"] + 1
+        param, grad = _weight_decayed(self, param, grad, hp)
+        exp_avg = state["exp_avg"].lerp(grad, hp["one_minus_beta1"])
+        exp_avg_sq = state["exp_avg_sq"].lerp(grad * grad, hp["one_minus_beta2"])
+        bias_correction2 = 1 - torch.pow(hp["beta2"], step)
+        momentum = exp_avg / (1 - torch.pow(hp["beta1"], step)) * hp["lr"]
+        rho_inf = hp["rho_inf"]
+        rho_t = rho_inf - 2 * step * torch.pow(hp["beta2"], step) / bias_correction2
+        # NaN before rho_t reaches 4; the where then takes the other branch
+        rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)).sqrt()
+        adaptive = bias_correction2.sqrt() / (exp_avg_sq.sqrt() + hp["eps"])
+        step_taken = torch.where(rho_t > 5.0, momentum * adaptive * rect, momentum)
+        return param - step_taken, {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+#: torch.optim.Optimizer classes (each a subclass's base too) -> the spec of a param group's update
+SPECS: dict[type, type[OptimizerSpec]] = {
+    torch.optim.SGD: SGDSpec, torch.optim.Adam: AdamWSpec, torch.optim.RMSprop: RMSpropSpec,
+    torch.optim.Adagrad: AdagradSpec, torch.optim.Adadelta: AdadeltaSpec, torch.optim.Adamax: AdamaxSpec,
+    torch.optim.NAdam: NAdamSpec, torch.optim.RAdam: RAdamSpec}
+
+_UNSUPPORTED_FLAGS = ("differentiable", "capturable")
 
 
 def _spec_for_group(optimizer: torch.optim.Optimizer, group: dict) -> OptimizerSpec:
@@ -317,27 +460,23 @@ def _spec_for_group(optimizer: torch.optim.Optimizer, group: dict) -> OptimizerS
     bad = [f for f in _UNSUPPORTED_FLAGS if group.get(f)]
     if bad:
         raise UnsupportedInputError(f"{name} option(s) {', '.join(bad)}=True are not supported")
-    base = next((b for b in (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adam, torch.optim.RMSprop,
-                             torch.optim.Adagrad) if isinstance(optimizer, b)), None)
-    if base is not None and inspect.unwrap(type(optimizer).step) is not inspect.unwrap(base.step):
+    base = next((b for b in (torch.optim.AdamW, *SPECS) if isinstance(optimizer, b)), None)
+    if base is None:
+        names = ", ".join(b.__name__ for b in (*SPECS, torch.optim.AdamW))
+        raise UnsupportedInputError(f"optimizer {name} is not supported; use one of torch.optim's {names}")
+    if inspect.unwrap(type(optimizer).step) is not inspect.unwrap(base.step):
         raise UnsupportedInputError(
             f"optimizer {name} subclasses torch.optim.{base.__name__} with a step() of its own, "
             f"which ddlc does not run: it compiles {base.__name__}'s own update (use "
             f"torch.optim.{base.__name__} itself)")
-    if isinstance(optimizer, torch.optim.SGD):
-        if group.get("dampening", 0) and group.get("momentum", 0):  # torch ignores it without momentum
-            raise UnsupportedInputError("SGD with momentum and dampening != 0 is not supported "
-                                        "(its first step differs from the traced update)")
-        return SGDSpec.from_group(group)
+    if base is torch.optim.SGD and group.get("dampening", 0) and group.get("momentum", 0):
+        # torch ignores dampening without momentum
+        raise UnsupportedInputError("SGD with momentum and dampening != 0 is not supported "
+                                    "(its first step differs from the traced update)")
     if isinstance(optimizer, torch.optim.Adam):  # AdamW too: its groups' flag decides, as in torch.optim
         decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
         return (AdamWSpec if decoupled else AdamSpec).from_group(group)
-    if isinstance(optimizer, torch.optim.RMSprop):
-        return RMSpropSpec.from_group(group)
-    if isinstance(optimizer, torch.optim.Adagrad):
-        return AdagradSpec.from_group(group)
-    raise UnsupportedInputError(f"optimizer {name} is not supported; use torch.optim.SGD, Adam, AdamW, "
-                                "RMSprop or Adagrad")
+    return SPECS[base].from_group(group)
 
 
 def refuse_non_optimizer(optimizer) -> None:

@@ -186,8 +186,7 @@ class CompiledStep:
         #: on a GPU, the scalars the update reads that stay in host memory, as torch.optim keeps
         #: them (:meth:`_device_for`); each hyper-parameter is one too
         self._host_scalars = host_scalars and device.type == "cuda"
-        self._on_host = {k for k in self.signature.keys("opt_state")
-                         if self._host_scalars and k.endswith(":step") and not self._global_shape(k)}
+        self._on_host = {k for k in self.signature.keys("opt_state") if self._host_scalars and self._is_scalar_state(k)}
         self._state_dict_names = _state_dict_names(model)
         self._extra_state = {k: v for k, v in model.state_dict().items() if k not in self._state_dict_names}
         self._take_model_state(model)
@@ -729,7 +728,7 @@ class CompiledStep:
         if self._optimizer is not None:
             for key, value in self.optimizer_state().items():  # a collective: on every rank
                 name, state_name = key.rsplit(":", 1)
-                shape = () if state_name == "step" else params[name].shape
+                shape = () if self._is_scalar_state(key) else params[name].shape
                 if (id(params[name]), state_name) not in user_entries:  # else the user's: it stays
                     self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
         self._take_users_changes(written, changed)
@@ -1154,15 +1153,23 @@ class CompiledStep:
                 for state_name, value in self._optimizer.state.get(params[name], {}).items()
                 if isinstance(value, torch.Tensor)}
 
+    def _is_scalar_state(self, key: str) -> bool:
+        """Whether optimizer state ``key`` (``"<param>:<state>"``) is one scalar per parameter
+        (a step count, NAdam's product of momenta), not one value per element."""
+        name, state_name = key.rsplit(":", 1)
+        return state_name not in dict(self.signature.optimizer)[name].per_element
+
     def _steps_kept_on_cpu(self) -> set[str]:
-        """The ``"<param>:step"`` states torch.optim keeps on the CPU: those of param groups
-        neither ``capturable`` nor ``fused`` (the program's own copy is in host memory too,
-        except in an Inductor program on a GPU: :meth:`_device_for`)."""
+        """The scalar states (:meth:`_is_scalar_state`: step counts) torch.optim keeps on the
+        CPU: those of param groups neither ``capturable`` nor ``fused`` (the program's own
+        copy is in host memory too, except in an Inductor program on a GPU: :meth:`_device_for`)."""
         if self._optimizer is None:
             return set()
         names = {id(p): n for n, p in self._model.named_parameters()}
-        return {f"{names[id(p)]}:step" for g in self._optimizer.param_groups
-                if not (g.get("capturable") or g.get("fused")) for p in g["params"] if id(p) in names}
+        cpu_params = {names[id(p)] for g in self._optimizer.param_groups
+                      if not (g.get("capturable") or g.get("fused")) for p in g["params"] if id(p) in names}
+        return {k for k in self.signature.keys("opt_state")
+                if k.rsplit(":", 1)[0] in cpu_params and self._is_scalar_state(k)}
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Full gradients of the last step (compiled with loss_fn, no optimizer; collective),

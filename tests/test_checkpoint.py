@@ -181,7 +181,7 @@ def _eager_steps(model, opt, batch, n: int) -> list[float]:
         loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -752,3 +752,85 @@ def test_a_checkpoint_of_a_step_without_optimizer_restores_the_weights(tmp_path)
     assert resumed == pytest.approx(continued, rel=1e-6)
     for key, value in loaded.items():
         torch.testing.assert_close(value, saved[key], msg=key)
+
+
+#: optimizers ddlc added later: NAdam's product of momenta is a scalar state besides the
+#: step count, AMSGrad's largest second moment a state per element, RAdam's update a
+#: ``where`` on its step count (rectified from its sixth step with these betas), Adamax's
+#: state a running maximum
+STATEFUL = {
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=1e-2, decoupled_weight_decay=True),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, maximize=True),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2, betas=(0.9, 0.99)),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2, weight_decay=1e-2),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps, weight_decay=1e-2),
+}
+
+
+def _stateful_setup(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(7)]
+    return model, STATEFUL[name](model.parameters()), batches
+
+
+def _eager_step(model, opt, batch) -> float:
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def _stateful_compile(model, opt, batch):
+    """On 2 ranks, the first layer's weight and bias split by rows, the second's weight by
+    columns (and so their optimizer state)."""
+    pins = {"0.weight": "(S0)", "0.bias": "(S0)", "2.weight": "(S1)"}
+    return ddlc.compile(model, ddlc.Mesh((2,), links=FAST), batch, torch.nn.functional.mse_loss, opt,
+                        placements=pins)
+
+
+def _stateful_runs(rank, name, path):
+    """Three eager steps, then three compiled ones from the optimizer's state, that state
+    read and saved; the write-back continued by one eager step of the user's optimizer; the
+    checkpoint resumed by a step of another model."""
+    model, opt, batches = _stateful_setup(name)
+    for batch in batches[:3]:
+        _eager_step(model, opt, batch)
+    step = _stateful_compile(model, opt, batches[0])
+    losses = [float(step.step(*b)) for b in batches[3:6]]
+    state = {k: v.clone() for k, v in step.optimizer_state().items()}
+    step.save_checkpoint(path)
+    step.write_back()
+    _eager_step(model, opt, batches[6])
+    continued = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    other, other_opt, _ = _stateful_setup(name, seed=7)
+    resumed = _stateful_compile(other, other_opt, batches[0])
+    resumed.load_checkpoint(path)
+    resumed.step(*batches[6])
+    return losses, state, continued, resumed.state_dict()
+
+
+@pytest.mark.parametrize("name", list(STATEFUL))
+def test_the_state_of_each_added_optimizer_is_read_written_back_and_checkpointed(tmp_path, name):
+    """With the optimizer state split over 2 ranks, a step compiled after three eager steps
+    continues from the optimizer's state; ``optimizer_state()`` after three more is
+    torch.optim's (NAdam's 0-d ``mu_product`` included); the state ``write_back`` puts into
+    the user's optimizer lets its own next step continue as eager's; and a checkpoint
+    resumed by a step of a model of other weights continues the same."""
+    got = spawn(_stateful_runs, 2, name, str(tmp_path / "ckpt"), timeout=120, deadline=200)
+    model, opt, batches = _stateful_setup(name)
+    losses = [_eager_step(model, opt, batch) for batch in batches[:6]]
+    names = {id(p): n for n, p in model.named_parameters()}
+    want = {f"{names[id(p)]}:{k}": v.clone() for p, s in opt.state.items() for k, v in s.items()}
+    _eager_step(model, opt, batches[6])
+    for rank_losses, state, continued, resumed in got:
+        _close(torch.tensor(rank_losses), torch.tensor(losses[3:]), "losses", **EAGER)
+        assert set(state) == set(want)
+        for key, value in want.items():
+            assert state[key].shape == value.shape, key
+            _close(state[key], value, key, **EAGER)
+        for key, value in model.state_dict().items():
+            _close(continued[key], value, f"continued {key}", **EAGER)
+            _close(resumed[key], value, f"resumed {key}", **EAGER)

@@ -205,8 +205,10 @@ def test_another_modules_trainable_parameters_read_by_the_loss_are_refused(train
 def test_unsupported_optimizer_and_options():
     model = MLP()
     x, y = torch.randn(8, 32), torch.randn(8, 16)
-    with pytest.raises(UnsupportedInputError, match="Adamax"):
-        ddlc.trace(model, (x, y), F.mse_loss, torch.optim.Adamax(model.parameters()))
+    with pytest.raises(UnsupportedInputError, match="optimizer ASGD is not supported; use one of"):
+        ddlc.trace(model, (x, y), F.mse_loss, torch.optim.ASGD(model.parameters()))
+    with pytest.raises(UnsupportedInputError, match="capturable=True"):
+        ddlc.trace(model, (x, y), F.mse_loss, torch.optim.NAdam(model.parameters(), capturable=True))
     with pytest.raises(UnsupportedInputError, match="dampening"):
         ddlc.trace(model, (x, y), F.mse_loss,
                    torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5))
@@ -900,7 +902,24 @@ def test_a_gradient_penalty_on_the_input_is_refused_with_the_cause():
     lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9, centered=True, weight_decay=0.1),
     lambda ps: torch.optim.Adagrad(ps, lr=0.1),
     lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
-], ids=["sgd-nesterov", "adam-l2", "adamw", "rmsprop", "rmsprop-centered-momentum", "adagrad", "adagrad-decay"])
+    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2, maximize=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2, amsgrad=True, maximize=True),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.9), amsgrad=True),
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9, maximize=True),
+    lambda ps: torch.optim.Adagrad(ps, lr=0.1, maximize=True),
+    lambda ps: torch.optim.Adadelta(ps, lr=0.5, weight_decay=0.1),
+    lambda ps: torch.optim.Adadelta(ps, maximize=True),
+    lambda ps: torch.optim.Adamax(ps, lr=1e-2, weight_decay=0.1),
+    lambda ps: torch.optim.Adamax(ps, lr=1e-2, maximize=True),
+    lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=0.1),
+    lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, momentum_decay=0.1),
+    lambda ps: torch.optim.RAdam(ps, lr=1e-2, weight_decay=0.1),
+    lambda ps: torch.optim.RAdam(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, decoupled_weight_decay=True,
+                                 maximize=True),
+], ids=["sgd-nesterov", "adam-l2", "adamw", "rmsprop", "rmsprop-centered-momentum", "adagrad", "adagrad-decay",
+        "sgd-maximize", "adam-amsgrad-maximize", "adamw-amsgrad", "rmsprop-maximize", "adagrad-maximize",
+        "adadelta", "adadelta-maximize", "adamax", "adamax-maximize", "nadam", "nadam-decoupled", "radam",
+        "radam-decoupled-maximize"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.complex64], ids=["real", "complex"])
 def test_each_update_equals_torch_optims(make, dtype):
     """Every spec's update (:meth:`OptimizerSpec.apply`, the hyper-parameters as float64

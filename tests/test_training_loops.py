@@ -763,16 +763,26 @@ def test_gaussian_nll_loss_with_predicted_variances(mesh_shape):
     lambda m: torch.optim.Adagrad([{"params": m.body.parameters()},
                                    {"params": m.head.parameters(), "lr": 0.02, "weight_decay": 0.1}],
                                   lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1),
-], ids=["rmsprop", "adagrad"])
-def test_rmsprop_and_adagrad_train_like_single_device(make, mesh_shape):
-    """RMSprop (centered, momentum, weight decay) and Adagrad (two param groups, a decaying
-    step size, a non-zero initial sum, which the optimizer holds from its construction)."""
+    lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=1e-2, amsgrad=True, maximize=True),
+    lambda m: torch.optim.Adadelta(m.parameters(), weight_decay=1e-2),
+    lambda m: torch.optim.Adamax(m.parameters(), lr=1e-2, weight_decay=1e-2),
+    lambda m: torch.optim.NAdam([{"params": m.body.parameters()},
+                                 {"params": m.head.parameters(), "momentum_decay": 0.1}],
+                                lr=1e-2, weight_decay=1e-2, decoupled_weight_decay=True),
+    lambda m: torch.optim.RAdam(m.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=1e-2),
+], ids=["rmsprop", "adagrad", "adam-amsgrad-maximize", "adadelta", "adamax", "nadam", "radam"])
+def test_each_optimizer_trains_like_single_device(make, mesh_shape):
+    """RMSprop (centered, momentum, weight decay), Adagrad (two param groups, a decaying
+    step size, a non-zero initial sum, which the optimizer holds from its construction),
+    Adam with AMSGrad ascending, Adadelta, Adamax, NAdam (its product of momenta a scalar
+    state; two groups, one with its own momentum decay) and RAdam (its betas make the
+    rectified branch start at the sixth of the seven steps, so both run)."""
     torch.manual_seed(0)
     model = nn.Sequential()
     model.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
     model.head = nn.Linear(16, 4)
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(4)]
+    data = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(7)]
     _matches_eager(model, F.cross_entropy, make, data, mesh_shape)
 
 
