@@ -1316,11 +1316,29 @@ def _as_the_step_runs(annotator: _ModuleAnnotator, model: nn.Module):
     (:func:`_run_eagerly`): compiling (``torch.compiler.is_compiling()``), no generation
     cache, checkpoints as regions, batch norms traceable, inference mode as
     ``no_grad``, a world of one process, failed kernels unlogged, transformer masks taken
-    as given."""
+    as given, distributions unchecked unless asked."""
     with _as_compiling(), _without_generation_cache(model), _checkpoints_as_regions(annotator), \
             _batch_norms_traceable(), _inference_mode_as_no_grad(), _single_device_world(), \
-            _failed_kernels_unlogged(), _causal_masks_taken_as_given():
+            _failed_kernels_unlogged(), _causal_masks_taken_as_given(), _distributions_unchecked():
         yield
+
+
+@contextlib.contextmanager
+def _distributions_unchecked():
+    """``torch.distributions`` distributions made without ``validate_args`` do not check
+    their arguments, nor the values given to ``log_prob``: each check reads the values into
+    Python (``constraint.check(value).all()``), which one static graph cannot hold, and a
+    check that passes changes no number (RL's ``Categorical(logits=...).log_prob(actions)``,
+    a VAE's ``Normal(mu, std).rsample()``). As under ``torch.compile``, whose first use
+    turns the default off for the rest of the process; here only while the step is traced.
+    Values eager would refuse (a negative scale) then go through unchecked. A distribution
+    given ``validate_args=True`` still checks, and is refused naming the fix."""
+    default = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(default)
 
 
 def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor],
@@ -1382,11 +1400,10 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
                 f"torch.randn or torch.randint, or pass it in as an example input ({text})", where=line) from e
         if sources.validating_distribution(e) and _DATA_DEPENDENT.search(f"{type(e).__name__} {e}"):
             raise TraceError(
-                "a torch.distributions distribution checks the values of its arguments (or of "
-                "a value given to log_prob) while validate_args is on, which one static graph "
-                "cannot express: pass validate_args=False to it, or call "
-                "torch.distributions.Distribution.set_default_validate_args(False) before "
-                f"ddlc.compile ({text})", where=line) from e
+                "a torch.distributions distribution given validate_args=True checks the values of "
+                "its arguments (or of a value given to log_prob), which one static graph cannot "
+                "express: leave validate_args out, or pass validate_args=False "
+                f"({text})", where=line) from e
         if isinstance(e, DynamicOutputShapeException):
             raise UnsupportedInputError(
                 f"the step calls {e.func}, an operator whose output size torch cannot tell without "

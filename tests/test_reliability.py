@@ -391,9 +391,8 @@ class _ReturnsNone(torch.nn.Module):
 
 
 class _ValidatedDistribution(torch.nn.Module):
-    """A VAE-style head sampling from a torch.distributions Normal that checks the scale's
-    values: validate_args, on by default until torch.compile's first use in the process
-    turns the default off (dynamo's patching), so it is asked for here."""
+    """A VAE-style head sampling from a torch.distributions Normal asked to check the
+    scale's values (``validate_args=True``; left out, ddlc traces without the check)."""
 
     def __init__(self):
         super().__init__()
@@ -596,8 +595,8 @@ CATALOGUE = [
      r"calls a function compiled with torch.compile(?s:.*)test_reliability.py:\d+ in forward"),
     ("a torch.distributions distribution validating its arguments' values",
      lambda: ddlc.trace(_ValidatedDistribution(), (_X, _X), F.mse_loss), TraceError,
-     r"a torch.distributions distribution checks the values of its arguments(?s:.*)"
-     r"pass validate_args=False(?s:.*)test_reliability.py:\d+ in forward"),
+     r"a torch.distributions distribution given validate_args=True checks the values of its arguments"
+     r"(?s:.*)leave validate_args out, or pass validate_args=False(?s:.*)test_reliability.py:\d+ in forward"),
     ("a parameter clamped in place in the forward", lambda: ddlc.trace(_ClampsAParameter(), (_X, _X), F.mse_loss),
      UnsupportedInputError, r"writes parameter 'logit_scale' in place with the result of aten.clamp"
                             r"(?s:.*)`w.clamp\(lo, hi\)` for `w.clamp_\(lo, hi\)`"),

@@ -1500,3 +1500,42 @@ def test_a_step_without_optimizer_reads_the_weights_a_loop_updates_by_hand():
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
         for key, value in model.state_dict().items():
             torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+class _ActorCritic(nn.Module):
+    """A shared trunk, a policy head and a value head; an actor-critic loss over given
+    actions and returns with ``torch.distributions.Categorical`` made as RL code makes it
+    (``validate_args`` left to its default), with an entropy bonus."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.policy, self.value = nn.Linear(6, 16), nn.Linear(16, 4), nn.Linear(16, 1)
+
+    def forward(self, obs, actions, returns):
+        h = torch.tanh(self.trunk(obs))
+        dist = torch.distributions.Categorical(logits=self.policy(h))
+        value = self.value(h).squeeze(-1)
+        advantage = (returns - value).detach()
+        return {"loss": -(dist.log_prob(actions) * advantage).mean() - 0.01 * dist.entropy().mean()
+                + F.mse_loss(value, returns)}
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES), ids=["4", "2x2"])
+def test_distributions_checking_their_values_by_default_train_like_single_device(mesh_shape, monkeypatch):
+    """torch.distributions checks its arguments' values by default (``validate_args``),
+    reading them into Python: such a distribution was refused, naming
+    ``validate_args=False``. Traced without the check (as torch.compile does), an
+    actor-critic's ``Categorical(logits=...).log_prob(actions)`` trains as eager."""
+    monkeypatch.setattr(torch.distributions.Distribution, "_validate_args", True)  # torch.compile turns it off
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [{"obs": torch.randn(8, 6, generator=g), "actions": torch.randint(0, 4, (8,), generator=g),
+             "returns": torch.randn(8, generator=g)} for _ in range(3)]
+    model = _ActorCritic()
+    reference = copy.deepcopy(model)
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    losses, params, _, _ = simulated(model, None, sgd, data, mesh_shape)
+    assert torch.distributions.Distribution._validate_args  # as it was
+    want, _ = eager(reference, None, sgd, data)
+    assert_matches_reference({"losses": losses, "params": params},
+                             {"losses": want, "params": dict(reference.named_parameters())})
