@@ -51,6 +51,12 @@ class OptionError(DDLCError, ValueError):
     """An unknown, malformed or contradictory ``compile`` option (the message names it)."""
 
 
+class RandomStreamWarning(UserWarning):
+    """A compiled program's random numbers are not the ones eager would draw: the loop drew
+    from, or seeded, the default generator between compiled calls, and the program goes on
+    from its own stream without those draws."""
+
+
 def as_shared(error: Exception, what: str) -> DDLCError:
     """``error`` as another process raises it: itself where it is a ddlc error, else a
     :class:`RuntimeMismatchError` naming ``what`` failed (e.g. "rank 0 failed while

@@ -60,11 +60,12 @@ class OptimizerSpec:
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """The state of a parameter that has not stepped: each :attr:`per_element` state
         like ``param``, each other one (a step count, NAdam's product of momenta) a 0-d
-        float32 tensor, as torch.optim makes them, every one filled with its
-        :meth:`initial_value` (so each rank of a compiled step makes its own pieces,
-        without the whole)."""
+        tensor of torch.optim's dtype for them (float32; float64 where that is the default
+        dtype), every one filled with its :meth:`initial_value` (so each rank of a compiled
+        step makes its own pieces, without the whole)."""
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         return {name: torch.full_like(param, self.initial_value(name)) if name in self.per_element
-                else torch.tensor(self.initial_value(name), dtype=torch.float32) for name in self.state_names}
+                else torch.tensor(self.initial_value(name), dtype=scalar) for name in self.state_names}
 
     def initial_value(self, state_name: str) -> float:
         """The value every element of state ``state_name`` starts at."""
@@ -369,8 +370,9 @@ def _weight_decayed(spec, param, grad, hp):
 class NAdamSpec(OptimizerSpec):
     """``torch.optim.NAdam``: Adam's moments with Nesterov momentum. The momentum of step
     ``t`` is ``mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))``, and their running
-    product ``mu_product`` is state (a float32 scalar, rounded as torch.optim's in-place
-    product rounds it); L2 or (``decoupled_weight_decay``) decoupled weight decay."""
+    product ``mu_product`` is state (a float32 scalar, multiplied by ``mu_t`` rounded to
+    float32, as torch.optim's in-place product of a float32 tensor and a Python float);
+    L2 or (``decoupled_weight_decay``) decoupled weight decay."""
 
     lr: float = 2e-3
     beta1: float = 0.9
@@ -397,7 +399,7 @@ class NAdamSpec(OptimizerSpec):
         param, grad = _weight_decayed(self, param, grad, hp)
         mu = hp["beta1"] * (1.0 - 0.5 * torch.pow(0.96, step * hp["momentum_decay"]))
         mu_next = hp["beta1"] * (1.0 - 0.5 * torch.pow(0.96, (step + 1) * hp["momentum_decay"]))
-        mu_product = (state["mu_product"] * mu).to(state["mu_product"].dtype)
+        mu_product = state["mu_product"] * mu.to(state["mu_product"].dtype)
         exp_avg = state["exp_avg"].lerp(grad, hp["one_minus_beta1"])
         exp_avg_sq = state["exp_avg_sq"].lerp(grad * grad, hp["one_minus_beta2"])
         denom = exp_avg_sq.div(1 - torch.pow(hp["beta2"], step)).sqrt().add(hp["eps"])

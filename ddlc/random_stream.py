@@ -91,6 +91,13 @@ class ProgramDraws:
             self.generator.set_state(state.to(self.generator.get_state().device))
             self.synced, self.handed = mine, self.generator.get_state()
 
+    def apart_from_default(self) -> bool:
+        """Whether the default generator moved since the two last agreed: draws or a seed
+        of the user's between compiled calls, which this program's stream goes on without
+        (after :meth:`take_stream`, which takes them where a write-back handed the stream
+        over)."""
+        return not torch.equal(default_rng_state(self.generator.device), self.synced)
+
     def unmoved_stream(self) -> torch.Tensor | None:
         """The stream's latest state (this program generator's), where the default
         generator has not moved since the two agreed; else None (the user's state goes

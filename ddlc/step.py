@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from typing import Mapping, Sequence
 
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from cost_models.program import program_timeline
 
 from . import holding
-from .errors import RuntimeMismatchError, UnsupportedInputError
+from .errors import RandomStreamWarning, RuntimeMismatchError, UnsupportedInputError
 from .ir import GLOBAL_VAL, HYPERPARAMETER_DTYPE, SHARDING, STEP, uneven_micro_batches
 from .mesh import Mesh
 from .model_state import ModelWatch, OptimizerStateWatch, autocast_state, autocast_words, change_words, settings
@@ -111,6 +112,14 @@ def _state_dict_names(model: nn.Module) -> dict[str, str]:
     Entries that are neither (a module's ``get_extra_state``) are kept as they were."""
     canonical = {id(t): k for k, t in [*model.named_parameters(), *model.named_buffers()]}
     return {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in canonical}
+
+
+def _like(old, number: float):
+    """``number`` (a checkpoint's float64) as the kind of value ``old`` was: a flag, a whole
+    number, else a float."""
+    if isinstance(old, bool):
+        return bool(number)
+    return int(number) if isinstance(old, int) and number == int(number) else number
 
 
 def _trained(state: Mapping[str, object]) -> bool:
@@ -214,6 +223,8 @@ class CompiledStep:
         self._draws = ProgramDraws(gm.rng) if hasattr(gm, "rng") else None
         if self._draws is not None:  # seeded with the stream's latest state: it holds it now
             self._draws.hold()
+        #: whether this program warned that its random numbers went apart from eager's
+        self._warned_apart = False
         #: the optimizer's state as this step took it (it holds its own from then on)
         self._optimizer_watch = OptimizerStateWatch(optimizer) if optimizer is not None else None
         self._autocast = autocast_state()
@@ -786,9 +797,24 @@ class CompiledStep:
             self._draws.hand_back()
 
     def _take_stream(self) -> None:
-        """:meth:`ProgramDraws.take_stream`, where the program draws."""
-        if self._draws is not None:
-            self._draws.take_stream()
+        """:meth:`ProgramDraws.take_stream`, where the program draws; the first time the
+        user's draws from the default generator stay unseen, a :class:`RandomStreamWarning`
+        (on each rank whose generator moved)."""
+        if self._draws is None:
+            return
+        self._draws.take_stream()
+        if not self._warned_apart and self._draws.apart_from_default():
+            self._warned_apart = True
+            warnings.warn(
+                "ddlc: the default random generator moved since this program last took its random "
+                "stream (a draw or a seed in the loop between compiled calls: torch.randint, an "
+                "eager forward with dropout, a DataLoader shuffling without generator=). The "
+                "program's random numbers (dropout, randn_like) go on from its own stream without "
+                "those draws, so they are not the numbers eager would draw after them. To match "
+                "eager, keep the loop's draws off the default generator (a torch.Generator of "
+                "their own, a DataLoader's generator=) or pass such numbers in as inputs; "
+                "write_back() hands the stream back to the default generator where nothing "
+                "moved it since", RandomStreamWarning, stacklevel=4)
 
     def sees_no_change(self) -> bool:
         """Whether nothing was written into the model's parameters and buffers or the
@@ -1002,8 +1028,9 @@ class CompiledStep:
         return state
 
     def _param_group_state(self) -> dict[str, torch.Tensor]:
-        """The optimizer's param groups' numbers (``lr``, ``betas``, ``momentum``, ``eps``,
-        ``weight_decay``, a scheduler's ``initial_lr``, ...; not its flags), keyed
+        """The optimizer's param groups' numbers (``lr``, ``betas`` as a tuple or a list,
+        ``momentum``, ``eps``, ``weight_decay``, a scheduler's ``initial_lr``, ...) and flags
+        (``maximize``, ``nesterov``, ``decoupled_weight_decay``, ...), keyed
         ``param_group/<index>/<name>``, as float64 tensors: what ``optimizer.state_dict()``
         carries besides the state, which a checkpoint restores as torch's
         ``optimizer.load_state_dict`` does."""
@@ -1019,9 +1046,8 @@ class CompiledStep:
             for name, value in sorted(group.items()):
                 if isinstance(value, torch.Tensor) and value.numel() == 1:
                     value = value.item()
-                numbers = value if isinstance(value, tuple) else (value,)
-                if name != "params" and numbers and all(
-                        isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
+                numbers = value if isinstance(value, (tuple, list)) else (value,)
+                if name != "params" and numbers and all(isinstance(x, (int, float)) for x in numbers):
                     state[f"param_group/{g}/{name}"] = torch.tensor(numbers, dtype=torch.float64)
         return state
 
@@ -1029,11 +1055,12 @@ class CompiledStep:
                           saved: Mapping[str, object], path: str) -> None:
         """Put the numbers of :meth:`_param_group_state` entries ``state`` (loaded from the
         checkpoint; ``mine``: this optimizer's own, before) back into the param groups
-        (a tensor filled; a whole number where the group held an int, else a float). Refused,
-        changing nothing, where the checkpoint's groups hold other parameters than this
-        optimizer's (as ``optimizer.load_state_dict`` refuses groups of other sizes), or
-        where its numbers change what the step was compiled for (a weight decay or momentum
-        turned on from 0)."""
+        (a tensor filled; a flag where the group held one, a whole number where it held an
+        int, else a float; a pair as the group held it, tuple or list). Refused, changing
+        nothing, where the checkpoint's groups hold other parameters than this optimizer's
+        (as ``optimizer.load_state_dict`` refuses groups of other sizes), or where its
+        numbers or flags change what the step was compiled for (a weight decay or momentum
+        turned on from 0, ``maximize`` set)."""
         members = sorted(k for k in mine if k.endswith("/params"))
         if any(k.endswith("/params") for k in saved) and (
                 members != sorted(k for k in saved if k.startswith("param_group/") and k.endswith("/params"))
@@ -1051,11 +1078,10 @@ class CompiledStep:
             numbers, old = tensor.tolist(), group[name]
             if isinstance(old, torch.Tensor):
                 old.fill_(numbers[0])
-            elif isinstance(old, tuple):
-                group[name] = tuple(int(x) if isinstance(o, int) and x == int(x) else x for o, x in zip(old, numbers))
+            elif isinstance(old, (tuple, list)):
+                group[name] = type(old)(_like(o, x) for o, x in zip(old, numbers))
             else:
-                group[name] = int(numbers[0]) if isinstance(old, int) and numbers[0] == int(numbers[0]) \
-                    else numbers[0]
+                group[name] = _like(old, numbers[0])
         now = optimizer_structure(self._optimizer)
         if now != self._structure and not self._only_gates_closed(now):
             changed = "; ".join(f"param group {g}: {_difference(old, new)}"

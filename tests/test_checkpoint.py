@@ -1,6 +1,8 @@
 """Checkpoints: the sharded training state saved with torch.distributed.checkpoint and
 loaded in a fresh process group on another mesh shape and world size (saved on (2, 2), loaded
 on (2,)) continues exactly as an uninterrupted run; state_dict() has exactly the model's state_dict keys."""
+import warnings
+
 import pytest
 import torch
 
@@ -194,7 +196,15 @@ def _users_draw(how: str) -> None:
 
 def _dropout_continued(rank, how):
     """Two compiled steps of a model with dropout, then two more by a new compile of the
-    model or by eager steps after write_back: the four losses."""
+    model or by eager steps after write_back: the four losses, and the warnings that the
+    program's random numbers went apart from eager's."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = _dropout_losses(how)
+    return losses, [str(w.message) for w in caught if issubclass(w.category, ddlc.errors.RandomStreamWarning)]
+
+
+def _dropout_losses(how):
     model, opt, batch = _dropout_setup()
     step = ddlc.compile(model, (4,), batch, torch.nn.functional.cross_entropy, opt)
     losses = [float(step.step(*batch)) for _ in range(2)]
@@ -231,7 +241,8 @@ def test_dropout_goes_on_to_new_masks_after_the_compiled_steps(how):
     compiling again): its state stays (it was overwritten by the program's, silently).
     The user's draws after a write-back (a sampled ``generate()`` for logging) come
     before the step's next masks, as in eager (the steps went on from their own stream)."""
-    losses = spawn(_dropout_continued, 4, how, timeout=120, deadline=300)[0]
+    losses, apart = spawn(_dropout_continued, 4, how, timeout=120, deadline=300)[0]
+    assert apart == []  # eager's numbers: no warning
     model, opt, batch = _dropout_setup()
     want = _eager_steps(model, opt, batch, 2)
     if how == "compiled again after a new seed":
@@ -240,6 +251,35 @@ def test_dropout_goes_on_to_new_masks_after_the_compiled_steps(how):
         _users_draw(how)
     want += _eager_steps(model, opt, batch, 2)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
+def _drawn_between_steps(rank):
+    """Compiled steps of a model with dropout, the loop drawing from the default generator
+    between the second and the third (a diffusion loop's timesteps): the losses, and the
+    warnings at each step."""
+    model, opt, batch = _dropout_setup()
+    step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    losses, warned = [], []
+    for i in range(4):
+        if i >= 2:
+            torch.randint(0, 10, (4,))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses.append(float(step.step(*batch)))
+        warned.append([str(w.message) for w in caught if issubclass(w.category, ddlc.errors.RandomStreamWarning)])
+    return losses, warned
+
+
+def test_draws_between_compiled_steps_warn_that_the_masks_are_not_eagers():
+    """The program's masks go on from its own stream, without draws the loop makes from the
+    default generator between steps (documented): eager's next masks follow those draws, so
+    the losses went apart from eager's silently (round AA). The first such step warns, once."""
+    losses, warned = spawn(_drawn_between_steps, 2, timeout=120, deadline=200)[0]
+    assert warned[:2] == [[], []] and warned[3] == []
+    assert len(warned[2]) == 1 and "the default random generator moved" in warned[2][0]
+    model, opt, batch = _dropout_setup()
+    want = _eager_steps(model, opt, batch, 2)
+    torch.testing.assert_close(torch.tensor(losses[:2]), torch.tensor(want), rtol=1e-5, atol=1e-6)
 
 
 class _Noisy(torch.nn.Module):
@@ -710,6 +750,47 @@ def test_param_groups_load_as_the_checkpoint_has_them_or_are_refused_changing_no
     error, lr = spawn(_loaded_into, 2, path, "no weight decay", timeout=120, deadline=300)[0]
     assert "holds hyper-parameters this step was not compiled for (param group 0: weight_decay" in error
     assert lr == 1
+
+
+def _nadam_saved(rank, path, betas, maximize):
+    model, _, batch = _frozen_backbone(seed=0)
+    opt = torch.optim.NAdam(model[2].parameters(), lr=0.05, betas=betas, maximize=maximize)
+    step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    step.step(*batch)
+    step.save_checkpoint(path)
+    return float(step.step(*batch))
+
+
+def _nadam_loaded(rank, path):
+    """A step of a fresh NAdam (default betas, descending) loading the checkpoint: the
+    group's betas and flags after, and the next loss or the refusal."""
+    model, _, batch = _frozen_backbone(seed=1)
+    opt = torch.optim.NAdam(model[2].parameters(), lr=0.05)
+    step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    try:
+        step.load_checkpoint(path)
+    except ddlc.errors.RuntimeMismatchError as e:
+        return str(e), opt.param_groups[0]["betas"], opt.param_groups[0]["maximize"]
+    return float(step.step(*batch)), opt.param_groups[0]["betas"], opt.param_groups[0]["maximize"]
+
+
+def test_a_checkpoint_restores_betas_given_as_a_list_and_refuses_flags_the_step_lacks(tmp_path):
+    """Betas given as a list (from a JSON config; NAdam, RAdam and Adamax keep the list,
+    Adam makes a tuple) were left out of the checkpoint, so a resumed run kept the fresh
+    optimizer's (a loss 3e-3 off two steps on, round AB); flags were left
+    out too, so a checkpoint of an ascending optimizer (``maximize``) resumed descending.
+    Both are saved now: the betas load, and a flag the step was not compiled for is refused
+    naming it, the optimizer left as it was (torch's ``load_state_dict`` would set it; the
+    compiled update cannot change)."""
+    listed, flagged = str(tmp_path / "listed"), str(tmp_path / "flagged")
+    want = spawn(_nadam_saved, 2, listed, [0.5, 0.9], False, timeout=120, deadline=300)[0]
+    loss, betas, maximize = spawn(_nadam_loaded, 2, listed, timeout=120, deadline=300)[0]
+    assert tuple(betas) == (0.5, 0.9) and maximize is False
+    _close(loss, want, "loss of the step after resuming")
+    spawn(_nadam_saved, 2, flagged, (0.9, 0.999), True, timeout=120, deadline=300)
+    error, betas, maximize = spawn(_nadam_loaded, 2, flagged, timeout=120, deadline=300)[0]
+    assert "not compiled for (param group 0: maximize False -> True)" in error
+    assert tuple(betas) == (0.9, 0.999) and maximize is False
 
 
 def _hand_trained(seed):

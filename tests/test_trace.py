@@ -949,6 +949,43 @@ def test_each_update_equals_torch_optims(make, dtype):
             torch.testing.assert_close(state[name].to(value.dtype), value, **tolerance, msg=name)
 
 
+def test_nadams_product_of_momenta_rounds_as_torch_optims():
+    """torch.optim's NAdam multiplies its float32 ``mu_product`` in place by a Python
+    float, which rounds the factor to float32 first; the spec multiplied in float64 and
+    rounded once, 1-2 ulp off from the second step (round AB). Bit for bit over 60 steps."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.NAdam([param], lr=1e-2, momentum_decay=0.1)
+    spec = optimizer_spec(opt, {"p": param})["p"][1]
+    state = spec.init_state(param.detach())
+    hp = spec.derived({k: torch.tensor(float(v), dtype=torch.float64)
+                       for k, v in type(spec).group_values(opt.param_groups[0]).items()})
+    for _ in range(60):
+        grad = torch.randn(3)
+        param.grad = grad.clone()
+        opt.step()
+        _, state = spec.apply(param.detach(), grad, state, hp)
+        assert torch.equal(state["mu_product"], opt.state[param]["mu_product"])
+
+
+@pytest.mark.parametrize("default", [torch.float32, torch.float64])
+def test_scalar_optimizer_state_has_torch_optims_dtype(default):
+    """torch.optim makes its scalar state (step counts, NAdam's product of momenta) float64
+    where float64 is the default dtype, else float32; the specs made it float32 always."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        param = torch.nn.Parameter(torch.randn(3))
+        for opt in (torch.optim.NAdam([param]), torch.optim.Adam([param]), torch.optim.Adagrad([param])):
+            param.grad = torch.randn(3)
+            opt.step()
+            spec = optimizer_spec(opt, {"p": param})["p"][1]
+            made = spec.init_state(param.detach())
+            assert {k: v.dtype for k, v in made.items()} == {k: v.dtype for k, v in opt.state[param].items()}
+    finally:
+        torch.set_default_dtype(saved)
+
+
 def test_torch_func_linearize_in_the_forward_is_refused_with_the_fix():
     """``torch.func.linearize``'s function keeps its primals, fake tensors of the trace,
     which became constants of the graph: ddlc.compile then failed copying or sending the
