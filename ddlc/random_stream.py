@@ -91,6 +91,12 @@ class ProgramDraws:
             self.generator.set_state(state.to(self.generator.get_state().device))
             self.synced, self.handed = mine, self.generator.get_state()
 
+    def agree(self) -> None:
+        """Take the default generator's state as agreed with the program's stream, as a
+        checkpoint's stream is loaded: the user's draws before the load are superseded (as
+        eager's restored random state supersedes them), those after are not taken."""
+        self.synced = default_rng_state(self.generator.device)
+
     def apart_from_default(self) -> bool:
         """Whether the default generator moved since the two last agreed: draws or a seed
         of the user's between compiled calls, which this program's stream goes on without

@@ -1070,6 +1070,7 @@ class CompiledStep:
                 "parameters than this one's: build the optimizer's groups as they were, or load the "
                 "weights alone (into a step compiled as it was, then write_back())")
         before = [dict(group) for group in self._optimizer.param_groups]
+        tensors = [(v, v.clone()) for group in before for v in group.values() if isinstance(v, torch.Tensor)]
         for key, tensor in state.items():
             _, g, name = key.split("/", 2)
             if name == "params":
@@ -1088,6 +1089,8 @@ class CompiledStep:
                                 for g, (old, new) in enumerate(zip(self._structure, now)) if old != new)
             for group, old in zip(self._optimizer.param_groups, before):
                 group.update({k: v for k, v in old.items() if not isinstance(v, torch.Tensor)})
+            for tensor, value in tensors:  # a tensor lr was filled in place
+                tensor.copy_(value)
             raise RuntimeMismatchError(
                 f"the checkpoint at {path} holds hyper-parameters this step was not compiled for "
                 f"({changed}): set them in the optimizer as the checkpoint has them and compile again "
@@ -1137,6 +1140,7 @@ class CompiledStep:
             if key == "rng_state":
                 self.generator.set_state(value)
                 self._draws.hold()
+                self._draws.agree()
                 continue
             role, name = key.split("/", 1)
             {"param": self.params, "buffer": self.buffers, "opt_state": self.opt_state}[role][name] = \

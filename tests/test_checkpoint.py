@@ -1,6 +1,7 @@
 """Checkpoints: the sharded training state saved with torch.distributed.checkpoint and
 loaded in a fresh process group on another mesh shape and world size (saved on (2, 2), loaded
 on (2,)) continues exactly as an uninterrupted run; state_dict() has exactly the model's state_dict keys."""
+import copy
 import warnings
 
 import pytest
@@ -280,6 +281,38 @@ def test_draws_between_compiled_steps_warn_that_the_masks_are_not_eagers():
     model, opt, batch = _dropout_setup()
     want = _eager_steps(model, opt, batch, 2)
     torch.testing.assert_close(torch.tensor(losses[:2]), torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
+def _loaded_after_a_draw(rank, path):
+    """Two compiled steps of a model with dropout and a checkpoint, a draw from the default
+    generator, the checkpoint loaded, two more steps: the losses, and the warnings."""
+    model, opt, batch = _dropout_setup()
+    step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [float(step.step(*batch)) for _ in range(2)]
+        step.save_checkpoint(path)
+        torch.rand(3)
+        step.load_checkpoint(path)
+        losses += [float(step.step(*batch)) for _ in range(2)]
+    return losses, [str(w.message) for w in caught if issubclass(w.category, ddlc.errors.RandomStreamWarning)]
+
+
+def test_a_draw_before_a_checkpoint_is_loaded_does_not_warn(tmp_path):
+    """A checkpoint restores the random stream, as an eager loop restores its random state:
+    a draw before the load changes nothing, and warned (round AC)."""
+    losses, warned = spawn(_loaded_after_a_draw, 2, str(tmp_path / "ckpt"), timeout=120, deadline=200)[0]
+    assert warned == []
+    model, opt, batch = _dropout_setup()
+    want = _eager_steps(model, opt, batch, 2)
+    model_state, opt_state, rng = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+                                   torch.get_rng_state())
+    torch.rand(3)
+    model.load_state_dict(model_state)
+    opt.load_state_dict(opt_state)
+    torch.set_rng_state(rng)
+    want += _eager_steps(model, opt, batch, 2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
 
 
 class _Noisy(torch.nn.Module):
@@ -765,13 +798,14 @@ def _nadam_loaded(rank, path):
     """A step of a fresh NAdam (default betas, descending) loading the checkpoint: the
     group's betas and flags after, and the next loss or the refusal."""
     model, _, batch = _frozen_backbone(seed=1)
-    opt = torch.optim.NAdam(model[2].parameters(), lr=0.05)
+    opt = torch.optim.NAdam(model[2].parameters(), lr=torch.tensor(0.01))
     step = ddlc.compile(model, (2,), batch, torch.nn.functional.cross_entropy, opt)
+    group = opt.param_groups[0]
     try:
         step.load_checkpoint(path)
     except ddlc.errors.RuntimeMismatchError as e:
-        return str(e), opt.param_groups[0]["betas"], opt.param_groups[0]["maximize"]
-    return float(step.step(*batch)), opt.param_groups[0]["betas"], opt.param_groups[0]["maximize"]
+        return str(e), group["betas"], group["maximize"], float(group["lr"])
+    return float(step.step(*batch)), group["betas"], group["maximize"], float(group["lr"])
 
 
 def test_a_checkpoint_restores_betas_given_as_a_list_and_refuses_flags_the_step_lacks(tmp_path):
@@ -781,16 +815,17 @@ def test_a_checkpoint_restores_betas_given_as_a_list_and_refuses_flags_the_step_
     out too, so a checkpoint of an ascending optimizer (``maximize``) resumed descending.
     Both are saved now: the betas load, and a flag the step was not compiled for is refused
     naming it, the optimizer left as it was (torch's ``load_state_dict`` would set it; the
-    compiled update cannot change)."""
+    compiled update cannot change), a tensor lr too (round AC: it kept the checkpoint's)."""
     listed, flagged = str(tmp_path / "listed"), str(tmp_path / "flagged")
     want = spawn(_nadam_saved, 2, listed, [0.5, 0.9], False, timeout=120, deadline=300)[0]
-    loss, betas, maximize = spawn(_nadam_loaded, 2, listed, timeout=120, deadline=300)[0]
-    assert tuple(betas) == (0.5, 0.9) and maximize is False
+    loss, betas, maximize, lr = spawn(_nadam_loaded, 2, listed, timeout=120, deadline=300)[0]
+    assert tuple(betas) == (0.5, 0.9) and maximize is False and lr == pytest.approx(0.05)
     _close(loss, want, "loss of the step after resuming")
     spawn(_nadam_saved, 2, flagged, (0.9, 0.999), True, timeout=120, deadline=300)
-    error, betas, maximize = spawn(_nadam_loaded, 2, flagged, timeout=120, deadline=300)[0]
+    error, betas, maximize, lr = spawn(_nadam_loaded, 2, flagged, timeout=120, deadline=300)[0]
     assert "not compiled for (param group 0: maximize False -> True)" in error
-    assert tuple(betas) == (0.9, 0.999) and maximize is False
+    # as it was: a tensor lr was filled in place with the checkpoint's before the refusal
+    assert tuple(betas) == (0.9, 0.999) and maximize is False and lr == pytest.approx(0.01)
 
 
 def _hand_trained(seed):
