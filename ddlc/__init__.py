@@ -17,11 +17,11 @@ from .mesh import HardwareProfile, LinkModel, Mesh, load_profile
 from .sbp import B, NdSBP, P, S, SBP
 
 #: Public name -> the module that defines it, imported on first access.
-_LAZY = {"spawn": "launch", "Plan": "plan", "CompiledStep": "step", "compile": "runtime",
+_LAZY = {"spawn": "launch", "run": "launch", "Plan": "plan", "CompiledStep": "step", "compile": "runtime",
          "CompileOptions": "options", "trace": "tracing"}
 
 __all__ = ["B", "CompiledStep", "CompileOptions", "DDLCError", "HardwareProfile", "LinkModel", "Mesh",
-           "NdSBP", "P", "Plan", "S", "SBP", "compile", "errors", "load_profile", "spawn", "trace"]
+           "NdSBP", "P", "Plan", "S", "SBP", "compile", "errors", "load_profile", "run", "spawn", "trace"]
 
 
 def __getattr__(name: str):

@@ -470,3 +470,16 @@ def test_the_module_table_is_in_forward_order_whatever_modules_hold_buffers():
     plan = pipeline.plan(gm, Mesh((2,)), CompileOptions(), {})
     order = [row.module for row in module_rows(plan, STEP(gm))]
     assert order.index("0") < order.index("2") and order.index("0") < order.index("2.lin")
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_operator_times_measured_by_the_command_are_cached(tmp_path):
+    """``--compute measured`` times the plan's operators and caches them on disk, so the next
+    command reads them; the command ends with ``os._exit``, which skips the exit handler
+    that saved the cache, so nothing was saved and every command measured again."""
+    env = {**os.environ, "DDLC_CACHE_DIR": str(tmp_path)}
+    command = [sys.executable, "-m", "ddlc", "plan", f"{FACTORIES}:mlp", "--mesh", "2", "--compute", "measured"]
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    cached = list(tmp_path.rglob("*"))
+    assert any(p.is_file() and p.stat().st_size > 0 for p in cached), cached
