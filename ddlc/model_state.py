@@ -31,6 +31,7 @@ import weakref
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
+from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils.hooks import RemovableHandle
@@ -46,8 +47,31 @@ _GLOBAL_HOOKS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_globa
 #: a tensor's hooks on its gradient (``register_hook``, ``register_post_accumulate_grad_hook``)
 _TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
-#: forward pre-hooks that set an attribute of their module from its parameters at every call
-_RECOMPUTING_HOOKS = (WeightNorm, SpectralNorm)
+#: forward pre-hooks that set an attribute of their module from its parameters (and
+#: buffers) at every call: the hook-based ``weight_norm`` and ``spectral_norm``, and
+#: ``nn.utils.prune``'s (``weight = weight_orig * weight_mask``)
+_RECOMPUTING_HOOKS = (WeightNorm, SpectralNorm, BasePruningMethod)
+
+
+def recomputed_attribute(hook) -> str | None:
+    """The attribute a forward pre-hook of :data:`_RECOMPUTING_HOOKS` sets (None for another
+    hook)."""
+    if isinstance(hook, BasePruningMethod):
+        return hook._tensor_name
+    return hook.name if isinstance(hook, (WeightNorm, SpectralNorm)) else None
+
+
+def recompute_pruned(model: nn.Module) -> None:
+    """Give each attribute ``nn.utils.prune``'s hooks compute (``weight = weight_orig *
+    weight_mask``) its value from the model's tensors as they are, as eager's last forward
+    left it: a compiled step computes it inside its program, and the attribute kept its
+    value at compile, which the next pruning ranks its entries by (``l1_unstructured``,
+    ``global_unstructured``). The hooks compute nothing else (spectral norm's would run a
+    power iteration)."""
+    for module in model.modules():
+        for hook in list(module._forward_pre_hooks.values()):
+            if isinstance(hook, BasePruningMethod):
+                hook(module, None)
 #: what a module holds besides attributes, and what to call one
 _MEMBERS = {"_modules": "a submodule", "_parameters": "a parameter", "_buffers": "a buffer"}
 
@@ -408,7 +432,8 @@ def _recomputed(module: nn.Module) -> set[str]:
     """The attributes a forward pre-hook of ``module`` sets from its parameters before every
     call (the hook-based ``weight_norm`` and ``spectral_norm``): the step computes them
     itself, so an eager forward's new value is no change."""
-    return {hook.name for hook in module._forward_pre_hooks.values() if isinstance(hook, _RECOMPUTING_HOOKS)}
+    return {recomputed_attribute(hook) for hook in module._forward_pre_hooks.values()
+            if isinstance(hook, _RECOMPUTING_HOOKS)}
 
 
 def _alike(a, b) -> bool:

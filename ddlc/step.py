@@ -25,7 +25,8 @@ from . import holding
 from .errors import RandomStreamWarning, RuntimeMismatchError, UnsupportedInputError
 from .ir import GLOBAL_VAL, HYPERPARAMETER_DTYPE, SHARDING, STEP, uneven_micro_batches
 from .mesh import Mesh
-from .model_state import ModelWatch, OptimizerStateWatch, autocast_state, autocast_words, change_words, settings
+from .model_state import (ModelWatch, OptimizerStateWatch, autocast_state, autocast_words, change_words,
+                          recompute_pruned, settings)
 from .optim import hyperparameter_values, refuse_step_hooks, structure as optimizer_structure
 from .plan import Plan
 from .printing import format_graph
@@ -743,6 +744,7 @@ class CompiledStep:
                 if (id(params[name]), state_name) not in user_entries:  # else the user's: it stays
                     self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
         self._take_users_changes(written, changed)
+        recompute_pruned(self._model)
         if self._optimizer is not None:
             self._optimizer_watch.accept()
         self._accept_writes()

@@ -38,9 +38,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.nn.modules import module as module_mod, transformer as transformer_module
-from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils._pytree import tree_flatten
 
 from . import graph_checks, host_random, rng, sources, strided_views
@@ -49,7 +47,7 @@ from .fake import element_span
 from .forward_rewrites import ForwardRewrites
 from .ir import (DRAW_STRIDES, ORIGIN, RECOMPUTE, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
                  dataclasses_as_nodes, hyperparameter_tensors, micro_batch, micro_batch_key, uneven_micro_batches)
-from .model_state import PLAIN, ModelWatch, describe, same_plain as _same_plain
+from .model_state import PLAIN, ModelWatch, describe, recomputed_attribute, same_plain as _same_plain
 from .optim import hyperparameter_key, optimizer_spec
 from .updates import Update, stamp_updates
 
@@ -640,10 +638,9 @@ def _assignment_line(module: nn.Module, attr: str) -> str | None:
 
 def _reparametrized(module: nn.Module, attr: str) -> bool:
     """Whether ``module.<attr>`` is what a forward pre-hook of torch's hook-based
-    ``nn.utils.weight_norm`` or ``nn.utils.spectral_norm`` computes from the module's
-    parameters (and, for spectral norm, buffers) before every call."""
-    return any(isinstance(hook, (WeightNorm, SpectralNorm)) and hook.name == attr
-               for hook in module._forward_pre_hooks.values())
+    ``nn.utils.weight_norm`` or ``nn.utils.spectral_norm``, or of ``nn.utils.prune``,
+    computes from the module's parameters and buffers before every call."""
+    return any(recomputed_attribute(hook) == attr for hook in module._forward_pre_hooks.values())
 
 
 def _may_be_state(value) -> bool:

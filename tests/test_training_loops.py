@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.prune
 from torch import nn
 
 import ddlc
@@ -1539,3 +1540,41 @@ def test_distributions_checking_their_values_by_default_train_like_single_device
     want, _ = eager(reference, None, sgd, data)
     assert_matches_reference({"losses": losses, "params": params},
                              {"losses": want, "params": dict(reference.named_parameters())})
+
+
+def _pruned():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    torch.nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.3)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(2)]
+    return model, data
+
+
+def _pruned_runs(rank):
+    """A pruned model's inference program, then two training steps and a write-back: the
+    outputs, and the pruned weight attribute with the weights it should be computed from."""
+    model, data = _pruned()
+    outputs = ddlc.compile(model, (2,), data[0][:1])(data[0][0])
+    step = ddlc.compile(model, (2,), data[0], F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1))
+    for x, y in data:
+        step.step(x, y)
+    step.write_back()
+    layer = model[0]
+    return outputs, layer.weight.detach().clone(), (layer.weight_orig * layer.weight_mask).detach()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_pruned_model_runs_inference_and_its_pruned_weight_follows_the_training():
+    """``nn.utils.prune``'s forward pre-hook sets ``weight = weight_orig * weight_mask`` at
+    every call. An inference program of a pruned model was refused as a forward changing
+    an attribute at every call (round AF); it runs now. After ``write_back`` the attribute
+    kept its value at compile, which the next pruning round ranks entries by; it is computed
+    from the trained weights now."""
+    outputs, attribute, trained = spawn(_pruned_runs, 2, timeout=100, deadline=110)[0]
+    model, data = _pruned()
+    with torch.no_grad():
+        torch.testing.assert_close(outputs, model(data[0][0]))
+    torch.testing.assert_close(attribute, trained)
+    assert not torch.allclose(attribute, model[0].weight)  # the weights at compile
