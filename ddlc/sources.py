@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["autograd_function", "caller", "cite", "custom_operator", "is_library_file", "is_torch_file", "is_user_file",
-           "source_from_stack", "torch_compiled_call", "user_frame"]
+           "source_from_stack", "torch_compiled_call", "torch_module_frame", "user_frame"]
 
 #: torch's and ddlc's own folders, which call torch's generator functions themselves
 _TORCH_AND_DDLC = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
@@ -103,6 +103,28 @@ _TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d", "hig
 
 def user_frame(exc: BaseException) -> str | None:
     return cite([(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_tb(exc.__traceback__)])
+
+
+#: torch's modules a user builds models from (``nn``'s layers, ``ao``'s quantization): their
+#: Python code is what the user reads when a value check inside one of them is refused
+_TORCH_MODULE_DIRS = tuple(os.path.join(os.path.dirname(torch.__file__), *d) + os.sep
+                           for d in (("nn", "modules"), ("nn", "utils"), ("ao",)))
+
+
+def torch_module_frame(exc: BaseException) -> str | None:
+    """The innermost frame of ``exc``'s traceback in the code of torch's modules (a layer of
+    ``torch.nn``, ``torch.ao``'s fake quantization) below the user's innermost frame, as
+    ``torch/...:line in func: code``; None if there is none."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    users = [k for k, f in enumerate(frames) if is_user_file(f.filename)]
+    found = None
+    for k, f in enumerate(frames):
+        if (not users or k > users[-1]) and os.path.abspath(f.filename).startswith(_TORCH_MODULE_DIRS):
+            found = f
+    if found is None:
+        return None
+    short = os.path.abspath(found.filename).split("site-packages" + os.sep, 1)[-1]
+    return f"{short}:{found.lineno} in {found.name}: {(found.line or '').strip()}"
 
 
 def caller() -> str | None:

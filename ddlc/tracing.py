@@ -1409,6 +1409,9 @@ def _make_fx(fn, flat, annotator: _ModuleAnnotator, batch: Sequence[torch.Tensor
         for pattern, error, cause in _CAUSES:
             if pattern.search(f"{type(e).__name__} {e}"):
                 inputs = graph_checks.describe_tensors(batch)
+                inside = sources.torch_module_frame(e) if pattern is _DATA_DEPENDENT else None
+                if inside is not None:  # a torch layer reading a value (FakeQuantize's observer flag)
+                    cause = f"{cause}; the value is read in torch's {inside}"
                 raise error(f"{cause}; the example inputs are {inputs} ({text})", where=line) from e
         raise TraceError(f"tracing the step failed ({text})", where=line) from e
     finally:

@@ -525,6 +525,16 @@ class _Tagger(torch.nn.Module):
         return self.emb(input_ids).sum(1) * attention_mask.sum(1, keepdim=True)
 
 
+def _classic_fake_quantization():
+    """torch.ao's classic quantization-aware training (``default_qat_qconfig``): its
+    ``FakeQuantize`` branches on the value of its ``observer_enabled`` buffer."""
+    import torch.ao.quantization as tq
+    model = torch.nn.Sequential(tq.QuantStub(), torch.nn.Linear(4, 4), tq.DeQuantStub())
+    model.qconfig = tq.default_qat_qconfig
+    tq.prepare_qat(model.train(), inplace=True)
+    return ddlc.trace(model, (_X, _X), F.mse_loss)
+
+
 def _labels_first():
     """transformers' default_data_collator moves ``label`` to the front, as ``labels``."""
     batch = {"labels": torch.randint(0, 3, (4,)), "input_ids": torch.randint(0, 10, (4, 5)),
@@ -593,6 +603,9 @@ CATALOGUE = [
     ("a torch.compile'd function called in the forward (an AssertionError of dynamo's)",
      lambda: ddlc.trace(_CallsCompiled(), (_X, _X), F.mse_loss), UnsupportedInputError,
      r"calls a function compiled with torch.compile(?s:.*)test_reliability.py:\d+ in forward"),
+    ("a torch layer reading a buffer's value (the classic FakeQuantize's observer flag)", _classic_fake_quantization,
+     TraceError, r"data-dependent Python control flow(?s:.*)the value is read in torch's "
+                 r"torch/ao/quantization/fake_quantize.py:\d+ in forward: if self.observer_enabled"),
     ("a torch.distributions distribution validating its arguments' values",
      lambda: ddlc.trace(_ValidatedDistribution(), (_X, _X), F.mse_loss), TraceError,
      r"a torch.distributions distribution given validate_args=True checks the values of its arguments"
