@@ -425,7 +425,7 @@ def _default_names(ndim: int) -> tuple[str, ...]:
 
 def _parse_shape(shape) -> tuple[int, ...]:
     if isinstance(shape, str):
-        text = shape.strip().strip("()")
+        text = shape.strip().strip("()").strip().removesuffix(",")  # Python's one-tuple: "(4,)"
         parts = re.split(r"\s*[x×,*]\s*", text) if text else []
         if not parts or not all(p.isascii() and p.isdigit() for p in parts):
             raise MeshError(f"cannot parse mesh shape {shape!r}: write it like '2x4' or '(2, 4)'")

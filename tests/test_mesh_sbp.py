@@ -14,6 +14,7 @@ from ddlc.sbp import B, NdSBP, P, S, divides, local_shape, local_slices, parse_s
 def test_mesh_from_tuple_string_and_names():
     assert Mesh("2x4").shape == (2, 4)
     assert Mesh("(2, 2, 2)").shape == (2, 2, 2)
+    assert Mesh("(4,)").shape == (4,) and Mesh("(2, 4,)").shape == (2, 4)  # as Python writes tuples
     assert Mesh(8).shape == (8,)
     m = Mesh((2, 4), ("data", "model"))
     assert m.axis_names == ("data", "model") and m.size == 8 and m.ndim == 2
