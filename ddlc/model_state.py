@@ -47,15 +47,11 @@ _GLOBAL_HOOKS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_globa
 #: a tensor's hooks on its gradient (``register_hook``, ``register_post_accumulate_grad_hook``)
 _TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
-#: forward pre-hooks that set an attribute of their module from its parameters (and
-#: buffers) at every call: the hook-based ``weight_norm`` and ``spectral_norm``, and
-#: ``nn.utils.prune``'s (``weight = weight_orig * weight_mask``)
-_RECOMPUTING_HOOKS = (WeightNorm, SpectralNorm, BasePruningMethod)
-
-
 def recomputed_attribute(hook) -> str | None:
-    """The attribute a forward pre-hook of :data:`_RECOMPUTING_HOOKS` sets (None for another
-    hook)."""
+    """The attribute a forward pre-hook sets from its module's parameters (and buffers) at
+    every call, where it is one of torch's that do: the hook-based ``weight_norm`` and
+    ``spectral_norm``, and ``nn.utils.prune``'s (``weight = weight_orig * weight_mask``);
+    None for another hook."""
     if isinstance(hook, BasePruningMethod):
         return hook._tensor_name
     return hook.name if isinstance(hook, (WeightNorm, SpectralNorm)) else None
@@ -432,8 +428,8 @@ def _recomputed(module: nn.Module) -> set[str]:
     """The attributes a forward pre-hook of ``module`` sets from its parameters before every
     call (the hook-based ``weight_norm`` and ``spectral_norm``): the step computes them
     itself, so an eager forward's new value is no change."""
-    return {recomputed_attribute(hook) for hook in module._forward_pre_hooks.values()
-            if isinstance(hook, _RECOMPUTING_HOOKS)}
+    return {attr for hook in module._forward_pre_hooks.values()
+            if (attr := recomputed_attribute(hook)) is not None}
 
 
 def _alike(a, b) -> bool:

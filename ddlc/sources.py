@@ -40,6 +40,12 @@ def is_library_file(filename: str) -> bool:
     return "site-packages" in path and not path.startswith(_INTERNAL_DIRS)
 
 
+def _installed(file: str, line: int | str, func: str, code: str) -> str:
+    """A frame of an installed package's file, as ``package/path.py:line in func: code``."""
+    short = os.path.abspath(file).split("site-packages" + os.sep, 1)[-1]
+    return f"{short}:{line} in {func}: {code.strip()}"
+
+
 def cite(frames: Sequence[tuple[str, int | str, str, str]]) -> str | None:
     """The user's innermost frame, and where the innermost library frame lies below it
     (a Hugging Face model's own line), as ``file:line in func: code [in lib/file:line ...]``."""
@@ -50,9 +56,7 @@ def cite(frames: Sequence[tuple[str, int | str, str, str]]) -> str | None:
         file, line, func, code = frames[users[-1]]
         parts.append(f"{file}:{line} in {func}: {code.strip()}")
     if libraries and (not users or libraries[-1] > users[-1]):
-        file, line, func, code = frames[libraries[-1]]
-        short = os.path.abspath(file).split("site-packages" + os.sep, 1)[-1]
-        parts.append(f"[in {short}:{line} in {func}: {code.strip()}]")
+        parts.append(f"[in {_installed(*frames[libraries[-1]])}]")
     return " ".join(parts) or None
 
 
@@ -121,10 +125,7 @@ def torch_module_frame(exc: BaseException) -> str | None:
     for k, f in enumerate(frames):
         if (not users or k > users[-1]) and os.path.abspath(f.filename).startswith(_TORCH_MODULE_DIRS):
             found = f
-    if found is None:
-        return None
-    short = os.path.abspath(found.filename).split("site-packages" + os.sep, 1)[-1]
-    return f"{short}:{found.lineno} in {found.name}: {(found.line or '').strip()}"
+    return None if found is None else _installed(found.filename, found.lineno, found.name, found.line or "")
 
 
 def caller() -> str | None:

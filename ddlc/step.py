@@ -196,7 +196,14 @@ class CompiledStep:
         #: on a GPU, the scalars the update reads that stay in host memory, as torch.optim keeps
         #: them (:meth:`_device_for`); each hyper-parameter is one too
         self._host_scalars = host_scalars and device.type == "cuda"
-        self._on_host = {k for k in self.signature.keys("opt_state") if self._host_scalars and self._is_scalar_state(k)}
+        #: each trained parameter's update spec, by name
+        self._optimizer_specs = dict(self.signature.optimizer)
+        #: the optimizer states that are one scalar per parameter (step counts, NAdam's
+        #: product of momenta), not one value per element, keyed ``"<param>:<state>"``
+        self._scalar_states = frozenset(
+            k for k in self.signature.keys("opt_state")
+            if k.rsplit(":", 1)[1] not in self._optimizer_specs[k.rsplit(":", 1)[0]].per_element)
+        self._on_host = self._scalar_states if self._host_scalars else frozenset()
         self._state_dict_names = _state_dict_names(model)
         self._extra_state = {k: v for k, v in model.state_dict().items() if k not in self._state_dict_names}
         self._take_model_state(model)
@@ -262,7 +269,7 @@ class CompiledStep:
         if given is not None:
             return self._shard(key, given.detach().to(dtype))
         shape = local_shape(self._global_shape(key), self._sbp(key), self.mesh.shape, self.coord)
-        value = dict(self.signature.optimizer)[name].initial_value(state_name)
+        value = self._optimizer_specs[name].initial_value(state_name)
         return torch.full(shape, value, dtype=dtype, device=self._device_for(key))
 
     def _device_for(self, key: str) -> torch.device:
@@ -740,7 +747,7 @@ class CompiledStep:
         if self._optimizer is not None:
             for key, value in self.optimizer_state().items():  # a collective: on every rank
                 name, state_name = key.rsplit(":", 1)
-                shape = () if self._is_scalar_state(key) else params[name].shape
+                shape = () if key in self._scalar_states else params[name].shape
                 if (id(params[name]), state_name) not in user_entries:  # else the user's: it stays
                     self._optimizer.state[params[name]][state_name] = value.detach().reshape(shape).clone()
         self._take_users_changes(written, changed)
@@ -1185,14 +1192,8 @@ class CompiledStep:
                 for state_name, value in self._optimizer.state.get(params[name], {}).items()
                 if isinstance(value, torch.Tensor)}
 
-    def _is_scalar_state(self, key: str) -> bool:
-        """Whether optimizer state ``key`` (``"<param>:<state>"``) is one scalar per parameter
-        (a step count, NAdam's product of momenta), not one value per element."""
-        name, state_name = key.rsplit(":", 1)
-        return state_name not in dict(self.signature.optimizer)[name].per_element
-
     def _steps_kept_on_cpu(self) -> set[str]:
-        """The scalar states (:meth:`_is_scalar_state`: step counts) torch.optim keeps on the
+        """The scalar states (``_scalar_states``: step counts) torch.optim keeps on the
         CPU: those of param groups neither ``capturable`` nor ``fused`` (the program's own
         copy is in host memory too, except in an Inductor program on a GPU: :meth:`_device_for`)."""
         if self._optimizer is None:
@@ -1200,8 +1201,7 @@ class CompiledStep:
         names = {id(p): n for n, p in self._model.named_parameters()}
         cpu_params = {names[id(p)] for g in self._optimizer.param_groups
                       if not (g.get("capturable") or g.get("fused")) for p in g["params"] if id(p) in names}
-        return {k for k in self.signature.keys("opt_state")
-                if k.rsplit(":", 1)[0] in cpu_params and self._is_scalar_state(k)}
+        return {k for k in self._scalar_states if k.rsplit(":", 1)[0] in cpu_params}
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Full gradients of the last step (compiled with loss_fn, no optimizer; collective),
