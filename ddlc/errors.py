@@ -57,6 +57,12 @@ class RandomStreamWarning(UserWarning):
     from its own stream without those draws."""
 
 
+class MemoryBudgetWarning(UserWarning):
+    """The lowered program's modeled peak memory per device exceeds ``memory_budget``: the
+    search keeps the plan's resident tensors within the budget, not the buffers lowering
+    adds (all-gathered weights, gradient buckets, pieces) nor the order's live ranges."""
+
+
 def as_shared(error: Exception, what: str) -> DDLCError:
     """``error`` as another process raises it: itself where it is a ddlc error, else a
     :class:`RuntimeMismatchError` naming ``what`` failed (e.g. "rank 0 failed while

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import logging
 import pickle
+import warnings
 from typing import Mapping, Sequence
 
 import torch
@@ -34,15 +35,18 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cost_models.measured import local_gloo_ranks
+from cost_models.program import program_timeline
 
 from . import holding, inductor, pipeline
-from .errors import DDLCError, LoweringError, MeshError, RuntimeMismatchError, UnsupportedInputError, as_shared
+from .errors import (DDLCError, LoweringError, MemoryBudgetWarning, MeshError, RuntimeMismatchError,
+                     UnsupportedInputError, as_shared)
 from .ir import SHARDING, collective_sequence
 from .mesh import Mesh
 from .model_state import PLAIN
 from .optim import group_hyperparameters, refuse_non_optimizer, structure as optimizer_structure
 from .options import CompileOptions
 from .portable import attributes_read, from_portable, set_attribute, to_portable
+from .printing import format_bytes
 from .random_stream import STREAM, share_generator
 from .ranks import (on_rank, on_rank0, receive_from, send_to_rank0, take_rank0_optimizer_state, take_rank0_state,
                     tensor_fingerprint)
@@ -571,6 +575,8 @@ def _compile(model: nn.Module, mesh, example_inputs, loss_fn, optimizer,
     chosen, held, even = _plan_with_rank1(gm, mesh, coord, options, fixed, groups)
     gm = _program(gm, mesh, coord, groups, options, chosen, held, even, device)
     plan = chosen.plan
+    if options.memory_budget is not None and dist.get_rank() == 0:
+        _warn_over_budget(gm, mesh, options.memory_budget)
     if dist.get_backend() == "gloo":  # one collective in flight at a time: see passes/waits.py
         pipeline.run_pass("waits", pipeline.wait_at_once, gm)
     digest = _check_fingerprint(gm, coord)
@@ -580,6 +586,21 @@ def _compile(model: nn.Module, mesh, example_inputs, loss_fn, optimizer,
     if options.backend == "inductor":
         step.program = _compile_with_inductor(gm, device)
     return step
+
+
+def _warn_over_budget(program: fx.GraphModule, mesh: Mesh, budget: float) -> None:
+    """A :class:`ddlc.errors.MemoryBudgetWarning`, at the user's ``compile`` call, where the
+    modeled peak memory of this rank's lowered ``program`` (what ``ddlc plan`` reports as
+    "peak memory per device") exceeds the ``memory_budget`` the plan was searched under."""
+    peak = program_timeline(program, mesh.profile).peak_memory
+    if peak > budget:
+        warnings.warn(MemoryBudgetWarning(
+            f"the lowered program's modeled peak memory per device, {format_bytes(peak)}, is "
+            f"{peak / budget - 1:.0%} over memory_budget={budget:.0f} ({format_bytes(budget)}): the search "
+            "keeps the plan's parameters, gradients, optimizer state and saved activations within "
+            "the budget, not the buffers lowering adds (weights all-gathered before use, gradient "
+            "buckets, pieces) nor the order's live ranges; give a smaller budget to leave that "
+            "headroom"), stacklevel=4)  # _warn_over_budget, _compile, compile, the caller
 
 
 def _compile_with_inductor(gm: fx.GraphModule, device: torch.device):

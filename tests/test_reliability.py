@@ -7,6 +7,7 @@ import random
 import re
 import sys
 import tempfile
+import warnings
 
 import numpy as np
 import pytest
@@ -740,6 +741,39 @@ def test_memory_budgets_are_kept_or_refused_with_the_smallest_that_fits():
         assert shard(gm, mesh, memory_budget=budget).memory <= budget
     with pytest.raises(ddlc.errors.ShardingError, match=r"KiB.*memory_budget=, --memory\) of at least \d+ bytes"):
         shard(gm, mesh, memory_budget=smallest / 2)  # small model: KiB, not "0.0 MiB"
+
+
+def _budgeted_compile(rank, factor):
+    """The MemoryBudgetWarnings a compile of an MLP under ``factor`` times its smallest
+    footprint raises on this rank, and whether its step then runs."""
+    from passes.sharding import build_problem
+    from passes.sharding.exact import smallest_footprint
+    torch.manual_seed(0)
+    model, batch = MLP(32, 256, 16), (torch.randn(8, 32), torch.randn(8, 16))
+    gm = pipeline.trace_step(model, batch, F.mse_loss, torch.optim.AdamW(model.parameters()), CompileOptions())
+    _, smallest = smallest_footprint(build_problem(gm, ddlc.Mesh((2,))))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = ddlc.compile(model, "2", batch, F.mse_loss, torch.optim.AdamW(model.parameters()),
+                            memory_budget=factor * smallest)
+    loss = step.step(*batch)
+    return [(str(w.message), w.filename) for w in caught if w.category is ddlc.errors.MemoryBudgetWarning], \
+        bool(torch.isfinite(loss))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_program_over_the_memory_budget_warns_at_the_compile_call():
+    """The plan fits the budget by the search's memory model; the lowered program's modeled
+    peak (weights all-gathered, buckets, live ranges) went 42% over the least budget here:
+    rank 0 warns, at the user's line, once; a budget with room to spare does not warn."""
+    (warned, ran), (other, _) = spawn(_budgeted_compile, 2, 1.0, timeout=120, deadline=170)
+    assert ran and other == [] and len(warned) == 1
+    message, filename = warned[0]
+    assert re.search(r"peak memory per device, [0-9.]+ KiB, is \d+% over memory_budget=\d+", message)
+    assert filename == __file__
+    (quiet, _), _ = spawn(_budgeted_compile, 2, 1e7, timeout=120, deadline=170)
+    assert quiet == []
 
 
 def _infeasible_budget(rank):
