@@ -367,7 +367,7 @@ def _lagrangian(problem: ShardingProblem, memory_budget: float, max_sweeps: int)
     a forbidden redistribution."""
     solves, last, stats = 0, None, {}  # last: the previous relaxed search's core and result
 
-    def at(price: float) -> tuple[float, float, list[int]]:
+    def at(price: float) -> tuple[float, float, list[int], float]:
         nonlocal solves, last
         solves += 1
         core, expand, _ = reduce_problem(_relaxed(problem, price))
@@ -376,7 +376,7 @@ def _lagrangian(problem: ShardingProblem, memory_budget: float, max_sweeps: int)
         stats.setdefault("first", found_stats)  # the search without a budget's
         last = core.nodes, found
         choice = expand(found)
-        return problem.objective(choice), problem.memory_of(choice), choice
+        return problem.objective(choice), problem.memory_of(choice), choice, price
 
     def result(choice: list[int], price: float) -> tuple[list[int], dict]:
         return choice, {**stats["first"], "seed": "lagrange", "unbudgeted_seed": stats["first"]["seed"],
@@ -384,7 +384,7 @@ def _lagrangian(problem: ShardingProblem, memory_budget: float, max_sweeps: int)
 
     over = at(0.0)
     if over[1] <= memory_budget:
-        return result(over[2], 0.0)
+        return result(over[2], over[3])
     memory_spread = sum(float(np.ptp(m)) for m in problem.memory)
     if memory_spread == 0:
         return None
@@ -414,7 +414,7 @@ def _lagrangian(problem: ShardingProblem, memory_budget: float, max_sweeps: int)
             best = min(best, plan, key=lambda p: p[0])
         else:
             over = plan
-    return result(_descend(problem, best[2], memory_budget, _path_blocks(problem), [], max_sweeps)[0], price)
+    return result(_descend(problem, best[2], memory_budget, _path_blocks(problem), [], max_sweeps)[0], best[3])
 
 
 def _eliminable(problem: ShardingProblem, memory_budget: float) -> bool:
