@@ -741,6 +741,10 @@ def test_memory_budgets_are_kept_or_refused_with_the_smallest_that_fits():
         assert shard(gm, mesh, memory_budget=budget).memory <= budget
     with pytest.raises(ddlc.errors.ShardingError, match=r"KiB.*memory_budget=, --memory\) of at least \d+ bytes"):
         shard(gm, mesh, memory_budget=smallest / 2)  # small model: KiB, not "0.0 MiB"
+    with pytest.raises(ddlc.errors.ShardingError,  # a byte short: both round to the same KiB
+                       match=rf"budget of [0-9.]+ KiB \({smallest - 1:.0f} bytes\) per device: the smallest "
+                             rf"possible footprint is [0-9.]+ KiB \({smallest:.0f} bytes\)"):
+        shard(gm, mesh, memory_budget=smallest - 1)
 
 
 def _budgeted_compile(rank, factor):

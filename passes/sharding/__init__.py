@@ -200,8 +200,11 @@ def replicate(gm: fx.GraphModule, mesh: Mesh, *, memory_budget: float | None = N
 
 def _refuse_budget(budget: float, smallest: float, dominant: Sequence[tuple[str, float]]):
     top = ", ".join(f"{name} ({format_bytes(b)})" for name, b in dominant[:5])
-    raise ShardingError(f"no sharding fits the memory budget of {format_bytes(budget)} per device: "
-                        f"the smallest possible footprint is {format_bytes(smallest)} "
+    asked, least = format_bytes(budget), format_bytes(smallest)
+    if asked == least:  # both round alike ("269 KiB" and "269 KiB"): the bytes tell them apart
+        asked, least = f"{asked} ({budget:.0f} bytes)", f"{least} ({smallest:.0f} bytes)"
+    raise ShardingError(f"no sharding fits the memory budget of {asked} per device: "
+                        f"the smallest possible footprint is {least} "
                         "(parameters x2 for gradients, optimizer state, inputs, saved activations); "
                         f"give a budget (memory_budget=, --memory) of at least {smallest:.0f} bytes. "
                         "The largest tensors even at "
