@@ -52,7 +52,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -333,9 +333,18 @@ LAGRANGE_STEPS = 12
 def _relaxed(problem: ShardingProblem, price: float) -> ShardingProblem:
     """``problem`` with every candidate's cost raised by ``price`` seconds per byte it
     keeps resident (its Lagrangian relaxation at multiplier ``price``)."""
-    return ShardingProblem(problem.gm, problem.mesh, problem.nodes, problem.var_of, problem.members,
-                           problem.candidates, [u + price * m for u, m in zip(problem.unary, problem.memory)],
-                           [np.zeros(len(u)) for u in problem.unary], problem.memory, problem.edges)
+    return replace(problem, compute=[u + price * m for u, m in zip(problem.unary, problem.memory)],
+                   sink=[np.zeros(len(u)) for u in problem.unary])
+
+
+class _Relaxed(NamedTuple):
+    """A relaxed search's plan: its ``cost`` (the objective of the problem with the budget),
+    the bytes it keeps resident, the ``choice`` and the ``price`` it was searched at."""
+
+    cost: float
+    memory: float
+    choice: list[int]
+    price: float
 
 
 def _lagrangian(problem: ShardingProblem, memory_budget: float, max_sweeps: int) -> tuple[list[int], dict] | None:
@@ -367,7 +376,7 @@ def _lagrangian(problem: ShardingProblem, memory_budget: float, max_sweeps: int)
     a forbidden redistribution."""
     solves, last, stats = 0, None, {}  # last: the previous relaxed search's core and result
 
-    def at(price: float) -> tuple[float, float, list[int], float]:
+    def at(price: float) -> _Relaxed:
         nonlocal solves, last
         solves += 1
         core, expand, _ = reduce_problem(_relaxed(problem, price))
@@ -376,24 +385,24 @@ def _lagrangian(problem: ShardingProblem, memory_budget: float, max_sweeps: int)
         stats.setdefault("first", found_stats)  # the search without a budget's
         last = core.nodes, found
         choice = expand(found)
-        return problem.objective(choice), problem.memory_of(choice), choice, price
+        return _Relaxed(problem.objective(choice), problem.memory_of(choice), choice, price)
 
     def result(choice: list[int], price: float) -> tuple[list[int], dict]:
         return choice, {**stats["first"], "seed": "lagrange", "unbudgeted_seed": stats["first"]["seed"],
                         "lagrange_price": price, "lagrange_solves": solves}
 
     over = at(0.0)
-    if over[1] <= memory_budget:
-        return result(over[2], over[3])
+    if over.memory <= memory_budget:
+        return result(over.choice, over.price)
     memory_spread = sum(float(np.ptp(m)) for m in problem.memory)
     if memory_spread == 0:
         return None
     price, within = sum(float(np.ptp(u)) for u in problem.unary) / memory_spread, None
     for _ in range(40):
         plan = at(price)
-        if plan[0] >= FORBIDDEN:
+        if plan.cost >= FORBIDDEN:
             return None
-        if plan[1] <= memory_budget:
+        if plan.memory <= memory_budget:
             within = plan
             break
         over, price = plan, price * 16
@@ -401,20 +410,21 @@ def _lagrangian(problem: ShardingProblem, memory_budget: float, max_sweeps: int)
         return None
     best = within
     for _ in range(LAGRANGE_STEPS):
-        if over[1] <= within[1]:
+        if over.memory <= within.memory:
             break
-        price = (within[0] - over[0]) / (over[1] - within[1])
+        price = (within.cost - over.cost) / (over.memory - within.memory)
         if not price > 0:
             break
         plan = at(price)
-        if plan[0] + price * plan[1] >= (over[0] + price * over[1]) * (1 - 1e-12):
+        if plan.cost + price * plan.memory >= (over.cost + price * over.memory) * (1 - 1e-12):
             break  # no hull point between the two
-        if plan[1] <= memory_budget:
+        if plan.memory <= memory_budget:
             within = plan
-            best = min(best, plan, key=lambda p: p[0])
+            best = min(best, plan, key=lambda p: p.cost)
         else:
             over = plan
-    return result(_descend(problem, best[2], memory_budget, _path_blocks(problem), [], max_sweeps)[0], best[3])
+    choice, _ = _descend(problem, best.choice, memory_budget, _path_blocks(problem), [], max_sweeps)
+    return result(choice, best.price)
 
 
 def _eliminable(problem: ShardingProblem, memory_budget: float) -> bool:
