@@ -255,8 +255,9 @@ def why_not_plannable(shape: Sequence[int], sbp: NdSBP, mesh_shape: Sequence[int
     for d in sorted(cuts_unevenly(shape, sbp, mesh_shape)):
         axes = [axis for axis, x in enumerate(sbp) if x.is_split and x.dim == d]
         if len(axes) > 1:
+            one_axis = NdSBP(tuple(B if axis in axes[1:] else x for axis, x in enumerate(sbp)))
             return (f"dim {d} ({shape[d]}) does not divide, and a dim that does not divide may be "
-                    f"split by one mesh axis only, not by axes {axes}")
+                    f"split by one mesh axis only, not by axes {axes} (e.g. {one_axis})")
         parts = mesh_shape[axes[0]]
         if not fills_every_piece(shape[d], parts):
             size = -(-shape[d] // parts)

@@ -177,5 +177,7 @@ def test_why_a_placement_that_cuts_unevenly_is_refused():
     assert why_not_plannable((6, 12), parse_sbp("(S0)"), (4,)) == (
         "torch.chunk cuts dim 0 (6) into pieces of [2, 2, 2, 0] over the 4 devices of mesh axis 0: "
         "a device would get none")
-    assert "split by one mesh axis only, not by axes [0, 1]" in why_not_plannable((6, 12), parse_sbp("(S0, S0)"), (2, 2))
+    assert why_not_plannable((6, 12), parse_sbp("(S0, S0)"), (2, 2)).endswith(
+        "split by one mesh axis only, not by axes [0, 1] (e.g. (S0, B))")
+    assert why_not_plannable((6, 12), parse_sbp("(B, S0, S0)"), (1, 2, 2)).endswith("(e.g. (B, S0, B))")
     assert why_not_plannable((10, 12), parse_sbp("(S0)"), (4,)) == ""  # 3, 3, 3, 1: planned
