@@ -1,13 +1,28 @@
 """What the ranks of a process group tell each other while compiling and stepping: one
 rank decides and every rank receives the decision (:func:`on_rank0`, a failure raised on
-every rank instead of leaving the others waiting), rank 1's point-to-point messages to
-rank 0, rank 0's model and optimizer state given to every rank (as
+every rank instead of leaving the others waiting), rank 1's one message to rank 0
+(:func:`send_to_rank0`), rank 0's model and optimizer state given to every rank (as
 ``DistributedDataParallel`` gives its parameters), and a fingerprint that tells tensors
 apart without sending them.
+
+Waiting for a decision. Planning can take longer than the process group's timeout (a
+search on a 3-D mesh: one to two minutes; ``ddlc.spawn``'s timeout is 60 s), and a rank
+waiting in a collective for it would time out. So while compiling (:func:`compiling`)
+every rank counts a heartbeat in the process group's store, and a rank waiting for
+another's decision first waits in the store, as long as the other's heartbeat moves,
+for the key the other sets once it has decided (:func:`_await`); only then does it enter
+the collective that carries the decision, which the other is about to enter too. A rank
+whose heartbeat stops (it died, or it is not compiling) is waited for no longer: the
+collective's own timeout then applies, as before. Rank 1's message to rank 0 goes
+through the store as well, so neither waits for the other in a point-to-point send.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import pickle
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -15,8 +30,83 @@ from torch import nn
 
 from .errors import as_shared
 
-__all__ = ["broadcast_from_rank0", "from_rank0", "on_rank", "on_rank0", "receive_from", "send_to_rank0",
-           "take_rank0_hyperparameters", "take_rank0_optimizer_state", "take_rank0_state", "tensor_fingerprint"]
+__all__ = ["broadcast_from_rank0", "compiling", "from_rank0", "on_rank", "on_rank0", "receive_from",
+           "receive_from_rank1", "send_to_rank0", "take_rank0_hyperparameters", "take_rank0_optimizer_state",
+           "take_rank0_state", "tensor_fingerprint"]
+
+#: seconds between two heartbeats of a compiling rank
+BEAT_SECONDS = 1.0
+#: a rank whose heartbeat has not moved for this long is waited for no longer in the store
+STALE_SECONDS = 10.0
+#: this process's :func:`on_rank` calls and rank 1's messages so far: every rank makes the
+#: same calls in the same order (each matches a collective or a message), so the n-th of
+#: each names the same decision or message on every rank
+_decisions = itertools.count()
+_letters = itertools.count()
+#: ddlc's store operations, one at a time (the heartbeat's thread and the main thread)
+_store_lock = threading.Lock()
+
+
+def _store():
+    """The default process group's store."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def _beat_key(rank: int) -> str:
+    return f"ddlc/heartbeat/{rank}"
+
+
+@contextlib.contextmanager
+def compiling():
+    """Within, a thread of this rank adds one to its heartbeat count in the store every
+    :data:`BEAT_SECONDS` (nothing on a process group of one rank)."""
+    if dist.get_world_size() == 1:
+        yield
+        return
+    store, key, stop = _store(), _beat_key(dist.get_rank()), threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(BEAT_SECONDS):
+            with _store_lock:
+                try:
+                    store.add(key, 1)
+                except RuntimeError:  # the store is gone (its host ended): the collectives say so
+                    return
+
+    thread = threading.Thread(target=beat, name="ddlc-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _await(key: str, source: int) -> bool:
+    """Wait until ``key`` is in the store, as long as rank ``source``'s heartbeat moves
+    (checked every :data:`STALE_SECONDS`); polls the store with pauses doubling from 1 ms
+    to 50 ms. Whether the key came."""
+    store, beat_key = _store(), _beat_key(source)
+    with _store_lock:
+        beat = store.add(beat_key, 0)
+    since, pause = time.monotonic(), 0.001
+    while True:
+        with _store_lock:
+            if store.check([key]):
+                return True
+        if time.monotonic() - since >= STALE_SECONDS:
+            with _store_lock:
+                now = store.add(beat_key, 0)
+            if now == beat:
+                return False
+            beat, since = now, time.monotonic()
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+
+
+def _post(key: str, value: bytes = b"") -> None:
+    with _store_lock:
+        _store().set(key, value)
 
 
 def on_rank0(what: str, decide):
@@ -28,16 +118,21 @@ def on_rank0(what: str, decide):
 
 
 def on_rank(source: int, what: str, decide):
-    """:func:`on_rank0` with rank ``source`` deciding."""
+    """:func:`on_rank0` with rank ``source`` deciding. The others wait for the decision in
+    the store first (see the module's docstring)."""
+    decided, failure = f"ddlc/decided/{next(_decisions)}", None
     if dist.get_rank() == source:
         try:
             message = [decide()]
         except Exception as error:
-            dist.broadcast_object_list([as_shared(error, f"rank {source} failed while {what}")], src=source)
-            raise
+            failure, message = error, [as_shared(error, f"rank {source} failed while {what}")]
+        _post(decided)
     else:
         message = [None]
+        _await(decided, source)
     dist.broadcast_object_list(message, src=source)
+    if failure is not None:
+        raise failure
     if isinstance(message[0], Exception):
         raise message[0]
     return message[0]
@@ -69,9 +164,23 @@ def receive_from(source: int):
 
 
 def send_to_rank0(message) -> None:
-    """Rank 1's one message to rank 0 during ``compile``: its data-parallel
-    :class:`ddlc.pipeline.Candidate` (as sent) or ``NoCandidate``, None, or its failure."""
-    dist.send_object_list([message], dst=0)
+    """Rank 1's one message to rank 0 during ``compile`` (its data-parallel
+    :class:`ddlc.pipeline.Candidate` as sent, or ``NoCandidate``, None, or its failure),
+    left in the store, pickled, for :func:`receive_from_rank1`: rank 0 takes it when its
+    own planning needs it, which may be minutes later."""
+    _post(f"ddlc/letter/{next(_letters)}", pickle.dumps(message))
+
+
+def receive_from_rank1():
+    """On rank 0: rank 1's message of :func:`send_to_rank0`, waited for in the store while
+    rank 1's heartbeat moves (then the store's own timeout applies), and removed from it."""
+    key = f"ddlc/letter/{next(_letters)}"
+    _await(key, 1)
+    with _store_lock:
+        store = _store()
+        letter = store.get(key)
+        store.delete_key(key)
+    return pickle.loads(letter)
 
 
 def take_rank0_state(model: nn.Module) -> None:

@@ -48,8 +48,8 @@ from .options import CompileOptions
 from .portable import attributes_read, from_portable, set_attribute, to_portable
 from .printing import format_bytes
 from .random_stream import STREAM, share_generator
-from .ranks import (on_rank, on_rank0, receive_from, send_to_rank0, take_rank0_optimizer_state, take_rank0_state,
-                    tensor_fingerprint)
+from .ranks import (compiling, on_rank, on_rank0, receive_from, receive_from_rank1, send_to_rank0,
+                    take_rank0_optimizer_state, take_rank0_state, tensor_fingerprint)
 from .sbp import NdSBP
 from .step import CompiledStep
 from .tracing import refuse_wrapped
@@ -329,8 +329,8 @@ def _plan_with_rank1(gm: fx.GraphModule | None, mesh: Mesh, coord: tuple[int, ..
     with data parallelism (:func:`ddlc.pipeline.data_parallel_reference`, the same on every
     rank), rank 1 makes the data-parallel candidate (lowering its own coordinate's program
     where the plan splits evenly) while rank 0 searches and lowers its own, and sends it to
-    rank 0 (``send_object_list``; rank 1's failure goes in its place and is raised on rank
-    0). Rank 0 receives it exactly once, whether or not it needed it and even where its own
+    rank 0 through the store (:func:`send_to_rank0`; rank 1's failure goes in its place and
+    is raised on rank 0). Rank 0 receives it exactly once, whether or not it needed it and even where its own
     planning failed, so no rank is left waiting. Rank 0 keeps the program choose_plan
     lowered where its coordinate is 0, rank 1 its candidate's where rank 0 adopts it; every
     rank, whether the plan splits evenly. Ranks 2 and up hold no graph (None)."""
@@ -351,7 +351,7 @@ def _plan_with_rank1(gm: fx.GraphModule | None, mesh: Mesh, coord: tuple[int, ..
 
     def candidate() -> pipeline.Candidate | pipeline.NoCandidate:
         if not received:
-            received.append(receive_from(1))
+            received.append(receive_from_rank1())
         if isinstance(received[0], Exception):
             raise received[0]
         return received[0]
@@ -362,7 +362,7 @@ def _plan_with_rank1(gm: fx.GraphModule | None, mesh: Mesh, coord: tuple[int, ..
                                           candidate if reference is not None and world > 1 else None)
         finally:
             if world > 1 and not received:  # rank 1 sent its message all the same
-                received.append(receive_from(1))
+                received.append(receive_from_rank1())
         if world > 1:
             candidate()  # rank 1's failure, even where its candidate was not needed
         return chosen
@@ -570,10 +570,11 @@ def _compile(model: nn.Module, mesh, example_inputs, loss_fn, optimizer,
     # deferred, a later step of a gloo worker once aborted on a corrupted heap (as with
     # ``gc.freeze`` before); most likely gloo's functional collectives overlapping, which
     # gloo programs no longer do (passes/waits.py)
-    gm, fixed = _trace_on_ranks01(model, example_inputs, loss_fn, optimizer, options, mesh.ndim)
     coord = tuple(device_mesh.get_coordinate())
-    chosen, held, even = _plan_with_rank1(gm, mesh, coord, options, fixed, groups)
-    gm = _program(gm, mesh, coord, groups, options, chosen, held, even, device)
+    with compiling():  # a rank may wait minutes for another's plan: see ddlc/ranks.py
+        gm, fixed = _trace_on_ranks01(model, example_inputs, loss_fn, optimizer, options, mesh.ndim)
+        chosen, held, even = _plan_with_rank1(gm, mesh, coord, options, fixed, groups)
+        gm = _program(gm, mesh, coord, groups, options, chosen, held, even, device)
     plan = chosen.plan
     if options.memory_budget is not None and dist.get_rank() == 0:
         _warn_over_budget(gm, mesh, options.memory_budget)

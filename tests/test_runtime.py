@@ -130,6 +130,74 @@ def test_dead_rank_fails_fast_instead_of_hanging():
         spawn(_die_before_collective, 2, timeout=20, deadline=60)
 
 
+def _slow_to_plan(rank, slow_rank, where, seconds):
+    """Compile an MLP on (3,) with ``ddlc.pipeline.<where>`` taking ``seconds`` longer on
+    ``slow_rank``, then step once; the loss."""
+    import time
+
+    from torch import nn
+
+    import ddlc
+    from ddlc import pipeline
+    original = getattr(pipeline, where)
+
+    def slowed(*args, **kwargs):
+        if rank == slow_rank:
+            time.sleep(seconds)
+        return original(*args, **kwargs)
+    setattr(pipeline, where, slowed)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    step = ddlc.compile(model, (3,), (x, y), loss_fn=nn.functional.mse_loss,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    return float(step.step(x, y))
+
+
+@pytest.mark.parametrize("slow_rank, where", [(0, "choose_plan"), (1, "plan_pinned")])
+def test_ranks_wait_for_a_plan_longer_than_the_process_groups_timeout(slow_rank, where):
+    """Rank 0 searching (ranks 1 and 2 wait for its plan; rank 1 would wait to send its
+    data-parallel candidate) or rank 1 planning that candidate (rank 0 waits for it) for
+    three times the process group's 4 s timeout: every rank waits in the store while the
+    slow one's heartbeat moves, and the step gives eager's loss."""
+    from torch import nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    want = nn.functional.mse_loss(model(x), y).item()
+    losses = spawn(_slow_to_plan, 3, slow_rank, where, 12.0, timeout=4, deadline=150)
+    assert losses == pytest.approx([want] * 3, rel=1e-6)
+
+
+def _wait_in_the_store(rank):
+    """Rank 0 waits for keys that rank 1 sets: while rank 1 compiles (its heartbeat moves)
+    and while it does not (it has stopped compiling): whether each came."""
+    import time
+
+    import torch.distributed as dist
+
+    from ddlc import ranks
+    ranks.STALE_SECONDS = 2.0
+    if rank == 1:
+        with ranks.compiling():
+            time.sleep(5.0)  # longer than STALE_SECONDS: rank 0 sees the heartbeat move
+            ranks._post("ddlc/test/compiled")
+        dist.barrier()
+        return None
+    came = [ranks._await("ddlc/test/compiled", 1)]
+    start = time.monotonic()
+    came.append(ranks._await("ddlc/test/never", 1))  # rank 1 no longer beats
+    waited = time.monotonic() - start
+    dist.barrier()
+    return came, waited
+
+
+def test_a_rank_waits_in_the_store_while_the_other_compiles_and_not_after():
+    came, waited = spawn(_wait_in_the_store, 2, timeout=30, deadline=90)[0]
+    assert came == [True, False]
+    assert waited >= 2.0  # one STALE_SECONDS without a heartbeat, then no more
+
+
 def _abort_on_exit(rank):
     os._exit = lambda code: os.abort()  # the worker ends through os._exit
     return rank * 10
