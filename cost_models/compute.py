@@ -65,9 +65,10 @@ def op_time(target, args, kwargs, out, profile: HardwareProfile) -> float:
         return _update_time(args, profile)
     if profile.compute == "measured":  # cost_models/measured.py
         return measured_time(target, args, kwargs, out, profile, op_time)
+    if not isinstance(target, (OpOverload, HigherOrderOperator)) or getattr(target, "is_view", False):
+        return 0.0
     outs = tensors(out)
-    if (not outs or not isinstance(target, (OpOverload, HigherOrderOperator))
-            or getattr(target, "is_view", False)):
+    if not outs:
         return 0.0
     ins = tensors((args, kwargs))
     dtype = (ins or outs)[0].dtype

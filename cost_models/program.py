@@ -35,6 +35,7 @@ from collections import defaultdict
 
 import torch
 from torch import fx
+from torch._ops import OpOverload
 
 from ddlc import fused_update
 from ddlc.ir import COLLECTIVE, is_collective
@@ -149,6 +150,9 @@ class NodeCosts:
         self._alloc: dict[fx.Node, int] = {}
         self._priced: dict[str, fx.Node] = {}  # operators priced here, by name
         self._earlier = earlier if earlier is not None and earlier.profile is profile else None
+        #: operator seconds by :func:`call_key` (roofline profiles only: a measured
+        #: profile's table prices by its own keys)
+        self._by_call: dict = self._earlier._by_call if self._earlier is not None else {}
         #: the makespans of orders of these nodes timed with this table, by their
         #: :func:`task_order` (by :func:`order_makespan` or a scheduler's clock, which adds
         #: the same tasks in the same order): an order is timed once
@@ -187,14 +191,50 @@ class NodeCosts:
         alike = self._earlier._priced.get(node.name) if self._earlier is not None else None
         if alike is not None and _same_call(alike, node):
             return self._earlier.seconds(alike)
+        key = call_key(node) if self.profile.compute != "measured" else None
+        if key is not None and key in self._by_call:
+            return self._by_call[key]
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
-        return op_time(node.target, args, kwargs, node.meta.get("val"), self.profile)
+        seconds = op_time(node.target, args, kwargs, node.meta.get("val"), self.profile)
+        if key is not None:
+            self._by_call[key] = seconds
+        return seconds
 
     def alloc(self, node: fx.Node) -> int:
         """:func:`allocated_bytes` of ``node``."""
         if node not in self._alloc:
             self._alloc[node] = allocated_bytes(node)
         return self._alloc[node]
+
+
+def call_key(node: fx.Node):
+    """A hashable key of what :func:`cost_models.compute.op_time` prices an operator
+    (``OpOverload``) call by on a roofline profile: its target, and its arguments and
+    output with each tensor (an input node's value) replaced by its shape, strides and
+    dtype and anything else kept with its type (1, 1.0 and True differ); None for other
+    targets (priced apart: optimizer updates, boxing pieces, getitems) and where an
+    argument is not hashable."""
+    if not isinstance(node.target, OpOverload):
+        return None
+    key = (node.target, _metadata((node.args, node.kwargs)), _metadata(node.meta.get("val")))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _metadata(x):
+    kind = type(x)
+    if kind is fx.Node:
+        return _metadata(x.meta.get("val"))
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.stride(), x.dtype)
+    if kind in (tuple, list, fx.immutable_collections.immutable_list):
+        return (kind, tuple(_metadata(a) for a in x))
+    if kind in (dict, fx.immutable_collections.immutable_dict):
+        return (kind, tuple((k, _metadata(v)) for k, v in x.items()))
+    return (kind, x)
 
 
 def _same_call(a: fx.Node, b: fx.Node) -> bool:
