@@ -238,12 +238,12 @@ def _fuse(gm: fx.GraphModule, mesh: Mesh, cap: float, values: FakeValues | None 
     _sink_scalar_tails(gm.graph)
     candidates = _candidates(gm.graph.nodes)  # fusing a bucket adds only a fused collective
     kinds: dict[fx.Node, tuple] = {}
+    pos = _Positions(gm.graph)
     while True:
-        pos = {n: i for i, n in enumerate(gm.graph.nodes)}
         buckets = _buckets(candidates, pos, cap, alike, kinds)
         if not buckets:
             break
-        _fuse_bucket(gm.graph, mesh, buckets[0], values, pos)
+        pos.inserted_before(_fuse_bucket(gm.graph, mesh, buckets[0], values, pos))
         fused = set(buckets[0])
         candidates = [n for n in candidates if n not in fused]
     gm.graph.lint()
@@ -251,11 +251,49 @@ def _fuse(gm: fx.GraphModule, mesh: Mesh, cap: float, values: FakeValues | None 
     return alike
 
 
+class _Positions(dict):
+    """Node -> a number that orders the nodes of ``graph`` as the graph does (what
+    :func:`_buckets` and :func:`_fuse_bucket` compare), kept up to date as nodes are
+    inserted, instead of numbering the whole graph again after each bucket fused: the
+    nodes are numbered :data:`SPACING` apart, and nodes inserted before a node get numbers
+    spread evenly in the gap before it (the whole graph is numbered again when the gap
+    is too small). Erased nodes keep their stale numbers; only live nodes are looked up."""
+
+    SPACING = 1 << 32
+
+    def __init__(self, graph: fx.Graph):
+        super().__init__()
+        self.graph = graph
+        self._number()
+
+    def _number(self) -> None:
+        self.clear()
+        self.update((n, i * self.SPACING) for i, n in enumerate(self.graph.nodes))
+
+    def inserted_before(self, node: fx.Node) -> None:
+        """Number the nodes just inserted right before ``node`` (the unnumbered ones
+        between it and the numbered node before them)."""
+        new = []
+        before = node.prev
+        while before not in self and before.op != "root":
+            new.append(before)
+            before = before.prev
+        low = self[before] if before in self else -self.SPACING
+        high = self[node]
+        if high - low <= len(new):
+            self._number()
+            return
+        step = (high - low) // (len(new) + 1)
+        for i, n in enumerate(reversed(new), start=1):
+            self[n] = low + i * step
+
+
 def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node], values: FakeValues,
-                 pos: dict[fx.Node, int]) -> None:
+                 pos: dict[fx.Node, int]) -> fx.Node:
     """Replace the collectives of ``bucket`` by one on their packed inputs, issued and
     waited right before the first reader of any member's result, and unpacked there
-    (their fake values from ``values``; ``pos``: the graph's node positions)."""
+    (their fake values from ``values``; ``pos``: the graph's node positions). Returns
+    that first reader (the new nodes are right before it)."""
     kind, info = bucketable_kind(bucket[0]), COLLECTIVE(bucket[0])
     group, p = bucket[0].args[-1], info.group_size
     inputs = [n.args[0] for n in bucket]
@@ -283,6 +321,7 @@ def _fuse_bucket(graph: fx.Graph, mesh: Mesh, bucket: list[fx.Node], values: Fak
     for wait, node in zip(waits, bucket):
         graph.erase_node(wait)
         graph.erase_node(node)
+    return first_reader
 
 
 class FakeValues:
