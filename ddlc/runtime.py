@@ -42,7 +42,7 @@ from .errors import (DDLCError, LoweringError, MemoryBudgetWarning, MeshError, R
                      UnsupportedInputError, as_shared)
 from .ir import SHARDING, collective_sequence
 from .mesh import Mesh
-from .model_state import PLAIN
+from .model_state import PLAIN, autocast_state, autocast_words
 from .optim import group_hyperparameters, refuse_non_optimizer, structure as optimizer_structure
 from .options import CompileOptions
 from .portable import attributes_read, from_portable, set_attribute, to_portable
@@ -101,8 +101,8 @@ def _given(model: nn.Module, example_inputs, loss_fn, optimizer, mesh: Mesh,
            options: CompileOptions) -> list[str]:
     """What this rank was given to compile, in kind and shape (no tensor values), one line
     per item: parameters, buffers, example inputs, loss function, optimizer structure and
-    hyper-parameters, mesh and options. Every rank runs the program rank 0 traces and
-    plans, so these must agree."""
+    hyper-parameters, mesh, options and where ``torch.autocast`` is on. Every rank runs
+    the program rank 0 traces and plans, so these must agree."""
     def plain(x) -> str:  # without memory addresses, which differ by process
         return repr(x) if isinstance(x, (int, float, bool, str, type(None))) else type(x).__name__
 
@@ -127,7 +127,16 @@ def _given(model: nn.Module, example_inputs, loss_fn, optimizer, mesh: Mesh,
             lines.append(f"optimizer {type(optimizer).__name__}")
     lines.append(f"mesh {mesh.shape} {mesh.axis_names} profile {mesh.profile.name}")
     lines.append(f"options {options}")
+    lines.append(f"torch.autocast {autocast_words(autocast_state())}")
     return lines
+
+
+def _device_mesh_given(device_mesh: DeviceMesh | None) -> str:
+    """The DeviceMesh given to compile, in words for :func:`_check_given`: its ranks by
+    mesh coordinate, or that ddlc makes one."""
+    if device_mesh is None:
+        return "a mesh shape, for which ddlc makes the DeviceMesh"
+    return f"a DeviceMesh of the ranks {device_mesh.mesh.tolist()}"
 
 
 def _is_plain(value) -> bool:
@@ -488,8 +497,10 @@ def _axis_group_names(device_mesh: DeviceMesh) -> list[str]:
     return names
 
 
-def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh, str]:
-    """The ddlc mesh, the DeviceMesh whose groups the program uses, and the device type."""
+def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh | None, str]:
+    """The ddlc mesh, the DeviceMesh given (None: ddlc makes one, :func:`_device_mesh`) and
+    the device type; no collective, so that ranks given different meshes are refused
+    (:func:`_check_given`) before any rank makes process groups the others would not."""
     device_mesh = mesh if isinstance(mesh, DeviceMesh) else None
     mesh = Mesh.of(mesh, **({"profile": options.profile} if options.profile else {}))
     if options.compute != mesh.profile.compute:
@@ -500,10 +511,15 @@ def _mesh_for_world(mesh, options: CompileOptions) -> tuple[Mesh, DeviceMesh, st
                  "process group's; pricing without it", profile.name, mesh.profile.contention.local_ranks)
         mesh = mesh.with_(profile=profile)
     mesh.check_world_size(dist.get_world_size())
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    if device_mesh is None:
-        device_mesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
-    return mesh, device_mesh, device_type
+    return mesh, device_mesh, "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _device_mesh(mesh: Mesh, given: DeviceMesh | None, device_type: str) -> DeviceMesh:
+    """The DeviceMesh whose groups the program uses: ``given``, else one of ``mesh``'s
+    shape over the world's ranks in order (a collective: it makes process groups)."""
+    if given is not None:
+        return given
+    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
 
 
 def compile(model: nn.Module, mesh, example_inputs, loss_fn=None, optimizer=None,
@@ -543,9 +559,11 @@ def _compile(model: nn.Module, mesh, example_inputs, loss_fn, optimizer,
     held = [step.steps_done for step in trainers]
     _check_one_example(example_inputs, options.batch)  # before the shapes are compared: each rank's own part?
     _check_given(_given(model, example_inputs, loss_fn, optimizer, mesh, options)
-                 + [f"steps trained by earlier compiled steps of this model or of models sharing "
+                 + [_device_mesh_given(device_mesh),
+                    f"steps trained by earlier compiled steps of this model or of models sharing "
                     f"its parameters: {held}"])
     _check_devices(model, example_inputs, device_type)
+    device_mesh = _device_mesh(mesh, device_mesh, device_type)
     groups = _axis_group_names(device_mesh)  # a collective: before anything one rank may raise alone
     for trainer in trainers:
         log.info("an earlier compiled step trained this model's parameters %d step(s): its weights, "

@@ -103,6 +103,50 @@ def test_world_size_mismatch_is_a_clear_error():
         spawn(_compile_on_wrong_world, 2, timeout=30, deadline=120)
 
 
+def _compile_on_another_mesh(rank, meshes):
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ddlc.runtime import compile
+    from ddlc.zoo import MLP
+    mesh = meshes[rank]
+    if mesh == "device mesh":
+        mesh = DeviceMesh("cpu", torch.tensor([0, 1]))
+    compile(MLP(), mesh, (torch.randn(8, 32), torch.randn(8, 16)), F.mse_loss)
+
+
+@pytest.mark.parametrize("meshes, named", [
+    [((2, 2), (2, 2), (2, 2), (4,)), r"rank 3 was given mesh \(4,\)"],
+    [("device mesh", (2,)), r"rank 1 was given a mesh shape, for which ddlc makes the DeviceMesh where rank 0 "
+                            r"was given a DeviceMesh of the ranks \[0, 1\]"]])
+def test_ranks_given_different_meshes_are_refused_before_any_process_group_is_made(meshes, named):
+    """Another mesh on one rank, which would make other process groups there (ranks
+    waiting in ``new_group`` until the timeout, the innocent ones blamed: round AK), or a
+    shape where the others give a DeviceMesh (that rank alone would make one), is
+    refused on every rank, naming it."""
+    with pytest.raises(WorkerError, match=f"RuntimeMismatchError: {named}"):
+        spawn(_compile_on_another_mesh, len(meshes), meshes, timeout=20, deadline=120)
+
+
+def _compile_under_autocast_on_rank1(rank):
+    import contextlib
+
+    import torch.nn.functional as F
+
+    from ddlc.runtime import compile
+    from ddlc.zoo import MLP
+    with torch.autocast("cpu", dtype=torch.bfloat16) if rank == 1 else contextlib.nullcontext():
+        compile(MLP(), (2,), (torch.randn(8, 32), torch.randn(8, 16)), F.mse_loss)
+
+
+def test_autocast_on_one_rank_only_is_refused_naming_it():
+    """Rank 1 compiling under torch.autocast traces another step; refused naming autocast
+    (round AK: "rank 1 traced another training step than rank 0", the cause unnamed)."""
+    with pytest.raises(WorkerError, match=r"RuntimeMismatchError: rank 1 was given torch.autocast on for cpu "
+                                          r"\(bfloat16\) where rank 0 was given torch.autocast off"):
+        spawn(_compile_under_autocast_on_rank1, 2, timeout=20, deadline=120)
+
+
 def _compile_with_indivisible_batch(rank):
     import torch.nn.functional as F
 
@@ -196,6 +240,45 @@ def test_a_rank_waits_in_the_store_while_the_other_compiles_and_not_after():
     came, waited = spawn(_wait_in_the_store, 2, timeout=30, deadline=90)[0]
     assert came == [True, False]
     assert waited >= 2.0  # one STALE_SECONDS without a heartbeat, then no more
+
+
+def _state_dict_called_unlike(rank, case):
+    """Three steps of an MLP on (2,), then ``step.state_dict()``: with ``case`` "rank 0
+    alone", rank 0 also calls it after each step (the DDP habit of saving on rank 0), on a
+    data-parallel plan; with "a step skipped", rank 1 skips the second step, on a plan
+    without collectives (replicated: no collective would notice)."""
+    from torch import nn
+
+    import ddlc
+    from ddlc.ir import collective_sequence
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    pins = {"input0": "(S0)", "input1": "(S0)"} if case == "rank 0 alone" else {}
+    step = ddlc.compile(model, (2,), (x, y), loss_fn=nn.functional.mse_loss, placements=pins,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert bool(collective_sequence(step.program)) == bool(pins)
+    for i in range(3):
+        if case == "a step skipped" and rank == 1 and i == 1:
+            continue
+        step.step(x, y)
+        if case == "rank 0 alone" and rank == 0:
+            step.state_dict()
+    return step.state_dict()
+
+
+@pytest.mark.parametrize("case, refused", [
+    ["rank 0 alone", r"rank 0 failed: RuntimeMismatchError: step.state_dict\(\) is a collective, which "
+                     r"every rank must call .*but rank\(s\) \[1\] did not call it within 9 s"],
+    ["a step skipped", r"RuntimeMismatchError: rank 1 called step.state_dict\(\) after 2 step\(s\) where "
+                       r"rank 0 called step.state_dict\(\) after 3 step\(s\)"]])
+def test_a_collective_method_called_unlike_on_the_ranks_is_refused_naming_it(case, refused):
+    """A rank waiting for the others in a method every rank must call names the ranks that
+    did not call it, before the process group's timeout (round AK: a gloo timeout that
+    blamed rank 0); ranks that stepped a different number of times are refused, where the
+    replicated plan's state_dict() silently returned the last rank's (round AK)."""
+    with pytest.raises(WorkerError, match=refused):
+        spawn(_state_dict_called_unlike, 2, case, timeout=10, deadline=90)
 
 
 def _abort_on_exit(rank):
