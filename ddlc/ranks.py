@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import as_shared
+from .errors import RuntimeMismatchError, as_shared
 
-__all__ = ["broadcast_from_rank0", "compiling", "from_rank0", "on_rank", "on_rank0", "receive_from",
+__all__ = ["broadcast_from_rank0", "compiling", "every_rank_calls", "from_rank0", "on_rank", "on_rank0", "receive_from",
            "receive_from_rank1", "send_to_rank0", "take_rank0_hyperparameters", "take_rank0_optimizer_state",
            "take_rank0_state", "tensor_fingerprint"]
 
@@ -43,6 +43,8 @@ STALE_SECONDS = 10.0
 #: each names the same decision or message on every rank
 _decisions = itertools.count()
 _letters = itertools.count()
+#: this process's calls of a compiled step's collective methods so far (:func:`every_rank_calls`)
+_calls = itertools.count()
 #: ddlc's store operations, one at a time (the heartbeat's thread and the main thread)
 _store_lock = threading.Lock()
 
@@ -108,6 +110,56 @@ def _await(key: str, source: int) -> bool:
 def _post(key: str, value: bytes = b"") -> None:
     with _store_lock:
         _store().set(key, value)
+
+
+def _timeout_seconds() -> float:
+    """The default process group's timeout (torch's default where its backend does not tell)."""
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(device)
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout.total_seconds()
+
+
+def every_rank_calls(call: str, steps: int) -> None:
+    """Before a collective method of a compiled step (``call``, e.g. ``"step.state_dict()"``,
+    here after ``steps`` steps): every rank writes what it calls into the store, under
+    this process's count of such calls, and waits for the others' (for 90% of the process
+    group's timeout, so that this error comes before the timeout of a rank that went on to
+    ``step()``). Refused, on the ranks that wait, naming the ranks that did not call it (the
+    DDP habit of ``model.state_dict()`` on rank 0 alone: ddlc's gathers pieces from every
+    rank); refused on every rank where the ranks call different methods, or after different
+    numbers of steps (a rank that skipped a step trained otherwise, and a replicated plan
+    would not notice)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    n = next(_calls)
+    keys = [f"ddlc/call/{n}/{rank}" for rank in range(world)]
+    _post(keys[dist.get_rank()], f"{call} after {steps} step(s)".encode())
+    store, timeout = _store(), 0.9 * _timeout_seconds()
+    deadline, pause = time.monotonic() + timeout, 0.001
+    while True:
+        with _store_lock:
+            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeMismatchError(
+                f"{call} is a collective, which every rank must call (it gathers the pieces every "
+                f"rank holds; unlike DDP's model.state_dict(), not on rank 0 alone: call it on every "
+                f"rank, then save on one), but rank(s) {missing} did not call it within {timeout:.0f} s "
+                "(a rank that calls step() more often than this one waits in it)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+    with _store_lock:
+        calls = [store.get(key).decode() for key in keys]
+    for rank, theirs in enumerate(calls):
+        if theirs != calls[0]:
+            raise RuntimeMismatchError(
+                f"rank {rank} called {theirs} where rank 0 called {calls[0]}: every rank must call "
+                "a compiled step's methods alike, and step() as often (else its training differs)")
 
 
 def on_rank0(what: str, decide):

@@ -31,7 +31,7 @@ from .optim import hyperparameter_values, refuse_step_hooks, structure as optimi
 from .plan import Plan
 from .printing import format_graph
 from .random_stream import ProgramDraws
-from .ranks import (broadcast_from_rank0, from_rank0, take_rank0_hyperparameters, take_rank0_optimizer_state,
+from .ranks import (broadcast_from_rank0, every_rank_calls, from_rank0, take_rank0_hyperparameters, take_rank0_optimizer_state,
                     tensor_fingerprint)
 from .sbp import NdSBP, local_shape, local_slices
 
@@ -708,6 +708,7 @@ class CompiledStep:
         that holds it. Under ``torch.inference_mode()`` (an
         inference program called there writes a training step back) the optimizer's state
         is still made of normal tensors, which eager steps can update."""
+        every_rank_calls("step.write_back()", self.steps_done)
         with torch.inference_mode(False):
             self._write_back()
 
@@ -1009,6 +1010,7 @@ class CompiledStep:
         """Full parameters and persistent buffers under exactly the keys of the model's own
         ``state_dict()`` (a tied parameter under each of its names), so that
         ``model.load_state_dict(step.state_dict(), strict=True)`` works (collective)."""
+        every_rank_calls("step.state_dict()", self.steps_done)
         self._take_inference_statistics()
         self._take_the_models_newer_state()
         full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()}
@@ -1119,6 +1121,7 @@ class CompiledStep:
                 "training before they were frozen), which a checkpoint does not carry: resuming from "
                 "it would lose that state when they train again. Save with step.write_back() and "
                 "torch.save of model.state_dict() and optimizer.state_dict() instead")
+        every_rank_calls("step.save_checkpoint()", self.steps_done)
         self._take_stream()  # the stream's latest state, another program's draws too
         self._take_inference_statistics()
         self._take_the_models_newer_state()
@@ -1130,6 +1133,7 @@ class CompiledStep:
         groups take the checkpoint's hyper-parameters, as ``optimizer.load_state_dict``
         gives them (the lr a scheduler set, OneCycle's momentum); an lr scheduler's own
         state (its position) is the user's to restore (``scheduler.load_state_dict``)."""
+        every_rank_calls("step.load_checkpoint()", self.steps_done)
         state = self._sharded_state()
         saved = _check_checkpoint(path, state)
         mine = self._param_group_state()
@@ -1174,6 +1178,7 @@ class CompiledStep:
         updated: its state is the optimizer's own, as every rank took it from rank 0 at
         compile (none for most optimizers; Adagrad makes its sum when it is made); so is a
         frozen parameter's (the state an earlier training left it, which eager keeps)."""
+        every_rank_calls("step.optimizer_state()", self.steps_done)
         self._take_the_models_newer_state()
         untrained = set(self.signature.untrained)
         on_cpu = self._steps_kept_on_cpu()
@@ -1217,6 +1222,7 @@ class CompiledStep:
                    "clip_grad_norm= and read step.last_grad_norm; to see them, compile without the "
                    "optimizer and update the weights yourself" if self._optimizer is not None
                    else "this is an inference program, which computes no gradient"))
+        every_rank_calls("step.gradients()", self.steps_done)
         unreached = set(self.signature.untrained)
         return {k: self._gather(k, v) for k, v in self.gradients_local.items() if k not in unreached}
 
