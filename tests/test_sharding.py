@@ -282,6 +282,26 @@ def test_budget_between_minimum_and_unconstrained_changes_the_plan():
     assert plan.objective >= free.objective
 
 
+def test_the_searchs_block_milps_stop_at_a_node_count_not_at_a_time(monkeypatch):
+    """A block move's MILP is capped by its node count alone: a time limit made the plan
+    depend on the machine's load (a 3-D mesh's block MILPs took 25-40 s on a quiet machine
+    and passed the 60 s default under load: ``ddlc plan --mesh 8`` changed its answer)."""
+    import passes.sharding.descent as descent
+    from passes.sharding.problem import Edge
+    calls, solve = [], descent.solve_milp
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
+        return solve(*args, **kwargs)
+    monkeypatch.setattr(descent, "solve_milp", recorded)
+    rng = np.random.default_rng(0)
+    unary, memory = [rng.random(3) for _ in range(6)], [rng.random(3) for _ in range(6)]
+    edges = [Edge(i, j, rng.random((3, 3))) for i in range(6) for j in range(i + 1, 6)]
+    choice = descent._block_optimum(unary, memory, edges, room=3.0, milp=False)
+    assert sum(memory[v][k] for v, k in enumerate(choice)) <= 3.0
+    assert [(c.get("time_limit"), c.get("node_limit")) for c in calls] == [(math.inf, descent.BLOCK_NODE_LIMIT)]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("budget", [1.5e6, 2.2e6])
 def test_search_under_a_binding_budget_matches_exact(budget):

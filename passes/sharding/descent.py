@@ -625,7 +625,10 @@ def _block_optimum(unary, memory, edges, room: float, milp: bool) -> list[int] |
     """Jointly optimal candidates of a folded block: exact reduction, then variable
     elimination when ``room`` cannot bind and the tables stay within MAX_TABLE, else (up
     to MAX_BLOCK variables, when ``room`` can bind or ``milp`` is set) a MILP capped at
-    BLOCK_NODE_LIMIT nodes (its best find); None when neither applies."""
+    BLOCK_NODE_LIMIT nodes (its best find) and at no time: a time limit would make the
+    plan depend on the machine's speed at the hour (on a 3-D mesh these MILPs take 25-40 s
+    each on a quiet 2-core machine, and went past the 60 s default under load, changing
+    the plan from run to run); None when neither applies."""
     keep, core_unary, core_edges, expand, fixed = reduce_costs(unary, memory, edges, room)
     if not keep:
         return expand([])
@@ -637,7 +640,7 @@ def _block_optimum(unary, memory, edges, room: float, milp: bool) -> list[int] |
         return None
     try:
         core, _ = solve_milp(core_unary, [memory[v] for v in keep], core_edges, room - fixed,
-                             node_limit=BLOCK_NODE_LIMIT)
+                             time_limit=np.inf, node_limit=BLOCK_NODE_LIMIT)
     except ShardingError:
         return None
     return expand(core)
