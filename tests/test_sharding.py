@@ -1,5 +1,6 @@
 """Sharding search: hand-checkable optima, coordinate descent against the exact solver,
 memory budgets, pinned inputs, determinism, mesh-shape search."""
+import copy
 import math
 import operator
 import os
@@ -280,6 +281,30 @@ def test_budget_between_minimum_and_unconstrained_changes_the_plan():
     assert plan.memory <= tight
     assert plan.to_json() != free.to_json()
     assert plan.objective >= free.objective
+
+
+def test_an_axis_of_one_device_keeps_every_tensor_whole_and_plans_as_the_mesh_without_it():
+    """On a mesh axis of one device a split or partial sum is the whole tensor, at the same
+    costs: the candidates keep B there alone (a (1,2,2,1) mesh planned 15-30 times slower
+    than (2,2) with the others: round AK), and the plan costs what (2,2)'s does; a batch
+    pinned split on such an axis still trains as single device."""
+    from conftest import eager, simulated
+
+    def gpt_step():
+        torch.manual_seed(0)
+        return _step(GPT(), (torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))), lm_loss)
+    gm, mesh = gpt_step(), ddlc.Mesh((1, 2, 2, 1))
+    whole = [all(x is None or (x[0] == B and x[3] == B) for x in sig.inputs + sig.outputs)
+             for candidates in build_problem(gm, mesh).candidates for sig in candidates]
+    assert all(whole) and len(whole) > 1000
+    assert shard(gm, mesh).objective == pytest.approx(shard(gpt_step(), ddlc.Mesh((2, 2))).objective)
+    torch.manual_seed(0)
+    model = MLP()
+    data = [(torch.randn(8, 32), torch.randn(8, 16)) for _ in range(2)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    want = eager(copy.deepcopy(model), F.mse_loss, sgd, data)
+    got = simulated(model, F.mse_loss, sgd, data, (1, 2, 2, 1), batch_sbp="(S0, S0, B, S0)")
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
 
 
 def test_the_searchs_block_milps_stop_at_a_node_count_not_at_a_time(monkeypatch):

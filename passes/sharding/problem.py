@@ -151,9 +151,11 @@ def _tensor_vals(node: fx.Node) -> list:
 
 def _placement_candidates(shape: tuple[int, ...], mesh: Mesh) -> list[NdSBP]:
     """Every B / S(d) combination over the mesh axes that may place ``shape``
-    (:func:`ddlc.sbp.plannable`: even splits, and uneven ones on one axis)."""
-    per_axis = [B] + [S(d) for d in range(len(shape))]
-    sbps = [NdSBP(c) for c in itertools.product(per_axis, repeat=mesh.ndim)]
+    (:func:`ddlc.sbp.plannable`: even splits, and uneven ones on one axis); B alone on an
+    axis of one device, where a split is the whole tensor too (the same costs: the
+    candidates would only repeat each other)."""
+    splits = [S(d) for d in range(len(shape))]
+    sbps = [NdSBP(c) for c in itertools.product(*([B] + (splits if p > 1 else []) for p in mesh.shape))]
     return [x for x in sbps if plannable(shape, x, mesh.shape)]
 
 
