@@ -228,18 +228,14 @@ def _wait_in_the_store(rank):
             ranks._post("ddlc/test/compiled")
         dist.barrier()
         return None
-    came = [ranks._await("ddlc/test/compiled", 1)]
-    start = time.monotonic()
-    came.append(ranks._await("ddlc/test/never", 1))  # rank 1 no longer beats
-    waited = time.monotonic() - start
+    came = [ranks._await("ddlc/test/compiled", 1),
+            ranks._await("ddlc/test/never", 1)]  # rank 1 no longer beats: given up, not hung
     dist.barrier()
-    return came, waited
+    return came
 
 
 def test_a_rank_waits_in_the_store_while_the_other_compiles_and_not_after():
-    came, waited = spawn(_wait_in_the_store, 2, timeout=30, deadline=90)[0]
-    assert came == [True, False]
-    assert waited >= 2.0  # one STALE_SECONDS without a heartbeat, then no more
+    assert spawn(_wait_in_the_store, 2, timeout=30, deadline=90)[0] == [True, False]
 
 
 def _state_dict_called_unlike(rank, case):
