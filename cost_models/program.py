@@ -150,7 +150,7 @@ class NodeCosts:
         self._alloc: dict[fx.Node, int] = {}
         self._priced: dict[str, fx.Node] = {}  # operators priced here, by name
         self._earlier = earlier if earlier is not None and earlier.profile is profile else None
-        #: operator seconds by :func:`call_key` (roofline profiles only: a measured
+        #: operator seconds by :func:`_price_key` (roofline profiles only: a measured
         #: profile's table prices by its own keys)
         self._by_call: dict = self._earlier._by_call if self._earlier is not None else {}
         #: the makespans of orders of these nodes timed with this table, by their
@@ -191,7 +191,7 @@ class NodeCosts:
         alike = self._earlier._priced.get(node.name) if self._earlier is not None else None
         if alike is not None and _same_call(alike, node):
             return self._earlier.seconds(alike)
-        key = call_key(node) if self.profile.compute != "measured" else None
+        key = _price_key(node) if self.profile.compute != "measured" else None
         if key is not None and key in self._by_call:
             return self._by_call[key]
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
@@ -207,11 +207,12 @@ class NodeCosts:
         return self._alloc[node]
 
 
-def call_key(node: fx.Node):
+def _price_key(node: fx.Node):
     """A hashable key of what :func:`cost_models.compute.op_time` prices an operator
     (``OpOverload``) call by on a roofline profile: its target, and its arguments and
     output with each tensor (an input node's value) replaced by its shape, strides and
-    dtype and anything else kept with its type (1, 1.0 and True differ); None for other
+    dtype and anything else kept with its type (1, 1.0 and True differ: finer than the
+    rules' ``call_key``, which strides do not change); None for other
     targets (priced apart: optimizer updates, boxing pieces, getitems) and where an
     argument is not hashable."""
     if not isinstance(node.target, OpOverload):

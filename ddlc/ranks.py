@@ -84,27 +84,47 @@ def compiling():
         thread.join()
 
 
-def _await(key: str, source: int) -> bool:
-    """Wait until ``key`` is in the store, as long as rank ``source``'s heartbeat moves
-    (checked every :data:`STALE_SECONDS`); polls the store with pauses doubling from 1 ms
-    to 20 ms (a check costs about 10 us; ``store.wait`` with a short timeout would wake at
-    once, but TCPStore logs a warning at each timeout). Whether the key came."""
-    store, beat_key = _store(), _beat_key(source)
-    with _store_lock:
-        beat = store.add(beat_key, 0)
-    since, pause = time.monotonic(), 0.001
+def _poll(keys: list[str], give_up) -> list[int]:
+    """Check the store until every one of ``keys`` is there, or ``give_up()`` (asked between
+    checks) is true; the indices of the keys still missing (none: all came). Pauses double
+    from 1 ms to 20 ms (a check costs about 10 us; ``store.wait`` with a short timeout
+    would wake at once, but TCPStore logs a warning at each timeout)."""
+    store, pause = _store(), 0.001
     while True:
         with _store_lock:
-            if store.check([key]):
-                return True
-        if time.monotonic() - since >= STALE_SECONDS:
-            with _store_lock:
-                now = store.add(beat_key, 0)
-            if now == beat:
-                return False
-            beat, since = now, time.monotonic()
+            missing = [i for i, key in enumerate(keys) if not store.check([key])]
+        if not missing or give_up():
+            return missing
         time.sleep(pause)
         pause = min(2 * pause, 0.02)
+
+
+class _Heartbeat:
+    """Rank ``source``'s heartbeat count as this rank sees it in the store."""
+
+    def __init__(self, source: int):
+        self.key = _beat_key(source)
+        self.count, self.since = self._read(), time.monotonic()
+
+    def _read(self) -> int:
+        with _store_lock:
+            return _store().add(self.key, 0)
+
+    def stopped(self) -> bool:
+        """Whether the count has not moved for :data:`STALE_SECONDS` (read at most that often)."""
+        if time.monotonic() - self.since < STALE_SECONDS:
+            return False
+        count = self._read()
+        if count == self.count:
+            return True
+        self.count, self.since = count, time.monotonic()
+        return False
+
+
+def _await(key: str, source: int) -> bool:
+    """Wait until ``key`` is in the store, as long as rank ``source``'s heartbeat moves;
+    whether the key came."""
+    return not _poll([key], _Heartbeat(source).stopped)
 
 
 def _post(key: str, value: bytes = b"") -> None:
@@ -138,23 +158,17 @@ def every_rank_calls(call: str, steps: int) -> None:
     n = next(_calls)
     keys = [f"ddlc/call/{n}/{rank}" for rank in range(world)]
     _post(keys[dist.get_rank()], f"{call} after {steps} step(s)".encode())
-    store, timeout = _store(), 0.9 * _timeout_seconds()
-    deadline, pause = time.monotonic() + timeout, 0.001
-    while True:
-        with _store_lock:
-            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
-        if not missing:
-            break
-        if time.monotonic() > deadline:
-            raise RuntimeMismatchError(
-                f"{call} is a collective, which every rank must call (it gathers the pieces every "
-                f"rank holds; unlike DDP's model.state_dict(), not on rank 0 alone: call it on every "
-                f"rank, then save on one), but rank(s) {missing} did not call it within {timeout:.0f} s "
-                "(a rank that calls step() more often than this one waits in it)")
-        time.sleep(pause)
-        pause = min(2 * pause, 0.02)
+    timeout = 0.9 * _timeout_seconds()
+    deadline = time.monotonic() + timeout
+    missing = _poll(keys, lambda: time.monotonic() > deadline)
+    if missing:
+        raise RuntimeMismatchError(
+            f"{call} is a collective, which every rank must call (it gathers the pieces every "
+            f"rank holds; unlike DDP's model.state_dict(), not on rank 0 alone: call it on every "
+            f"rank, then save on one), but rank(s) {missing} did not call it within {timeout:.0f} s "
+            "(a rank that calls step() more often than this one waits in it)")
     with _store_lock:
-        calls = [store.get(key).decode() for key in keys]
+        calls = [_store().get(key).decode() for key in keys]
     for rank, theirs in enumerate(calls):
         if theirs != calls[0]:
             raise RuntimeMismatchError(
