@@ -239,7 +239,15 @@ def boxing_table(shape: Sequence[int], itemsize: int, srcs: Sequence[NdSBP],
     it up to float rounding. For pricing whole edge matrices in the sharding search."""
     index, dist = _all_pairs(tuple(int(s) for s in shape), int(itemsize), mesh, algorithm)
     table = dist[np.ix_([index[x] for x in srcs], [index[x] for x in dsts])]
-    refused = np.array([[any(a.is_split and b.is_partial for a, b in zip(x, y)) for y in dsts]
-                        for x in srcs], dtype=bool).reshape(len(srcs), len(dsts))
-    table[refused] = math.inf
+    # S -> P on some mesh axis: a bit per axis, split in the source and partial in the target
+    split = np.array([_axis_bits(x, "is_split") for x in srcs], dtype=np.int64)
+    partial = np.array([_axis_bits(y, "is_partial") for y in dsts], dtype=np.int64)
+    table[(split[:, None] & partial[None, :]) != 0] = math.inf
     return table
+
+
+@functools.lru_cache(maxsize=4096)
+def _axis_bits(sbp: NdSBP, kind: str) -> int:
+    """Bit ``k`` set where ``sbp``'s entry on mesh axis ``k`` is of ``kind`` (an SBP
+    property: ``is_split``, ``is_partial``)."""
+    return sum(1 << k for k, x in enumerate(sbp) if getattr(x, kind))

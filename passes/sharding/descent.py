@@ -106,13 +106,18 @@ class _Search:
         self._rest_keys: dict = {}
 
     def rest_keys(self, v: int, free: tuple[int, ...]) -> np.ndarray:
-        """Per candidate of ``v``, an id of its signature on the mesh axes not in ``free``."""
-        if (v, free) not in self._rest_keys:
+        """Per candidate of ``v``, an id of its signature on the mesh axes not in ``free``.
+        Cached by the candidates themselves: the variables of repeated layers share theirs
+        (one entry of the rules' cache), and the problem keeps them alive."""
+        candidates = self.problem.candidates[v]
+        key = (tuple(map(id, candidates)), free)
+        keys = self._rest_keys.get(key)
+        if keys is None:
             fixed = [a for a in range(self.problem.mesh.ndim) if a not in free]
             ids: dict = {}
-            self._rest_keys[v, free] = np.array([ids.setdefault(tuple(c.axis(a) for a in fixed), len(ids))
-                                                 for c in self.problem.candidates[v]])
-        return self._rest_keys[v, free]
+            keys = self._rest_keys[key] = np.array([ids.setdefault(tuple(c.axis(a) for a in fixed), len(ids))
+                                                    for c in candidates])
+        return keys
 
     def best_response(self, v: int) -> bool:
         """Move ``v`` to its cheapest affordable candidate; True if it moved."""

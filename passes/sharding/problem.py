@@ -516,15 +516,20 @@ def _all_reduces(gm: fx.GraphModule, mesh: Mesh) -> tuple[set, set, set]:
         else:
             continue
         for arg, dst in pairs:
+            if dst is None or not any(y.is_broadcast for y in dst):
+                continue  # no all-reduce can end here (most edges: the cheap test first)
             outs = SHARDING(arg).outputs if SHARDING.has(arg) else ()
             leaf = selected_leaf(n) if n.target is operator.getitem else None
             if leaf is not None and len(outs) > leaf:   # one output of several (a count)
                 outs, val = outs[leaf:leaf + 1], leaves(arg.meta["val"])[leaf]
             else:
                 val = arg.meta["val"]
-            if dst is None or len(outs) != 1 or outs[0] is None or not isinstance(val, torch.Tensor):
+            if len(outs) != 1 or outs[0] is None or not isinstance(val, torch.Tensor):
                 continue
-            found = {(a, val.dtype) for a in reduced(outs[0], dst)}
+            axes = reduced(outs[0], dst)
+            if not axes:
+                continue
+            found = {(a, val.dtype) for a in axes}
             if n.op == "output" or n in tail:
                 needs |= found
             elif _read_after_the_loss(n, tail):
