@@ -7,7 +7,8 @@ kernel's hidden in-place write.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import itertools
+from typing import Collection, NamedTuple, Sequence
 
 import torch
 from torch import fx, nn
@@ -16,16 +17,84 @@ from torch.utils._pytree import tree_flatten
 
 from . import rng
 from .errors import TraceError, UnsupportedInputError
+from .fake import element_span
 from .ir import ORIGIN, RECOMPUTE, STRIDED_READERS, InputSpec, where
 from .sources import source_from_stack
 
 __all__ = ["checkpointed_draws", "describe_tensors", "hidden_mutations", "no_captured_parameters",
-           "no_input_mutation", "operand_dtypes", "random_ops", "static_shapes", "strided_inputs"]
+           "no_input_mutation", "no_shared_memory", "operand_dtypes", "random_ops", "static_shapes", "strided_inputs"]
 
 
 def describe_tensors(flat) -> str:
     """Tensors as error messages list them: ``float32[8, 32], int64[8]``."""
     return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in flat)
+
+
+class _Held(NamedTuple):
+    """A tensor of the step's state, for :func:`no_shared_memory`."""
+
+    kind: str            # "parameter", "buffer" or "constant"
+    what: str            # as an error message names it
+    tensor: torch.Tensor
+    written: bool        # whether the step writes it
+    where: str | None    # where the refusal points
+
+
+def no_shared_memory(gm: fx.GraphModule, model: nn.Module, trained: Collection[str],
+                     updated_buffers: Collection[str]) -> None:
+    """Refuse two tensors of the step's state that share elements of one storage where the
+    step writes either: parameters (``trained``, by name: the update writes them), buffers
+    (``updated_buffers``: the forward's in-place updates) and the tensors ``gm`` holds as
+    constants (a tensor attribute or a global the step reads). Eager's in-place write of one
+    moves the other: ``b = nn.Parameter(a.data[:3])``, ``register_buffer("head", full[:3])``
+    with ``full`` updated, a buffer or an attribute made from a parameter's ``.data`` or
+    ``.detach()``. The step holds each as a tensor of its own (a constant at its value at
+    compile). The same tensor under two names (tied weights) is one tensor, and views of
+    disjoint parts of one tensor share no element."""
+    held: list[_Held] = []
+    seen: set[int] = set()
+    for kind, named, written in (("parameter", model.named_parameters(), trained),
+                                 ("buffer", model.named_buffers(), updated_buffers)):
+        for name, t in named:
+            if id(t) not in seen:
+                seen.add(id(t))
+                held.append(_Held(kind, f"{kind} {name!r}", t, name in written, f"{kind} {name}"))
+    for node in gm.graph.find_nodes(op="get_attr"):
+        t = getattr(gm, node.target, None)
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            held.append(_Held("constant", f"a tensor {tuple(t.shape)} the step reads as a constant (an "
+                              "attribute or a global)", t, False, source_from_stack(node.meta.get("stack_trace"))))
+    spans: dict[tuple, list[tuple[int, int, _Held]]] = {}
+    for h in held:
+        t = h.tensor
+        if t.layout != torch.strided or t.numel() == 0 or is_fake(t) or t.device.type == "meta":
+            continue
+        start = t.storage_offset() * t.element_size()
+        end = start + element_span(t.shape, t.stride()) * t.element_size()
+        spans.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((start, end, h))
+    for shared in spans.values():
+        for (start, end, first), (start_too, end_too, second) in itertools.combinations(shared, 2):
+            if not (start < end_too and start_too < end and (first.written or second.written)):
+                continue
+            if first.kind == second.kind == "parameter":
+                raise UnsupportedInputError(
+                    f"parameters {first.what.removeprefix('parameter ')} and "
+                    f"{second.what.removeprefix('parameter ')} share memory (one is a view of the other's "
+                    "tensor, e.g. nn.Parameter(a.data[:3])): eager's in-place update of one changes the "
+                    "other, which the compiled step, holding each as a tensor of its own, would not do; "
+                    "make them separate tensors (.clone()), or compute one from the other in forward",
+                    where=second.where)
+            written, other = (first, second) if first.written else (second, first)
+            write = "optimizer update of the parameter" if written.kind == "parameter" \
+                else "in-place update of the buffer"
+            raise UnsupportedInputError(
+                f"{written.what} and {other.what} share memory (one is a view of the other's tensor: "
+                "register_buffer('head', full[:3]), or a buffer or attribute made from a parameter's "
+                f".data or .detach()): eager's {write} changes the other too, where the compiled step "
+                "holds each as a tensor of its own and would leave the other as it was: make them "
+                "separate tensors (.clone()), or compute one from the other when forward runs "
+                "(full[:3], self.fc.weight.detach() inside forward)", where=other.where or written.where)
 
 
 def no_captured_parameters(gm: fx.GraphModule, model: nn.Module, updated_buffers=frozenset(),

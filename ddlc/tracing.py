@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import itertools
 import logging
 import re
 import sys
@@ -43,7 +42,6 @@ from torch.utils._pytree import tree_flatten
 
 from . import graph_checks, host_random, rng, sources, strided_views
 from .errors import TraceError, UnsupportedInputError
-from .fake import element_span
 from .forward_rewrites import ForwardRewrites
 from .ir import (DRAW_STRIDES, ORIGIN, RECOMPUTE, ROLE, STEP, InputSpec, Origin, OutputSpec, OutputTree, StepSignature,
                  dataclasses_as_nodes, hyperparameter_tensors, micro_batch, micro_batch_key, uneven_micro_batches)
@@ -109,7 +107,6 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     _check_initialised(model, batch)
     if training:
         _check_modules(model)
-        _refuse_overlapping_parameters(model)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [k for k, p in params.items() if p.requires_grad]
@@ -290,8 +287,9 @@ def trace(model: nn.Module, example_inputs, loss_fn: Callable | None = None,
     _bind_reads_in_backward(gm, model, inputs, outputs)
     graph_checks.no_input_mutation(gm, inputs)
     graph_checks.no_traced_constants(gm)
-    graph_checks.no_captured_parameters(gm, model, updated_buffers={o.key for o in outputs if o.role == "buffer"},
-                                        hook_sites=rewrites.hook_sites)
+    updated_buffers = {o.key for o in outputs if o.role == "buffer"}
+    graph_checks.no_captured_parameters(gm, model, updated_buffers=updated_buffers, hook_sites=rewrites.hook_sites)
+    graph_checks.no_shared_memory(gm, model, trainable if training else (), updated_buffers)
     _annotate_origins(gm, inputs, annotator)
     graph_checks.random_ops(gm)
     graph_checks.checkpointed_draws(gm, annotator.fresh_draws)
@@ -496,29 +494,6 @@ def _check_initialised(model: nn.Module, batch: _Batch) -> None:
                 f"{module or '<root>'} is a lazy module): call the model once on the example batch "
                 "before compile (under torch.no_grad()), and create the optimizer after that call",
                 where=f"module {module or '<root>'}")
-
-
-def _refuse_overlapping_parameters(model: nn.Module) -> None:
-    """Refuse two parameters that share elements of one storage (``b = nn.Parameter(a.data[:3])``)
-    where either trains: eager's in-place update of one moves the other, where the step
-    holds and updates each as a tensor of its own. The same parameter under two names (tied
-    weights) is one parameter, and views of disjoint parts of one tensor share no element."""
-    spans: dict[tuple, list[tuple[int, int, str, bool]]] = {}
-    for name, p in model.named_parameters():
-        if p.numel() == 0:
-            continue
-        start = p.storage_offset() * p.element_size()
-        end = start + element_span(p.shape, p.stride()) * p.element_size()
-        spans.setdefault((p.device, p.untyped_storage().data_ptr()), []).append((start, end, name, p.requires_grad))
-    for shared in spans.values():
-        for (start, end, first, trains), (start_too, end_too, second, trains_too) in itertools.combinations(shared, 2):
-            if start < end_too and start_too < end and (trains or trains_too):
-                raise UnsupportedInputError(
-                    f"parameters {first!r} and {second!r} share memory (one is a view of the other's "
-                    "tensor, e.g. nn.Parameter(a.data[:3])): eager's in-place update of one changes "
-                    "the other, which the compiled step, holding each as a tensor of its own, would "
-                    "not do; make them separate tensors (.clone()), or compute one from the other in "
-                    "forward", where=f"parameter {second}")
 
 
 def _check_modules(model: nn.Module) -> None:

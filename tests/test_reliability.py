@@ -2245,6 +2245,55 @@ def test_parameters_sharing_elements_are_refused(rows, refused):
         trace()
 
 
+class _SharedWithState(torch.nn.Module):
+    """A linear layer and a tensor sharing memory with its state: a buffer that is a view of
+    another buffer (``"view"``; the forward updates the base in place when ``updated``), a
+    buffer made from the weight's ``.data`` (``"buffer"``), or an attribute holding
+    ``weight.detach()`` (``"attribute"``)."""
+
+    def __init__(self, kind: str, updated: bool = True):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 3)
+        self.kind, self.updated = kind, updated
+        if kind == "view":
+            full = torch.zeros(6)
+            self.register_buffer("full", full)
+            self.register_buffer("head", full[:3])
+        elif kind == "buffer":
+            self.register_buffer("snapshot", self.fc.weight.data)
+        else:
+            self.snapshot = self.fc.weight.detach()
+
+    def forward(self, x):
+        if self.kind == "view":
+            if self.updated:
+                with torch.no_grad():
+                    self.full.add_(x.mean(0))
+            return self.fc(x) + self.head.sum()
+        return self.fc(x) + (x @ self.snapshot.T).mean()
+
+
+@pytest.mark.parametrize("kind, updated, message", [
+    ("view", True, "buffer 'full' and buffer 'head' share memory"),
+    ("buffer", True, "parameter 'fc.weight' and buffer 'snapshot' share memory"),
+    ("attribute", True, r"parameter 'fc.weight' and a tensor \(3, 6\) the step reads as a constant"),
+    ("view", False, None)], ids=["buffer-view-updated", "buffer-of-weight", "attribute-of-weight", "views-unchanged"])
+def test_state_sharing_memory_with_what_the_step_writes_is_refused(kind, updated, message):
+    """Eager's write of one tensor moves the other where they share memory (the losses of the
+    buffer view went apart from eager's from the first step, the weight's copies from the
+    second, with no error); the step holds each as a tensor of its own. Tensors that share
+    memory but that the step never writes trace as before."""
+    torch.manual_seed(0)
+    model = _SharedWithState(kind, updated)
+    trace = functools.partial(pipeline.trace_step, model, (torch.randn(8, 6), torch.randn(8, 3)), F.mse_loss,
+                              torch.optim.SGD(model.parameters(), lr=0.05), CompileOptions())
+    if message is None:
+        trace()
+        return
+    with pytest.raises(UnsupportedInputError, match=message):
+        trace()
+
+
 class _SpectrumOf(torch.nn.Module):
     """``torch.stft`` of the batch itself and of a tensor computed from it, and overlapping
     windows of a parameter by ``as_strided`` from the parameter's own offset (``view_param``:
