@@ -17,21 +17,23 @@ A step here is a :class:`ddlc.step.CompiledStep`; this module reads its public
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
+from torch.nn.utils.stateless import _reparametrize_module
 
 from .errors import UnsupportedInputError
 
 if TYPE_CHECKING:
     from .step import CompiledStep
 
-__all__ = ["buffer_holders", "guard", "hold", "release", "holder", "now", "statistics_holders", "trainers",
-           "register", "steps_of", "written_by_another", "wrote"]
+__all__ = ["buffer_holders", "current", "guard", "hold", "release", "holder", "now", "statistics_holders",
+           "trainers", "register", "steps_of", "written_by_another", "wrote"]
 
 #: per model, the compiled step whose steps trained it last and whose state was not written
 #: back: compiling the model again writes it back first
@@ -52,6 +54,8 @@ _WRITER: "weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, int]]" = weakr
 _CLOCK = itertools.count()
 #: per model, its live compiled programs
 _LIVE: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+#: the models that hold a step's current state in place of their own (:func:`current`)
+_CURRENT: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def now() -> int:
@@ -160,8 +164,21 @@ def statistics_holders(model: nn.Module) -> "list[CompiledStep]":
     return [step for step in buffer_holders(model) if not step.signature.has_loss]
 
 
+@contextlib.contextmanager
+def current(model: nn.Module, state: Mapping[str, torch.Tensor]):
+    """Within, ``model``'s parameters and buffers are ``state`` (by name, tied names alike:
+    a compiled step's current values), so that reading its ``state_dict()`` is not stale
+    and the guard lets it pass."""
+    _CURRENT.add(model)
+    try:
+        with _reparametrize_module(model, state, tie_weights=True):
+            yield
+    finally:
+        _CURRENT.discard(model)
+
+
 def _refuse_stale(model: nn.Module | None, what: str) -> None:
-    step = holder(model) if model is not None else None
+    step = holder(model) if model is not None and model not in _CURRENT else None
     if step is not None:
         raise UnsupportedInputError(
             f"{what}, but its compiled step has trained it {step.steps_done} step(s) since compile "

@@ -107,14 +107,6 @@ def _difference(old: tuple, new: tuple) -> str:
     return ", ".join(sorted(parts))
 
 
-def _state_dict_names(model: nn.Module) -> dict[str, str]:
-    """Each key of ``model.state_dict()`` -> the parameter or buffer name that holds it
-    (tied parameters appear under each of their names; non-persistent buffers not at all).
-    Entries that are neither (a module's ``get_extra_state``) are kept as they were."""
-    canonical = {id(t): k for k, t in [*model.named_parameters(), *model.named_buffers()]}
-    return {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in canonical}
-
-
 def _like(old, number: float):
     """``number`` (a checkpoint's float64) as the kind of value ``old`` was: a flag, a whole
     number, else a float."""
@@ -204,8 +196,6 @@ class CompiledStep:
             k for k in self.signature.keys("opt_state")
             if k.rsplit(":", 1)[1] not in self._optimizer_specs[k.rsplit(":", 1)[0]].per_element)
         self._on_host = self._scalar_states if self._host_scalars else frozenset()
-        self._state_dict_names = _state_dict_names(model)
-        self._extra_state = {k: v for k, v in model.state_dict().items() if k not in self._state_dict_names}
         self._take_model_state(model)
         self.opt_state = {k: self._initial_opt_state(k, params, optimizer)
                           for k in self.signature.keys("opt_state")}
@@ -1014,9 +1004,10 @@ class CompiledStep:
         self._take_inference_statistics()
         self._take_the_models_newer_state()
         full = {k: self._gather(k, v) for k, v in {**self.params, **self.buffers}.items()}
-        state = {key: full[name] for key, name in self._state_dict_names.items()}
-        return {key: state[key] if key in state else self._extra_state[key]
-                for key in [*self._state_dict_names, *self._extra_state]}
+        # the model's own state_dict() with the step's state in the model's place: its keys
+        # and order, and what its state-dict hooks and modules' get_extra_state make of it
+        with holding.current(self._model, full):
+            return self._model.state_dict()
 
     # -- checkpoints -------------------------------------------------------------------
     def _sharded_state(self) -> dict:

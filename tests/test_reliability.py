@@ -678,6 +678,56 @@ def _bad_steps(rank):
     return found, list(state), list(extra.state_dict())
 
 
+class _DerivedState(torch.nn.Linear):
+    """Entries of ``state_dict()`` made from the weight: a module's extra state and a
+    state-dict hook's entry."""
+
+    def __init__(self):
+        super().__init__(6, 3)
+        self._register_state_dict_hook(self._doubled)
+
+    @staticmethod
+    def _doubled(module, state, prefix, local_metadata):
+        state[prefix + "doubled"] = module.weight.detach() * 2
+
+    def get_extra_state(self):
+        return {"sum": self.weight.detach().sum()}
+
+    def set_extra_state(self, state):
+        pass
+
+
+def _trained_derived_state(rank, compiled: bool):
+    torch.manual_seed(0)
+    model = _DerivedState()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [(torch.randn(8, 6), torch.randn(8, 3)) for _ in range(3)]
+    if not compiled:
+        for x, y in batches:
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        return model.state_dict()
+    step = ddlc.compile(model, "1", batches[0], F.mse_loss, opt)
+    for x, y in batches:
+        step.step(x, y)
+    return step.state_dict()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_state_dict_entries_made_from_the_weights_are_made_from_the_trained_ones():
+    """A state-dict hook's entries and a module's get_extra_state are computed from the step's
+    trained state, in the model's own key order (they stayed at their values at compile,
+    last, before)."""
+    want = _trained_derived_state(0, compiled=False)
+    got = spawn(_trained_derived_state, 1, True, timeout=60, deadline=100)[0]
+    assert list(got) == list(want)
+    for key in ("weight", "bias", "doubled"):
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got["_extra_state"]["sum"], want["_extra_state"]["sum"], rtol=1e-6, atol=1e-7)
+
+
 class _KeywordMLP(MLP):
     def forward(self, x):
         return super().forward(x)
