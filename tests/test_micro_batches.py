@@ -20,7 +20,7 @@ from ddlc.launch import spawn
 from ddlc.simulate import axis_group_names, lower_rank
 from ddlc.zoo import GPT, lm_loss
 from passes.canonicalize import canonicalize
-from passes.sharding import shard
+from passes.sharding import build_problem, shard
 from ddlc.sbp import parse_sbp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -254,6 +254,30 @@ def test_one_micro_batchs_activations_are_live_at_a_time():
     # 17 activations of 512 x 64 floats on each rank in one batch; of 64 x 64 in an eighth
     assert whole > 17 * 512 * 64 * 4
     assert eighths < 0.3 * whole, (eighths, whole)
+
+
+def _least_footprint(micro_batches):
+    """The least bytes per device any plan of an 8-layer MLP on (2,) keeps resident, by
+    the search's memory model, and the bytes of its parameters, gradients and momentum."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(8)], nn.Linear(64, 10))
+    gm = canonicalize(ddlc.trace(model, (torch.randn(1024, 64), torch.randint(0, 10, (1024,))), F.cross_entropy,
+                                 _sgd(model), micro_batches=micro_batches))
+    need, _ = build_problem(gm, ddlc.Mesh((2,))).min_memory()
+    return need
+
+
+def test_the_search_counts_one_micro_batchs_saved_activations():
+    """One micro-batch's activations are live at a time (the test above), so the least
+    budget the search accepts falls with more micro-batches (it rose before: every
+    micro-batch's saved activations were counted, and a budget met by accumulating
+    gradients was refused)."""
+    one, four, eight = (_least_footprint(k) for k in (1, 4, 8))
+    assert eight < four < one
+    # 17 saved activations of 1024 x 64 floats, split over the 2 ranks at best: the four
+    # micro-batches save a quarter of them, the eight an eighth
+    activations = 17 * 512 * 64 * 4
+    assert one - four > 0.7 * activations * 3 / 4, (one, four)
 
 
 def test_a_micro_batch_the_mesh_cannot_split_is_named_as_one():

@@ -385,12 +385,16 @@ def build_problem(gm: fx.GraphModule, mesh: Mesh, fixed: Mapping[str, NdSBP] | N
         kinds.append(prices.kind(kind))
 
     training = sig is not None and any(o.role in ("param", "grad") for o in sig.outputs)
+    # micro-batches run one after another, each one's saved activations freed by its
+    # backward before the next forward: one micro-batch's are live at a time, which the
+    # additive model counts as a share of each (the micro-batches are alike)
+    saved_share = 1 / sig.micro_batches if sig is not None else 1.0
     compute, memory = [], []
     for v, group in enumerate(members):
         compute.append(prices.cached(("compute", kinds[v]), lambda: _compute_vector(
             group, candidates[v], mesh, prices.shapes)))
         memory.append(prices.cached(("memory", kinds[v]), lambda: np.array(
-            [_resident_bytes(group, c, training, prices) for c in candidates[v]])))
+            [_resident_bytes(group, c, training, prices, saved_share) for c in candidates[v]])))
 
     edges: list[Edge] = []
     sink = [np.zeros(len(c)) for c in candidates]
@@ -441,17 +445,20 @@ def _compute_vector(group: list[fx.Node], cands: Sequence[NdSignature], mesh: Me
     return np.array([sum(seconds(c) for seconds in priced) for c in cands])
 
 
-def _resident_bytes(group: list[fx.Node], cand: NdSignature, training: bool, prices: PriceCache) -> float:
+def _resident_bytes(group: list[fx.Node], cand: NdSignature, training: bool, prices: PriceCache,
+                    saved_share: float = 1.0) -> float:
     """Bytes per device the nodes of ``group`` keep resident under ``cand``: parameters
     (twice when training: the gradient shares the placement), optimizer state, inputs
-    and forward activations saved for the backward pass."""
+    and forward activations saved for the backward pass (``saved_share`` of them: one
+    micro-batch's of several)."""
     total = 0.0
     for n in group:
         role = ROLE.get(n)
-        if role is None and not _saved_for_backward(n):
+        saved = role is None and _saved_for_backward(n)
+        if role is None and not saved:
             continue
         outs = [x for x in cand.outputs if x is not None]
-        factor = 2 if role == "param" and training else 1
+        factor = 2 if role == "param" and training else saved_share if saved else 1
         total += factor * sum(prices.tensor_bytes(t, x) for t, x in zip(_tensor_vals(n), outs))
     return total
 
