@@ -38,7 +38,7 @@ from torch import fx
 from torch._ops import OpOverload
 
 from ddlc import fused_update
-from ddlc.ir import COLLECTIVE, is_collective
+from ddlc.ir import COLLECTIVE, frozen, is_collective
 from ddlc.mesh import HardwareProfile
 
 from .compute import op_time, tensors
@@ -217,7 +217,7 @@ def _price_key(node: fx.Node):
     argument is not hashable."""
     if not isinstance(node.target, OpOverload):
         return None
-    key = (node.target, _metadata((node.args, node.kwargs)), _metadata(node.meta.get("val")))
+    key = (node.target, frozen((node.args, node.kwargs), _strided), frozen(node.meta.get("val"), _strided))
     try:
         hash(key)
     except TypeError:
@@ -225,17 +225,8 @@ def _price_key(node: fx.Node):
     return key
 
 
-def _metadata(x):
-    kind = type(x)
-    if kind is fx.Node:
-        return _metadata(x.meta.get("val"))
-    if isinstance(x, torch.Tensor):
-        return (x.shape, x.stride(), x.dtype)
-    if kind in (tuple, list, fx.immutable_collections.immutable_list):
-        return (kind, tuple(_metadata(a) for a in x))
-    if kind in (dict, fx.immutable_collections.immutable_dict):
-        return (kind, tuple((k, _metadata(v)) for k, v in x.items()))
-    return (kind, x)
+def _strided(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.dtype)
 
 
 def _same_call(a: fx.Node, b: fx.Node) -> bool:

@@ -51,7 +51,8 @@ __all__ = ["MetaKey", "Origin", "InputSpec", "OutputSpec", "StepSignature", "Sig
            "NdSignature", "CollectiveInfo", "Piece", "ROLES", "ORIGIN", "ROLE", "SHARDING",
            "COLLECTIVE", "PIECE", "FUSED", "GLOBAL_VAL", "STEP", "BUCKET_CAP", "PIECE_BYTES",
            "RECOMPUTE", "RECOMPUTED", "UPDATES", "RankArg", "RANK_ARG", "DRAW_STRIDES", "SHARED_READ", "COLLECTIVE_KINDS", "BUCKETABLE", "STRIDED_READERS", "is_collective", "is_wait", "is_mutating", "phase_of", "in_update",
-           "collective_kind", "collective_sequence", "name_alike", "is_scalar_valued", "output_scalars"]
+           "collective_kind", "collective_sequence", "name_alike", "is_scalar_valued", "output_scalars",
+           "frozen"]
 
 T = TypeVar("T")
 
@@ -133,6 +134,23 @@ def map_leaves(fn: Callable[[Any], Any], tree):
     if kind in _PLAIN or isinstance(tree, (torch.Tensor, fx.Node)):
         return fn(tree)
     return tree_map(fn, tree)
+
+
+def frozen(x, tensor_key: Callable[[torch.Tensor], Any]):
+    """A hashable stand-in for an operator's argument (or output) by its metadata: a tensor
+    as ``tensor_key(t)``, an fx.Node as its value (``meta["val"]``), a tuple, list or dict
+    (fx's immutable ones too) by its type and items, anything else by its type and value
+    (1, 1.0 and True pick different dtypes). Unhashable where a leaf is."""
+    kind = type(x)
+    if kind is fx.Node:
+        return frozen(x.meta.get("val"), tensor_key)
+    if isinstance(x, torch.Tensor):
+        return tensor_key(x)
+    if kind in _SEQUENCES:
+        return (kind, tuple(frozen(a, tensor_key) for a in x))
+    if kind in _MAPPINGS:
+        return (kind, tuple((k, frozen(v, tensor_key)) for k, v in x.items()))
+    return (kind, x)
 
 
 # -- what the tracer records -------------------------------------------------------------

@@ -31,8 +31,8 @@ from .optim import hyperparameter_values, refuse_step_hooks, structure as optimi
 from .plan import Plan
 from .printing import format_graph
 from .random_stream import ProgramDraws
-from .ranks import (broadcast_from_rank0, every_rank_calls, from_rank0, take_rank0_hyperparameters, take_rank0_optimizer_state,
-                    tensor_fingerprint)
+from .ranks import (broadcast_from_rank0, every_rank_calls, from_rank0, take_rank0_hyperparameters,
+                    take_rank0_optimizer_state, tensor_fingerprint)
 from .sbp import NdSBP, local_shape, local_slices
 
 __all__ = ["CompiledStep", "layout", "memory_order"]

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ddlc import comm
 from ddlc.errors import LoweringError
 from ddlc.fake import empty_fake
-from ddlc.ir import COLLECTIVE, GLOBAL_VAL, SHARDING, is_getitem, leaves, map_leaves, where
+from ddlc.ir import COLLECTIVE, GLOBAL_VAL, SHARDING, frozen, is_getitem, leaves, map_leaves, where
 from ddlc.mesh import Mesh
 from ddlc.printing import format_sharding
 from ddlc.sbp import local_shape
@@ -80,24 +80,16 @@ class _Runs:
         if not self.pure[target]:
             return None
         try:
-            key = (target, _freeze(args), _freeze(kwargs))
+            key = (target, frozen(args, _layout), frozen(kwargs, _layout))
             hash(key)
         except TypeError:
             return None
         return key
 
 
-def _freeze(x):
-    """A hashable stand-in for an argument: a tensor by its metadata, a container by its
-    items, anything else by its type and value (1, 1.0 and True pick different dtypes)."""
-    if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device,
-                x.layout, x.requires_grad)
-    if isinstance(x, (tuple, list)):
-        return (type(x), tuple(_freeze(a) for a in x))
-    if isinstance(x, dict):
-        return (dict, tuple((k, _freeze(v)) for k, v in x.items()))
-    return (type(x), x)
+def _layout(t: torch.Tensor) -> tuple:
+    """What a fake run's output metadata can depend on of an input tensor."""
+    return ("tensor", tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.layout, t.requires_grad)
 
 
 def localize(gm: fx.GraphModule, mesh: Mesh, coord: Sequence[int]) -> fx.GraphModule:
